@@ -1,0 +1,133 @@
+"""The kernel registry: the single source of truth for every compiled kernel.
+
+The cache-wheel build and the runtime loader both derive names, keys and targets from ``KERNELS``.
+Stdlib only: the build backend loads this file by path, without importing freetoken.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# Target name -> (backend, compiler arch flag). One `.so` per (kernel, variant, target).
+CPU_TARGETS = ("cpu-x86_64",)
+CUDA_TARGETS = ("sm_86", "sm_89", "sm_90a", "sm_100f", "sm_120", "compute_120")
+ROCM_TARGETS = ("gfx1151", "gfx1201")
+ALL_TARGETS = CPU_TARGETS + CUDA_TARGETS + ROCM_TARGETS
+
+
+def backend_of(target: str) -> str:
+    """'cpu', 'cuda' or 'rocm' for a target (cache targets, or any sm_XY / gfxNNNN for JIT)."""
+    if target in CPU_TARGETS:
+        return "cpu"
+    if target in CUDA_TARGETS or re.fullmatch(r"(sm|compute)_\d+[af]?", target):
+        return "cuda"
+    if target in ROCM_TARGETS or re.fullmatch(r"gfx[0-9a-f]+", target):
+        return "rocm"
+    raise ValueError(f"unknown kernel target {target!r}; known: {', '.join(ALL_TARGETS)}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A compile-time instantiation: its name joins the artifact name, its defines the flags."""
+
+    name: str = "default"
+    defines: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel library: sources per backend (paths relative to kernels/), exported functions."""
+
+    name: str
+    functions: tuple[str, ...]
+    cpu: tuple[str, ...] = ()
+    cuda: tuple[str, ...] = ()  # ROCm builds the same sources through the hip/ shim headers
+    rocm: bool = False
+    variants: tuple[Variant, ...] = (Variant(),)
+    doc: str = ""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def sources_for(self, backend: str) -> tuple[str, ...]:
+        if backend == "cpu":
+            return self.cpu
+        if backend == "cuda":
+            return self.cuda
+        if backend == "rocm":
+            return self.cuda if self.rocm else ()
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def targets(self) -> tuple[str, ...]:
+        out: list[str] = []
+        if self.cpu:
+            out += CPU_TARGETS
+        if self.cuda:
+            out += CUDA_TARGETS
+        if self.cuda and self.rocm:
+            out += ROCM_TARGETS
+        return tuple(out)
+
+
+KERNELS: tuple[Kernel, ...] = (
+    Kernel(
+        name="norm",
+        functions=("rms_norm", "fused_add_rms_norm"),
+        cpu=("cpu/norm.cc",),
+        cuda=("cuda/norm.cu",),
+        rocm=True,
+        doc="RMSNorm, plain and fused with the residual add",
+    ),
+    Kernel(
+        name="rotary",
+        functions=("rotary_embedding",),
+        cpu=("cpu/rotary.cc",),
+        cuda=("cuda/rotary.cu",),
+        rocm=True,
+        doc="rotary position embedding, neox and interleaved layouts, in place",
+    ),
+    Kernel(
+        name="activation",
+        functions=("silu_and_mul",),
+        cpu=("cpu/activation.cc",),
+        cuda=("cuda/activation.cu",),
+        rocm=True,
+        doc="SiLU(gate) * up over a [.., 2*d] input",
+    ),
+    Kernel(
+        name="kv_cache",
+        functions=("store_kv",),
+        cpu=("cpu/kv_cache.cc",),
+        cuda=("cuda/kv_cache.cu",),
+        rocm=True,
+        doc="store K and V rows into the paged pool by slot index",
+    ),
+    Kernel(
+        name="embedding",
+        functions=("embedding",),
+        cpu=("cpu/embedding.cc",),
+        cuda=("cuda/embedding.cu",),
+        rocm=True,
+        doc="gather embedding rows by token id",
+    ),
+    Kernel(
+        name="attention",
+        functions=("paged_attention",),
+        cpu=("cpu/attention.cc",),
+        cuda=("cuda/attention.cu",),
+        doc="causal attention over the paged KV pool (prefill chunks and decode)",
+    ),
+    Kernel(
+        name="quant_gemm",
+        functions=("quant_matmul", "dequantize_rows", "cpu_isa"),
+        cpu=("cpu/quant_gemm.cc",),
+        doc="GGUF Q4_0/Q4_1/Q8_0 matrix product with runtime ISA dispatch",
+    ),
+    Kernel(
+        name="sampling",
+        functions=("sample_tokens",),
+        cuda=("cuda/sampling.cu",),
+        doc="temperature / top-k / top-p sampling on the GPU",
+    ),
+)
+
+KERNELS_BY_NAME = {k.name: k for k in KERNELS}

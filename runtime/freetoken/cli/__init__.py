@@ -1,0 +1,3 @@
+"""The `ft` command line."""
+
+__all__ = ["main"]

@@ -1,0 +1,92 @@
+"""`ft kernels`: every registry kernel and where it comes from here; `verify` loads them all."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+def _devices():
+    import torch
+
+    from freetoken.kernel.targets import device_spec
+
+    specs = [("cpu", device_spec("cpu"))]
+    if torch.cuda.is_available():
+        specs.append(("cuda", device_spec("cuda")))
+    return specs
+
+
+def kernel_rows(verify: bool = True) -> list[dict]:
+    """One row per (kernel, device backend it is built for) with its resolution."""
+    from freetoken.csrc import build
+    from freetoken.kernel.loader import resolve
+
+    rows = []
+    for kernel in build.registry.KERNELS:
+        backends = {build.registry.backend_of(t) for t in kernel.targets()}
+        for device, spec in _devices():
+            if spec.backend not in backends:
+                continue
+            res = resolve(kernel.name, spec, verify=verify)
+            rows.append({"kernel": kernel.name, "device": device, "status": res.source,
+                         "target": res.target, "key": res.key,
+                         "path": str(res.path) if res.path else None, "reason": res.reason,
+                         "functions": list(kernel.functions)})
+    return rows
+
+
+STATUS_TEXT = {"cache": "cached ({target})", "jit-cached": "JIT-cached ({target})",
+               "jit": "would compile ({target})", "unavailable": "unavailable ({target})"}
+
+
+@click.group("kernels", invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.pass_context
+def kernels_command(ctx: click.Context, as_json: bool) -> None:
+    """List every kernel of the registry and its status on this machine."""
+    if ctx.invoked_subcommand is not None:
+        return
+    rows = kernel_rows()
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    width = max(len(r["kernel"]) for r in rows)
+    for r in rows:
+        status = STATUS_TEXT[r["status"]].format(target=r["target"])
+        click.echo(f"{r['kernel']:<{width}}  {r['device']:<4}  {status}"
+                   + (f"  - {r['reason']}" if r["status"] != "cache" and r["reason"] else ""))
+
+
+def _verify_row(row: dict) -> str | None:
+    """Why this kernel cannot load without compiling, or None once it has loaded."""
+    from freetoken.kernel.loader import get_module
+
+    if row["status"] in ("jit", "unavailable"):
+        return f"not loadable without compiling: {row['reason'] or 'not in the kernel cache'}"
+    try:
+        module = get_module(row["kernel"], row["device"])
+    except Exception as exc:  # report every kernel, not only the first failure
+        return str(exc)
+    missing = [f for f in row["functions"] if not hasattr(module, f)]
+    return f"missing exported functions {missing}" if missing else None
+
+
+@kernels_command.command("verify")
+def verify_command() -> None:
+    """Load every kernel this machine's devices need; fail naming each that would compile."""
+    rows = kernel_rows()
+    failures = []
+    for row in rows:
+        problem = _verify_row(row)
+        mark = "FAIL" if problem else "ok"
+        click.echo(f"{mark:<4}  {row['kernel']:<12} {row['device']:<4} {row['status']:<11} "
+                   f"{row['target']}")
+        if problem:
+            failures.append(f"{row['kernel']} ({row['device']}, {row['target']}): {problem}")
+    if failures:
+        click.echo("\n".join(["", f"{len(failures)} kernel(s) cannot load:"] + failures), err=True)
+        sys.exit(1)
+    click.echo(f"all {len(rows)} kernels load without compiling")

@@ -1,0 +1,115 @@
+"""Every FREETOKEN_* environment variable, declared once with its type.
+
+Stdlib only: the cache-wheel backend loads this file by path. Read values through ``read()``
+(fresh each call, so tests can monkeypatch os.environ); a bad value raises ``EnvError``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value of the wrong type."""
+
+
+def _bool(name: str, raw: str | None, default: bool) -> bool:
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise EnvError(f"{name}={raw!r} is not a boolean; use 1/true/yes or 0/false/no")
+
+
+def _int(name: str, raw: str | None, default: int, minimum: int = 0) -> int:
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise EnvError(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def _path(raw: str | None, default: Path | None) -> Path | None:
+    if raw is None or raw.strip() == "":
+        return default
+    return Path(raw).expanduser()
+
+
+def _list(raw: str | None) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    return tuple(p.strip() for p in raw.replace(";", ",").split(",") if p.strip())
+
+
+def _default_cache_root() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken"
+
+
+@dataclass(frozen=True)
+class Env:
+    """Documented in the README's table of environment variables."""
+
+    cache_root: Path            # FREETOKEN_CACHE_ROOT: models, JIT builds
+    kernel_cache_dir: Path | None  # FREETOKEN_KERNEL_CACHE_DIR: use this cache folder
+    disable_kernel_cache: bool  # FREETOKEN_DISABLE_KERNEL_CACHE
+    disable_jit: bool           # FREETOKEN_DISABLE_JIT: a cache miss raises KernelUnavailable
+    jit_dir: Path               # FREETOKEN_JIT_DIR
+    allow_cuda_mismatch: bool   # FREETOKEN_ALLOW_CUDA_MISMATCH
+    cache_targets: tuple[str, ...]  # FREETOKEN_CACHE_TARGETS: cache-wheel build targets
+    build_jobs: int             # FREETOKEN_BUILD_JOBS: parallel compiles (0 = ninja's default)
+    num_threads: int            # FREETOKEN_NUM_THREADS: CPU kernel threads (0 = all cores)
+    home: Path                  # FREETOKEN_HOME: where ci/install.sh puts the venv
+    log_level: str              # FREETOKEN_LOG_LEVEL
+
+
+VARIABLES = {
+    "FREETOKEN_CACHE_ROOT": "user cache folder for models and JIT builds (default ~/.cache/freetoken)",
+    "FREETOKEN_KERNEL_CACHE_DIR": "use this kernel-cache folder instead of the installed wheel",
+    "FREETOKEN_DISABLE_KERNEL_CACHE": "ignore the kernel cache (1/true/yes)",
+    "FREETOKEN_DISABLE_JIT": "never compile: a kernel missing from the cache is an error",
+    "FREETOKEN_JIT_DIR": "where JIT-built kernels are kept (default <cache root>/jit)",
+    "FREETOKEN_ALLOW_CUDA_MISMATCH": "build CUDA kernels even if nvcc's major differs from torch's",
+    "FREETOKEN_CACHE_TARGETS": "cache-wheel targets: names, or cpu/cuda/rocm/all (default: "
+                               "every target whose compiler is present)",
+    "FREETOKEN_BUILD_JOBS": "parallel compile jobs for cache and JIT builds (0 = ninja default)",
+    "FREETOKEN_NUM_THREADS": "threads for CPU kernels (0 = every core)",
+    "FREETOKEN_HOME": "install root used by ci/install.sh (default ~/.freetoken)",
+    "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error)",
+}
+
+
+def read(environ: dict[str, str] | None = None) -> Env:
+    e = os.environ if environ is None else environ
+    cache_root = _path(e.get("FREETOKEN_CACHE_ROOT"), None) or _default_cache_root()
+    level = e.get("FREETOKEN_LOG_LEVEL", "info").strip().lower() or "info"
+    if level not in ("debug", "info", "warning", "error"):
+        raise EnvError(f"FREETOKEN_LOG_LEVEL={level!r}; use debug, info, warning or error")
+    return Env(
+        cache_root=cache_root,
+        kernel_cache_dir=_path(e.get("FREETOKEN_KERNEL_CACHE_DIR"), None),
+        disable_kernel_cache=_bool("FREETOKEN_DISABLE_KERNEL_CACHE",
+                                   e.get("FREETOKEN_DISABLE_KERNEL_CACHE"), False),
+        disable_jit=_bool("FREETOKEN_DISABLE_JIT", e.get("FREETOKEN_DISABLE_JIT"), False),
+        jit_dir=_path(e.get("FREETOKEN_JIT_DIR"), None) or cache_root / "jit",
+        allow_cuda_mismatch=_bool("FREETOKEN_ALLOW_CUDA_MISMATCH",
+                                  e.get("FREETOKEN_ALLOW_CUDA_MISMATCH"), False),
+        cache_targets=_list(e.get("FREETOKEN_CACHE_TARGETS")),
+        build_jobs=_int("FREETOKEN_BUILD_JOBS", e.get("FREETOKEN_BUILD_JOBS"), 0),
+        num_threads=_int("FREETOKEN_NUM_THREADS", e.get("FREETOKEN_NUM_THREADS"), 0),
+        home=_path(e.get("FREETOKEN_HOME"), None) or Path.home() / ".freetoken",
+        log_level=level,
+    )
+

@@ -1,0 +1,3 @@
+"""Kernel loading: the cache wheel first, JIT only where allowed."""
+
+__all__ = ["errors", "loader", "ops", "reference", "targets"]

@@ -1,0 +1,86 @@
+"""Thin typed wrappers over the registry kernels: outputs are allocated by the caller.
+
+Every wrapper finds the kernel for the tensors' device through ``get_function`` (cached per
+device), so the model code never names a target. Shapes below use T = tokens, H = heads,
+D = head dim, S = KV slots (pages * page size), B = sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.kernel.loader import get_function
+
+# GGML tensor type ids (gguf.GGMLQuantizationType) that the quantized kernels read.
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """out[T, D] = x / rms(x) * weight; x rows contiguous, weight [D] of x's dtype."""
+    get_function("norm", "rms_norm", x.device)(out, x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: residual += x; x = rms_norm(residual) * weight (both [T, D])."""
+    get_function("norm", "fused_add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int, is_neox: bool) -> None:
+    """In place on q [T, Hq*D] and k [T, Hk*D]; positions int64 [T];
+    cos_sin_cache f32 [max_pos, rot_dim] = cat(cos, sin) over rot_dim/2 frequencies each;
+    the first rot_dim of each head rotate (neox: halves, else interleaved pairs)."""
+    get_function("rotary", "rotary_embedding", q.device)(
+        positions, q, k, cos_sin_cache, head_dim, is_neox)
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out[T, d] = silu(x[:, :d]) * x[:, d:] for x [T, 2d]."""
+    get_function("activation", "silu_and_mul", x.device)(out, x)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping[t]] = k[t] (same for v); k [T, Hk, D], caches [S, Hk, D];
+    slot_mapping int64 [T], a negative slot is skipped."""
+    get_function("kv_cache", "store_kv", k.device)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def embedding(out: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
+    """out[T, D] = table[ids]; ids int64 [T]; an id outside the table raises."""
+    get_function("embedding", "embedding", table.device)(out, ids, table)
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, block_size: int, scale: float,
+                    sliding_window: int = 0) -> None:
+    """Causal attention of new tokens over the paged pool (K/V already stored).
+
+    q, out [T, Hq, D]; caches [S, Hk, D] with S = num_blocks * block_size; block_tables int32
+    [B, max_blocks]; seq_lens int32 [B] = tokens in the sequence after this step;
+    query_start_loc int32 [B+1] = offsets of each sequence's new tokens in q. The i-th new token
+    of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys 0..that position
+    (only the last `sliding_window` of them when it is > 0). GQA: Hq is a multiple of Hk.
+    """
+    get_function("attention", "paged_attention", q.device)(
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
+        sliding_window)
+
+
+def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
+    """out[M, N] f32 = x[M, K] f32 @ dequant(qweight).T; qweight uint8 [N, row_bytes] holds
+    GGUF blocks of one weight row per row (Q4_0, Q4_1 or Q8_0; K a multiple of 32)."""
+    get_function("quant_gemm", "quant_matmul", x.device)(out, x, qweight, qtype)
+
+
+def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
+                    qtype: int) -> None:
+    """out[T, K] f32 = dequant(qweight[ids]) (a quantized embedding lookup)."""
+    get_function("quant_gemm", "dequantize_rows", qweight.device)(out, ids, qweight, qtype)
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU quantized kernels dispatch to: avx512, avx2 or scalar."""
+    return str(get_function("quant_gemm", "cpu_isa", torch.device("cpu"))())

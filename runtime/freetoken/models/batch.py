@@ -1,0 +1,57 @@
+"""What one forward step reads: token ids, positions and the paged-KV addressing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.models.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """One step over B sequences with T new tokens in total; every tensor on the model device.
+
+    Sequence b owns tokens query_start_loc[b]:query_start_loc[b+1] of the flat token axis;
+    after the step it holds seq_lens[b] tokens; its pages are block_tables[b, :].
+    """
+
+    input_ids: torch.Tensor        # int64 [T]
+    positions: torch.Tensor        # int64 [T]
+    slot_mapping: torch.Tensor     # int64 [T]  page * block_size + offset, per new token
+    block_tables: torch.Tensor     # int32 [B, max_blocks]
+    seq_lens: torch.Tensor         # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    logits_indices: torch.Tensor   # int64 [B]  rows of T whose logits are returned (last tokens)
+    max_query_len: int = 1         # host-side hint: 1 means a pure decode step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class KVCache:
+    """Per-layer K and V pools of `num_blocks * block_size` slots: [S, Hk, D] each."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        slots = num_blocks * block_size
+        shape = (slots, config.num_kv_heads, config.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.kv_size * item
