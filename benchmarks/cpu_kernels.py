@@ -1,0 +1,112 @@
+"""CPU kernel benchmark: quantized matmuls of SmolLM2-135M per ISA, plus decode attention.
+
+Times quant_matmul at M=1 (decode) for every weight shape of the model (Q4_1 layers, Q8_0 tied
+head), reports GB/s of weights read and the matmul time per decoded token for the 30-layer
+model; then the same at M=64 (prefill), and paged attention at decode.
+
+    python benchmarks/cpu_kernels.py [--threads N] [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from freetoken.kernel import ops
+from freetoken.kernel import reference as ref
+from freetoken.kernel.loader import get_function
+
+LAYERS = 30
+# name, K, N, qtype, uses per token
+SHAPES = (
+    ("qkv 576->960", 576, 960, ref.Q4_1, LAYERS),
+    ("o 576->576", 576, 576, ref.Q4_1, LAYERS),
+    ("gate_up 576->3072", 576, 3072, ref.Q4_1, LAYERS),
+    ("down 1536->576", 1536, 576, ref.Q4_1, LAYERS),
+    ("head 576->49152 Q8_0", 576, 49152, ref.Q8_0, 1),
+)
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def weight_copies(k: int, n: int, qtype: int, uses: int) -> list[torch.Tensor]:
+    """Distinct weight matrices (up to the layer count, ~100 MB in all) so that a decode step's
+    reads come from memory, as in the model, not from a cache warmed by the previous rep."""
+    one = ref.quantize(torch.randn(n, k), qtype)
+    copies = max(1, min(uses, 100_000_000 // one.numel()))
+    return [one] + [one.clone() for _ in range(copies - 1)]
+
+
+def bench_matmul(isa: str, m: int, reps: int) -> float:
+    run = get_function("quant_gemm", "quant_matmul_isa", "cpu")
+    total = 0.0
+    for name, k, n, qtype, uses in SHAPES:
+        weights = weight_copies(k, n, qtype, uses)
+        x, out = torch.randn(m, k), torch.empty(m, n)
+        step = iter(range(1 << 62))
+
+        def call():
+            run(out, x, weights[next(step) % len(weights)], qtype, isa)
+
+        seconds = median_seconds(call, reps if isa != "scalar" else max(3, reps // 10))
+        total += seconds * uses
+        gbs = weights[0].numel() / seconds / 1e9
+        print(f"  {isa:7s} M={m:<3d} {name:22s} {seconds * 1e6:9.1f} us  {gbs:6.2f} GB/s weights")
+    return total
+
+
+def bench_attention(context: int, cache_dtype: torch.dtype, reps: int) -> float:
+    hq, hk, d, bs = 9, 3, 64, 16
+    blocks = (context + bs - 1) // bs
+    k_cache = torch.randn(blocks * bs, hk, d).to(cache_dtype)
+    v_cache = torch.randn(blocks * bs, hk, d).to(cache_dtype)
+    q, out = torch.randn(1, hq, d), torch.empty(1, hq, d)
+    tables = torch.randperm(blocks, dtype=torch.int32)[None]
+    seq_lens = torch.tensor([context], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    return median_seconds(lambda: ops.paged_attention(out, q, k_cache, v_cache, tables, seq_lens,
+                                                      qsl, bs, d ** -0.5), reps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0, help="kernel threads (0 = all cores)")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    threads = [get_function(k, "set_num_threads", "cpu")(args.threads)
+               for k in ("quant_gemm", "attention")][0]
+    best = ops.cpu_isa()
+    isas = ISAS[: ISAS.index(best) + 1]
+    print(f"cpu_isa={best} threads={threads} torch={torch.__version__}")
+    layer_bytes = sum(ref.quantize(torch.zeros(n, k), q).numel() * u for _, k, n, q, u in SHAPES)
+    print(f"weights read per decoded token: {layer_bytes / 1e6:.1f} MB")
+    for isa in isas:
+        per_token = bench_matmul(isa, 1, args.reps)
+        print(f"  {isa}: decode matmuls {per_token * 1e3:.2f} ms/token "
+              f"({layer_bytes / per_token / 1e9:.2f} GB/s) -> at most {1 / per_token:.0f} tok/s")
+    for isa in isas[-1:]:
+        per_64 = bench_matmul(isa, 64, max(5, args.reps // 5))
+        print(f"  {isa}: prefill matmuls {per_64 / 64 * 1e3:.3f} ms/token "
+              f"-> at most {64 / per_64:.0f} prompt tok/s")
+    for context in (128, 512, 2048):
+        for dtype in (torch.float32, torch.float16):
+            s = bench_attention(context, dtype, args.reps)
+            print(f"  attention decode ctx={context:<5d} {str(dtype):14s} {s * 1e6:8.1f} us/layer "
+                  f"-> {s * LAYERS * 1e3:.2f} ms/token for {LAYERS} layers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+// Causal attention of new tokens over the paged KV pool on the CPU: prefill chunks and decode
+// steps of many sequences in one call, GQA, optional sliding window, f32/bf16/f16 caches.
+//
+// A task is (sequence, tile of query tokens, KV head, range of keys): its rows are the tile's
+// tokens times the query heads of that KV head, so each K/V row is read (or converted from
+// bf16/f16) once for all of them. Keys are walked in chunks with an online softmax in f32.
+// When there are few tasks (small-batch decode) the key range is split and the partial results
+// are merged afterwards, so every core gets work. The task body is compiled for AVX2+FMA and
+// for baseline x86-64, with the head dim fixed at 64 or 128 (registers) or left dynamic.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "freetoken/cpu_common.h"
+
+namespace freetoken {
+namespace {
+
+constexpr int64_t kChunk = 64;          // keys per softmax step
+constexpr int64_t kTileRows = 32;       // query rows (tokens x heads) per task
+constexpr int64_t kMinSplitKeys = 128;  // a key range is split no finer than this
+
+using ConvertRow = void (*)(float* dst, const void* src, int64_t n);
+
+struct Problem {
+  int64_t tokens, q_heads, kv_heads, head_dim, group, batch, max_blocks, block_size, window;
+  int64_t q_token_stride, out_token_stride;
+  float scale;
+  const void* q;
+  void* out;
+  const void* k;
+  const void* v;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  FloatType q_type, out_type, cache_type;
+  ConvertRow convert;  // cache rows to f32 (unused for f32 caches)
+  float* partials;     // split tasks write [rows][m, l, acc[D]] here, kTileRows rows each
+};
+
+// Query tokens [t0, t1) (indices among the sequence's new tokens) of sequence `seq`, query heads
+// [h0, h1) of one KV head, keys at positions [key_lo, key_hi). partial < 0: write `out`.
+struct Task {
+  int64_t seq, t0, t1, h0, h1, key_lo, key_hi, partial;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, k, v;
+  std::vector<const float*> k_rows, v_rows;
+};
+
+#define FT_ALWAYS_INLINE inline __attribute__((always_inline))
+
+FT_ALWAYS_INLINE float lanes_sum(v8f v) {
+  v += __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
+}
+
+template <int kD>
+FT_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
+  const int64_t len = kD > 0 ? kD : n;
+  v8f s0 = {}, s1 = {};
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    s0 += load8(a + i) * load8(b + i);
+    s1 += load8(a + i + 8) * load8(b + i + 8);
+  }
+  for (; i + 8 <= len; i += 8) s0 += load8(a + i) * load8(b + i);
+  float s = lanes_sum(s0 + s1);
+  for (; i < len; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// acc = acc * alpha + sum_j p[j] * v[j]; with kD fixed the accumulator lives in registers.
+template <int kD>
+FT_ALWAYS_INLINE void scale_add_rows(float* acc, float alpha, const float* p,
+                                     const float* const* v, int64_t j0, int64_t j1, int64_t d) {
+  if constexpr (kD > 0) {
+    v8f a[kD / 8];
+    for (int i = 0; i < kD / 8; ++i) a[i] = load8(acc + 8 * i) * alpha;
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int i = 0; i < kD / 8; ++i) a[i] += p[j] * load8(v[j] + 8 * i);
+    }
+    for (int i = 0; i < kD / 8; ++i) store8(acc + 8 * i, a[i]);
+  } else {
+    for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t i = 0; i < d; ++i) acc[i] += p[j] * v[j][i];
+    }
+  }
+}
+
+template <typename T>
+void load_row(float* dst, const void* base, int64_t offset, int64_t n, float mul) {
+  const T* src = static_cast<const T*>(base) + offset;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]) * mul;
+}
+
+template <typename T>
+void store_row(void* base, int64_t offset, const float* src, int64_t n, float mul) {
+  T* dst = static_cast<T*>(base) + offset;
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i] * mul);
+}
+
+template <typename T>
+void convert_row(float* dst, const void* src, int64_t n) {
+  load_row<T>(dst, src, 0, n, 1.f);
+}
+
+__attribute__((target("avx2,f16c"))) void convert_f16_row_f16c(float* dst, const void* src, int64_t n) {
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(h[i]);
+}
+
+// Points k_rows/v_rows at keys [c0, c0 + n) of one sequence and KV head (converted if needed).
+template <bool kDirect>
+FT_ALWAYS_INLINE void gather_chunk(const Problem& p, const int32_t* table, int64_t kv_head,
+                                   int64_t c0, int64_t n, Scratch& sc) {
+  const int64_t d = p.head_dim;
+  const size_t elem = p.cache_type == FloatType::kF32 ? 4 : 2;
+  int64_t page = c0 / p.block_size, offset = c0 % p.block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = ((table[page] * p.block_size + offset) * p.kv_heads + kv_head) * d;
+    if constexpr (kDirect) {
+      sc.k_rows[j] = static_cast<const float*>(p.k) + row;
+      sc.v_rows[j] = static_cast<const float*>(p.v) + row;
+    } else {
+      p.convert(sc.k.data() + j * d, static_cast<const char*>(p.k) + row * elem, d);
+      p.convert(sc.v.data() + j * d, static_cast<const char*>(p.v) + row * elem, d);
+      sc.k_rows[j] = sc.k.data() + j * d;
+      sc.v_rows[j] = sc.v.data() + j * d;
+    }
+    if (++offset == p.block_size) {
+      offset = 0;
+      ++page;
+    }
+  }
+}
+
+// Online-softmax update of one query row with chunk keys [j0, j1).
+template <int kD>
+FT_ALWAYS_INLINE void update_row(const float* q, float* acc, float& m, float& l, int64_t j0,
+                                 int64_t j1, int64_t d, const Scratch& sc) {
+  float s[kChunk + 8];  // local, so the compiler knows it aliases neither q nor the K rows
+  const float* const* k_rows = sc.k_rows.data();
+  float top = -INFINITY;
+  for (int64_t j = j0; j < j1; ++j) {
+    s[j] = dot<kD>(q, k_rows[j], d);
+    top = std::max(top, s[j]);
+  }
+  for (int i = 0; i < 8; ++i) s[j1 + i] = -INFINITY;  // pad: exp gives 0 there
+  const float m_new = std::max(m, top);
+  v8f sum = {};
+  for (int64_t j = j0; j < j1; j += 8) {
+    v8f e = exp8(load8(s + j) - m_new);
+    store8(s + j, e);
+    sum += e;
+  }
+  const float alpha = std::exp(m - m_new);  // 0 on the first chunk (m = -inf)
+  l = l * alpha + lanes_sum(sum);
+  m = m_new;
+  scale_add_rows<kD>(acc, alpha, s, sc.v_rows.data(), j0, j1, d);
+}
+
+template <int kD, bool kDirect>
+FT_ALWAYS_INLINE void run_task(const Problem& p, const Task& task, Scratch& sc) {
+  const int64_t d = p.head_dim, heads = task.h1 - task.h0;
+  const int64_t rows = (task.t1 - task.t0) * heads, kv_head = task.h0 / p.group;
+  const int64_t q_start = p.query_start[task.seq];
+  const int64_t first_pos = p.seq_lens[task.seq] - (p.query_start[task.seq + 1] - q_start);
+  const int32_t* table = p.block_tables + task.seq * p.max_blocks;
+  sc.q.resize(rows * d);
+  sc.acc.assign(rows * d, 0.f);
+  sc.m.assign(rows, -INFINITY);
+  sc.l.assign(rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {  // row r = (token t0 + r / heads, head h0 + r % heads)
+    const int64_t at = (q_start + task.t0 + r / heads) * p.q_token_stride + (task.h0 + r % heads) * d;
+    FT_DISPATCH_FLOAT(p.q_type, T, load_row<T>(sc.q.data() + r * d, p.q, at, d, p.scale));
+  }
+  for (int64_t c0 = task.key_lo; c0 < task.key_hi; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, task.key_hi - c0);
+    gather_chunk<kDirect>(p, table, kv_head, c0, n, sc);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + task.t0 + r / heads;  // causal: keys 0..pos are visible
+      const int64_t row_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+      const int64_t j0 = std::max(c0, row_lo) - c0, j1 = std::min(c0 + n, pos + 1) - c0;
+      if (j0 < j1) update_row<kD>(sc.q.data() + r * d, sc.acc.data() + r * d, sc.m[r], sc.l[r], j0, j1, d, sc);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (task.partial >= 0) {
+      float* part = p.partials + (task.partial * kTileRows + r) * (d + 2);
+      part[0] = sc.m[r];
+      part[1] = sc.l[r];
+      std::copy(sc.acc.data() + r * d, sc.acc.data() + (r + 1) * d, part + 2);
+      continue;
+    }
+    const int64_t at = (q_start + task.t0 + r / heads) * p.out_token_stride + (task.h0 + r % heads) * d;
+    FT_DISPATCH_FLOAT(p.out_type, T, store_row<T>(p.out, at, sc.acc.data() + r * d, d, 1.f / sc.l[r]));
+  }
+}
+
+template <int kD>
+FT_ALWAYS_INLINE void run_tasks_body(const Problem& p, const Task* tasks, int64_t n) {
+  thread_local Scratch sc;
+  sc.k_rows.resize(kChunk);
+  sc.v_rows.resize(kChunk);
+  sc.k.resize(kChunk * p.head_dim);
+  sc.v.resize(kChunk * p.head_dim);
+  for (int64_t i = 0; i < n; ++i) {
+    if (p.cache_type == FloatType::kF32) {
+      run_task<kD, true>(p, tasks[i], sc);
+    } else {
+      run_task<kD, false>(p, tasks[i], sc);
+    }
+  }
+}
+
+#define FT_TASK_RUNNERS(SUFFIX, ATTRS)                                                   \
+  ATTRS void run_tasks_##SUFFIX(const Problem& p, const Task* tasks, int64_t n) {        \
+    if (p.head_dim == 64) {                                                              \
+      run_tasks_body<64>(p, tasks, n);                                                   \
+    } else if (p.head_dim == 128) {                                                      \
+      run_tasks_body<128>(p, tasks, n);                                                  \
+    } else {                                                                             \
+      run_tasks_body<0>(p, tasks, n);                                                    \
+    }                                                                                    \
+  }
+FT_TASK_RUNNERS(avx2, __attribute__((target("avx2,fma"))))
+FT_TASK_RUNNERS(baseline, )
+#undef FT_TASK_RUNNERS
+
+struct CpuFeatures {
+  bool avx2, f16c;
+};
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    __builtin_cpu_init();
+    return CpuFeatures{__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")};
+  }();
+  return f;
+}
+
+Problem check_problem(const TensorView& out, const TensorView& q, const TensorView& k_cache,
+                      const TensorView& v_cache, const TensorView& block_tables,
+                      const TensorView& seq_lens, const TensorView& query_start_loc,
+                      int64_t block_size, double scale, int64_t sliding_window) {
+  Problem p{};
+  p.q_type = float_type(q, "q");
+  p.out_type = float_type(out, "out");
+  p.cache_type = float_type(k_cache, "k_cache");
+  check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
+  check_ndim(q, 3, "q");
+  check_ndim(out, 3, "out");
+  check_ndim(k_cache, 3, "k_cache");
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  for (int i = 0; i < 3; ++i) {
+    TVM_FFI_ICHECK(out.size(i) == q.size(i)) << "out must have q's shape [T, Hq, D]";
+    TVM_FFI_ICHECK(v_cache.ndim() == 3 && v_cache.size(i) == k_cache.size(i))
+        << "v_cache must have k_cache's shape [S, Hk, D]";
+  }
+  p.tokens = q.size(0);
+  p.q_heads = q.size(1);
+  p.head_dim = q.size(2);
+  p.kv_heads = k_cache.size(1);
+  TVM_FFI_ICHECK(k_cache.size(2) == p.head_dim)
+      << "k_cache head dim " << k_cache.size(2) << " differs from q's " << p.head_dim;
+  TVM_FFI_ICHECK(p.kv_heads > 0 && p.q_heads % p.kv_heads == 0)
+      << "q heads (" << p.q_heads << ") must be a multiple of KV heads (" << p.kv_heads << ")";
+  TVM_FFI_ICHECK(block_size > 0 && k_cache.size(0) % block_size == 0)
+      << "block_size " << block_size << " must be positive and divide the pool's "
+      << k_cache.size(0) << " slots";
+  TVM_FFI_ICHECK(sliding_window >= 0) << "sliding_window must be >= 0, got " << sliding_window;
+  p.q_token_stride = row_view(q, 2, "q").stride;
+  p.out_token_stride = row_view(out, 2, "out").stride;
+  p.group = p.q_heads / p.kv_heads;
+  p.block_size = block_size;
+  p.window = sliding_window;
+  p.scale = static_cast<float>(scale);
+  p.q = data_of<void>(q);
+  p.out = data_of<void>(out);
+  p.k = data_of<void>(k_cache);
+  p.v = data_of<void>(v_cache);
+  for (auto [t, name] : {std::pair{&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
+                         {&query_start_loc, "query_start_loc"}}) {
+    check_contiguous(*t, name);
+    check_dtype(*t, kDLInt, 32, name, "int32");
+  }
+  check_ndim(block_tables, 2, "block_tables");
+  p.batch = block_tables.size(0);
+  p.max_blocks = block_tables.size(1);
+  TVM_FFI_ICHECK(seq_lens.ndim() == 1 && seq_lens.size(0) == p.batch)
+      << "seq_lens must be [" << p.batch << "] (one per block_tables row)";
+  TVM_FFI_ICHECK(query_start_loc.ndim() == 1 && query_start_loc.size(0) == p.batch + 1)
+      << "query_start_loc must be [" << p.batch + 1 << "] (batch + 1)";
+  p.block_tables = data_of<int32_t>(block_tables);
+  p.seq_lens = data_of<int32_t>(seq_lens);
+  p.query_start = data_of<int32_t>(query_start_loc);
+  return p;
+}
+
+// Checks every sequence's lengths and the block ids it will read (workers must not throw).
+void check_sequences(const Problem& p) {
+  TVM_FFI_ICHECK(p.query_start[0] >= 0 && p.query_start[p.batch] <= p.tokens)
+      << "query_start_loc must lie within q's " << p.tokens << " tokens";
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q_len = p.query_start[b + 1] - p.query_start[b], seq_len = p.seq_lens[b];
+    TVM_FFI_ICHECK(q_len >= 0) << "query_start_loc must be non-decreasing (sequence " << b << ")";
+    if (q_len == 0) continue;
+    TVM_FFI_ICHECK(seq_len >= q_len)
+        << "seq_lens[" << b << "] = " << seq_len << " is less than its " << q_len << " new tokens";
+    const int64_t pages = (seq_len + p.block_size - 1) / p.block_size;
+    TVM_FFI_ICHECK(pages <= p.max_blocks)
+        << "sequence " << b << " needs " << pages << " blocks but block_tables has "
+        << p.max_blocks << " columns";
+  }
+}
+
+void check_block_ids(const Problem& p, int64_t num_blocks) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (p.query_start[b + 1] == p.query_start[b]) continue;
+    const int64_t pages = (p.seq_lens[b] + p.block_size - 1) / p.block_size;
+    for (int64_t i = 0; i < pages; ++i) {
+      const int64_t id = p.block_tables[b * p.max_blocks + i];
+      TVM_FFI_ICHECK(id >= 0 && id < num_blocks)
+          << "block_tables[" << b << ", " << i << "] = " << id << " is outside the pool's "
+          << num_blocks << " blocks";
+    }
+  }
+}
+
+// Tasks of (sequence, token tile, KV head); when they are too few to fill the cores, each key
+// range is split and `merges` records the groups to combine afterwards.
+struct Merge {
+  int64_t seq, t0, t1, h0, h1, first, count;
+};
+
+void build_tasks(const Problem& p, int64_t threads, std::vector<Task>& tasks,
+                 std::vector<Merge>& merges) {
+  tasks.clear();
+  merges.clear();
+  const int64_t tile = std::max<int64_t>(1, kTileRows / p.group);
+  int64_t groups = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    groups += (p.query_start[b + 1] - p.query_start[b] + tile - 1) / tile * p.kv_heads;
+  }
+  const int64_t wanted_splits = groups > 0 ? (4 * threads + groups - 1) / groups : 1;
+  int64_t partial = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q_len = p.query_start[b + 1] - p.query_start[b];
+    const int64_t first_pos = p.seq_lens[b] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
+      const int64_t t1 = std::min(q_len, t0 + tile);
+      const int64_t hi = first_pos + t1;  // keys [lo, hi) cover every row of the tile
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos + t0 - p.window + 1) : 0;
+      const int64_t splits = std::max<int64_t>(1, std::min(wanted_splits, (hi - lo) / kMinSplitKeys));
+      for (int64_t h = 0; h < p.q_heads; h += p.group) {
+        if (splits == 1) {
+          tasks.push_back({b, t0, t1, h, h + p.group, lo, hi, -1});
+          continue;
+        }
+        merges.push_back({b, t0, t1, h, h + p.group, partial, splits});
+        for (int64_t i = 0; i < splits; ++i) {
+          tasks.push_back({b, t0, t1, h, h + p.group, lo + (hi - lo) * i / splits,
+                           lo + (hi - lo) * (i + 1) / splits, partial++});
+        }
+      }
+    }
+  }
+}
+
+// out = sum_i acc_i e^(m_i - m) / sum_i l_i e^(m_i - m) over the splits of each row.
+void merge_partials(const Problem& p, const std::vector<Merge>& merges) {
+  const int64_t d = p.head_dim;
+  std::vector<float> acc(d);
+  for (const Merge& g : merges) {
+    const int64_t heads = g.h1 - g.h0, rows = (g.t1 - g.t0) * heads;
+    const int64_t q_start = p.query_start[g.seq];
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = -INFINITY, l = 0.f;
+      for (int64_t i = 0; i < g.count; ++i) m = std::max(m, p.partials[((g.first + i) * kTileRows + r) * (d + 2)]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < g.count; ++i) {
+        const float* part = p.partials + ((g.first + i) * kTileRows + r) * (d + 2);
+        if (part[1] == 0.f) continue;  // this split saw no key of this row
+        const float w = std::exp(part[0] - m);
+        l += part[1] * w;
+        for (int64_t j = 0; j < d; ++j) acc[j] += part[2 + j] * w;
+      }
+      const int64_t at = (q_start + g.t0 + r / heads) * p.out_token_stride + (g.h0 + r % heads) * d;
+      FT_DISPATCH_FLOAT(p.out_type, T, store_row<T>(p.out, at, acc.data(), d, 1.f / l));
+    }
+  }
+}
+
+void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                     TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
+                     int64_t block_size, double scale, int64_t sliding_window) {
+  Problem p = check_problem(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            block_size, scale, sliding_window);
+  check_sequences(p);
+  check_block_ids(p, k_cache.size(0) / block_size);
+  const CpuFeatures& cpu = cpu_features();
+  p.convert = p.cache_type == FloatType::kBF16 ? convert_row<bf16>
+              : cpu.f16c                      ? convert_f16_row_f16c
+                                              : convert_row<f16>;
+  thread_local std::vector<Task> tasks;
+  thread_local std::vector<Merge> merges;
+  thread_local std::vector<float> partials;
+  build_tasks(p, ThreadPool::instance().num_threads(), tasks, merges);
+  int64_t n_partials = 0;
+  for (const Merge& g : merges) n_partials += g.count;
+  partials.resize(n_partials * kTileRows * (p.head_dim + 2));
+  p.partials = partials.data();
+  const Task* list = tasks.data();
+  parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t i0, int64_t i1) {
+    if (cpu.avx2) {
+      run_tasks_avx2(p, list + i0, i1 - i0);
+    } else {
+      run_tasks_baseline(p, list + i0, i1 - i0);
+    }
+  });
+  merge_partials(p, merges);
+}
+
+int64_t set_num_threads(int64_t n) {
+  ThreadPool::instance().set_num_threads(static_cast<int>(n));
+  return ThreadPool::instance().num_threads();
+}
+
+}  // namespace
+}  // namespace freetoken
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention, freetoken::paged_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_num_threads, freetoken::set_num_threads);

@@ -1,0 +1,210 @@
+// GGUF Q4_0 / Q4_1 / Q8_0 matrix product on the CPU with runtime ISA dispatch in one library:
+// AVX-512 VNNI, AVX2 or portable scalar, chosen once from the CPU's features.
+//
+// out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 per 32-block
+// once per call (see quant_blocks.h), then each output is a sum of integer block dot products;
+// the weight rows are split over the thread pool.
+#include <immintrin.h>
+
+#include <string>
+#include <vector>
+
+#include "freetoken/cpu_common.h"
+#include "freetoken/quant_blocks.h"
+
+namespace freetoken {
+namespace quant {
+
+#define FT_QX_NS avx2
+#define FT_QX_TARGET "avx2,fma,f16c"
+#define FT_QX_VNNI 0
+#include "freetoken/quant_x86_body.h"
+#undef FT_QX_NS
+#undef FT_QX_TARGET
+#undef FT_QX_VNNI
+
+#define FT_QX_NS avx512
+#define FT_QX_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+#define FT_QX_VNNI 1
+#include "freetoken/quant_x86_body.h"
+#undef FT_QX_NS
+#undef FT_QX_TARGET
+#undef FT_QX_VNNI
+
+namespace {
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+}
+
+Isa best_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      return Isa::kAvx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return Isa::kAvx2;
+    }
+    return Isa::kScalar;
+  }();
+  return isa;
+}
+
+Isa parse_isa(const std::string& name) {
+  Isa isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
+  TVM_FFI_ICHECK(name == isa_name(isa))
+      << "unknown isa '" << name << "': use avx512, avx2 or scalar";
+  TVM_FFI_ICHECK(isa <= best_isa())
+      << "isa '" << name << "' is not supported by this CPU (best: " << isa_name(best_isa()) << ")";
+  return isa;
+}
+
+struct MatmulShape {
+  int64_t m, k, n, row_bytes;
+};
+
+MatmulShape check_matmul(const TensorView& out, const TensorView& x, const TensorView& qweight,
+                         int64_t qtype) {
+  TVM_FFI_ICHECK(block_bytes(qtype) > 0)
+      << "qtype " << qtype << " is not supported: use Q4_0 (2), Q4_1 (3) or Q8_0 (8)";
+  check_contiguous(x, "x");
+  check_contiguous(out, "out");
+  check_contiguous(qweight, "qweight");
+  check_dtype(x, kDLFloat, 32, "x", "float32");
+  check_dtype(out, kDLFloat, 32, "out", "float32");
+  check_dtype(qweight, kDLUInt, 8, "qweight", "uint8");
+  check_ndim(x, 2, "x");
+  check_ndim(out, 2, "out");
+  check_ndim(qweight, 2, "qweight");
+  MatmulShape s{x.size(0), x.size(1), qweight.size(0), qweight.size(1)};
+  TVM_FFI_ICHECK(s.k % kBlock == 0) << "x's last dim (K = " << s.k << ") must be a multiple of 32";
+  TVM_FFI_ICHECK(s.row_bytes == s.k / kBlock * block_bytes(qtype))
+      << "qweight rows hold " << s.row_bytes << " bytes but K = " << s.k << " needs "
+      << s.k / kBlock * block_bytes(qtype) << " for qtype " << qtype;
+  TVM_FFI_ICHECK(out.size(0) == s.m && out.size(1) == s.n)
+      << "out must be [" << s.m << ", " << s.n << "] (x rows, qweight rows)";
+  return s;
+}
+
+// Per-thread scratch for the quantized activations, grown on demand and reused across calls.
+QuantizedRows quantized_buffer(int64_t rows, int64_t blocks) {
+  thread_local std::vector<uint8_t> storage;
+  const int64_t q_bytes = (rows * blocks * kBlock + 63) / 64 * 64;
+  const size_t need = q_bytes + 2 * rows * blocks * sizeof(float);
+  if (storage.size() < need) storage.resize(need);
+  QuantizedRows xq;
+  xq.rows = rows;
+  xq.blocks = blocks;
+  xq.q = reinterpret_cast<int8_t*>(storage.data());
+  xq.d = reinterpret_cast<float*>(storage.data() + q_bytes);
+  xq.s = xq.d + rows * blocks;
+  return xq;
+}
+
+void quantize(Isa isa, const float* x, int64_t k, int64_t r0, int64_t r1, const QuantizedRows& xq) {
+  if (isa == Isa::kScalar) {
+    for (int64_t r = r0; r < r1; ++r) {
+      quantize_row_scalar(x + r * k, xq.blocks, xq.q + r * xq.blocks * kBlock, xq.d + r * xq.blocks,
+                          xq.s + r * xq.blocks);
+    }
+  } else {
+    avx2::quantize_rows(x, k, r0, r1, xq);  // AVX-512 machines run this AVX2 code too
+  }
+}
+
+void multiply(Isa isa, const uint8_t* w, const MatmulShape& s, int64_t qtype, int64_t n0,
+              int64_t n1, const QuantizedRows& xq, float* out) {
+  if (isa == Isa::kAvx512) {
+    avx512::matmul_rows(w, s.row_bytes, qtype, n0, n1, xq, out, s.n);
+  } else if (isa == Isa::kAvx2) {
+    avx2::matmul_rows(w, s.row_bytes, qtype, n0, n1, xq, out, s.n);
+  } else {
+    matmul_rows_scalar(w, s.row_bytes, qtype, n0, n1, xq, out, s.n);
+  }
+}
+
+void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64_t qtype) {
+  const MatmulShape s = check_matmul(out, x, qweight, qtype);
+  if (s.m == 0 || s.n == 0) return;
+  const float* xp = data_of<float>(x);
+  const uint8_t* wp = data_of<uint8_t>(qweight);
+  float* op = data_of<float>(out);
+  const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
+  const int64_t threads = ThreadPool::instance().num_threads();
+  if (s.m < 8) {
+    quantize(isa, xp, s.k, 0, s.m, xq);
+  } else {
+    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4),
+                 [&](int64_t r0, int64_t r1) { quantize(isa, xp, s.k, r0, r1, xq); });
+  }
+  // Decode (M = 1) streams the weights once: many chunks balance the cores. Prefill keeps a
+  // chunk's weight rows (<= 16) in L1 while every activation tile passes over them.
+  const int64_t grain = s.m == 1 ? std::max<int64_t>(16, s.n / (threads * 16))
+                                 : std::max<int64_t>(4, std::min<int64_t>(16, s.n / (threads * 4)));
+  parallel_for(s.n, grain, [&](int64_t n0, int64_t n1) { multiply(isa, wp, s, qtype, n0, n1, xq, op); });
+}
+
+void quant_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtype) {
+  run_matmul(best_isa(), out, x, qweight, qtype);
+}
+
+void quant_matmul_isa(TensorView out, TensorView x, TensorView qweight, int64_t qtype,
+                      std::string isa) {
+  run_matmul(parse_isa(isa), out, x, qweight, qtype);
+}
+
+void dequantize_rows(TensorView out, TensorView ids, TensorView qweight, int64_t qtype) {
+  TVM_FFI_ICHECK(block_bytes(qtype) > 0)
+      << "qtype " << qtype << " is not supported: use Q4_0 (2), Q4_1 (3) or Q8_0 (8)";
+  check_contiguous(ids, "ids");
+  check_dtype(ids, kDLInt, 64, "ids", "int64");
+  check_ndim(ids, 1, "ids");
+  check_contiguous(qweight, "qweight");
+  check_dtype(qweight, kDLUInt, 8, "qweight", "uint8");
+  check_ndim(qweight, 2, "qweight");
+  check_contiguous(out, "out");
+  check_dtype(out, kDLFloat, 32, "out", "float32");
+  check_ndim(out, 2, "out");
+  const int64_t rows = qweight.size(0), row_bytes = qweight.size(1), t = ids.size(0);
+  const int64_t blocks = row_bytes / block_bytes(qtype);
+  TVM_FFI_ICHECK(row_bytes % block_bytes(qtype) == 0)
+      << "qweight rows (" << row_bytes << " bytes) are not whole blocks of qtype " << qtype;
+  TVM_FFI_ICHECK(out.size(0) == t && out.size(1) == blocks * kBlock)
+      << "out must be [" << t << ", " << blocks * kBlock << "]";
+  const int64_t* idp = data_of<int64_t>(ids);
+  for (int64_t i = 0; i < t; ++i) {
+    TVM_FFI_ICHECK(idp[i] >= 0 && idp[i] < rows)
+        << "id " << idp[i] << " (ids[" << i << "]) is outside qweight's " << rows << " rows";
+  }
+  const uint8_t* wp = data_of<uint8_t>(qweight);
+  float* op = data_of<float>(out);
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      dequantize_block(wp + idp[i] * row_bytes + b * block_bytes(qtype), qtype,
+                       op + (i * blocks + b) * kBlock);
+    }
+  }
+}
+
+std::string cpu_isa() { return isa_name(best_isa()); }
+
+int64_t set_num_threads(int64_t n) {
+  ThreadPool::instance().set_num_threads(static_cast<int>(n));
+  return ThreadPool::instance().num_threads();
+}
+
+}  // namespace
+}  // namespace quant
+}  // namespace freetoken
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quant_matmul, freetoken::quant::quant_matmul);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quant_matmul_isa, freetoken::quant::quant_matmul_isa);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_rows, freetoken::quant::dequantize_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cpu_isa, freetoken::quant::cpu_isa);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_num_threads, freetoken::quant::set_num_threads);

@@ -1,0 +1,610 @@
+// Causal attention of new tokens over the paged KV pool, one entry point for mixed batches.
+//
+// Two kernels, chosen on the host from shapes alone (no device->host sync, so the call can be
+// captured in a CUDA graph):
+//  * decode (T == B, or float32, or an unaligned q): one block per (split, kv head, sequence)
+//    serves up to 8 query heads of that kv head, so each K/V row is read once for the whole
+//    GQA group; with few blocks the KV range is split (flash-decoding) and a second kernel
+//    merges the splits from the caller's workspace. It loops over a sequence's new tokens, so
+//    it is correct for any query length.
+//  * prefill (bf16/fp16): tiles of 64 query rows packed as (token, head of the group) pairs,
+//    keys in tiles of 64 (32 for head_dim 256), tensor-core mma with an online softmax.
+#include <algorithm>
+#include <type_traits>
+
+#include "freetoken/cuda_common.cuh"
+
+namespace freetoken {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -__builtin_huge_valf();
+constexpr int kThreads = 128;        // both kernels: 4 warps
+constexpr int kDecodeMaxGroup = 8;   // query heads per decode block
+constexpr int kPrefillMaxGroup = 16; // query heads per prefill tile
+constexpr int kPrefillRows = 64;     // query rows (token, head) per prefill tile
+constexpr int kMaxSplits = 64;
+constexpr int kMinSplitKeys = 128;
+
+struct AttnParams {
+  const void* q;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int* block_tables;
+  const int* seq_lens;
+  const int* query_start_loc;
+  float* part_o;   // [T, Hq, splits, D] split results (normalized), when splits > 1
+  float* part_ml;  // [T, Hq, splits, 2] their running max (log2 units) and sum
+  int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride;
+  int num_seqs, q_heads, kv_heads, group, head_chunk, chunks, block_size, window, splits;
+  float scale_log2;
+};
+
+__device__ __forceinline__ int64_t slot_of(const int* bt, int key, int block_size) {
+  return static_cast<int64_t>(bt[key / block_size]) * block_size + key % block_size;
+}
+
+// ---------------------------------------------------------------- decode
+
+// Lane layout: a "key group" of LANES lanes reads one key row with 16-byte vectors; lane li
+// owns dims (v * LANES + li) * VEC + e. Each group keeps its own online-softmax state, merged
+// through shared memory at the end.
+template <typename T, int D>
+struct DecodeShape {
+  static constexpr int kVec = 16 / sizeof(T);
+  static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;
+  static constexpr int kVpl = D / (kVec * kLanes);
+  static constexpr int kEpl = kVpl * kVec;  // elements per lane
+  static constexpr int kGroups = (kThreads / 32) * (32 / kLanes);
+  static constexpr int kUnroll = 2;  // keys per group per step (more loads in flight)
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void decode_merge_and_store(const AttnParams& p, int t, int h0, int gc,
+                                                       float (*s_m)[kDecodeMaxGroup],
+                                                       float (*s_l)[kDecodeMaxGroup],
+                                                       float (*s_acc)[kDecodeMaxGroup][D]) {
+  using S = DecodeShape<T, D>;
+  for (int idx = threadIdx.x; idx < gc * D; idx += blockDim.x) {
+    int g = idx / D, d = idx - g * D;
+    float m = kNegInf;
+    for (int j = 0; j < S::kGroups; ++j) m = fmaxf(m, s_m[j][g]);
+    float l = 0.f, o = 0.f;
+    if (m != kNegInf) {
+      for (int j = 0; j < S::kGroups; ++j) {
+        float w = exp2f(s_m[j][g] - m);
+        l += s_l[j][g] * w;
+        o += s_acc[j][g][d] * w;
+      }
+    }
+    float val = l > 0.f ? o / l : 0.f;
+    int64_t row = static_cast<int64_t>(t) * p.q_heads + h0 + g;
+    if (p.splits == 1) {
+      static_cast<T*>(p.out)[t * p.o_stride_t + (h0 + g) * p.o_stride_h + d] = from_float<T>(val);
+    } else {
+      int64_t part = row * p.splits + blockIdx.x;
+      p.part_o[part * D + d] = val;
+      if (d == 0) {
+        p.part_ml[part * 2] = m;
+        p.part_ml[part * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
+  using S = DecodeShape<T, D>;
+  constexpr int G = kDecodeMaxGroup, E = S::kEpl, U = S::kUnroll, V = S::kVec;
+  __shared__ float s_m[S::kGroups][G], s_l[S::kGroups][G];
+  __shared__ float s_acc[S::kGroups][G][D];
+
+  const int kvh = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, b = blockIdx.z;
+  const int h0 = kvh * p.group + chunk * p.head_chunk;
+  const int gc = min(p.head_chunk, p.group - chunk * p.head_chunk);
+  const int lane = threadIdx.x % 32;
+  const int gi = (threadIdx.x / 32) * (32 / S::kLanes) + lane / S::kLanes;
+  const int li = lane % S::kLanes;
+  const int ctx = p.seq_lens[b];
+  const int qs = p.query_start_loc[b], qe = p.query_start_loc[b + 1];
+  const int* bt = p.block_tables + b * p.bt_stride;
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+
+  for (int t = qs; t < qe; ++t) {
+    const int pos = ctx - (qe - t);
+    const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+    const int per = (max(pos + 1 - lo, 0) + p.splits - 1) / p.splits;
+    const int ks = lo + blockIdx.x * per, ke = min(pos + 1, ks + per);
+
+    float q[G][E], m[G], l[G], acc[G][E];
+    const T* qrow = static_cast<const T*>(p.q) + t * p.q_stride_t;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m[g] = kNegInf;
+      l[g] = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        int d = ((e / V) * S::kLanes + li) * V + e % V;
+        q[g][e] = g < gc ? to_float(qrow[(h0 + g) * p.q_stride_h + d]) * p.scale_log2 : 0.f;
+        acc[g][e] = 0.f;
+      }
+    }
+    // Uniform trip count across the block: every lane reaches the shuffles.
+    for (int base = ks; base < ke; base += S::kGroups * U) {
+      Vec<T, V> kv[U][S::kVpl], vv[U][S::kVpl];
+      bool valid[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        int key = base + u * S::kGroups + gi;
+        valid[u] = key < ke;
+        int64_t row = (slot_of(bt, valid[u] ? key : ks, p.block_size) * p.kv_heads + kvh) * D;
+#pragma unroll
+        for (int v = 0; v < S::kVpl; ++v) {
+          kv[u][v] = load_vec<T, V>(kc + row + (v * S::kLanes + li) * V);
+          vv[u][v] = load_vec<T, V>(vc + row + (v * S::kLanes + li) * V);
+        }
+      }
+      float s[U][G];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          if (g >= gc) continue;  // gc is uniform over the block: the shuffles stay converged
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < E; ++e) dot += q[g][e] * to_float(kv[u][e / V].v[e % V]);
+#pragma unroll
+          for (int off = S::kLanes / 2; off > 0; off >>= 1)
+            dot += __shfl_xor_sync(0xffffffffu, dot, off);
+          s[u][g] = valid[u] ? dot : kNegInf;
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        if (g >= gc) continue;
+        float mx = m[g];
+#pragma unroll
+        for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+        if (mx == kNegInf) continue;
+        float alpha = exp2f(m[g] - mx);
+        l[g] *= alpha;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float pr = exp2f(s[u][g] - mx);  // 0 for an invalid key
+          l[g] += pr;
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[g][e] += pr * to_float(vv[u][e / V].v[e % V]);
+        }
+        m[g] = mx;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g >= gc) continue;
+      if (li == 0) {
+        s_m[gi][g] = m[g];
+        s_l[gi][g] = l[g];
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) s_acc[gi][g][((e / V) * S::kLanes + li) * V + e % V] = acc[g][e];
+    }
+    __syncthreads();
+    decode_merge_and_store<T, D>(p, t, h0, gc, s_m, s_l, s_acc);
+    __syncthreads();  // the next token reuses the shared arrays
+  }
+}
+
+// Combines the splits of each (token, head): weights exp2(m_s - max) * l_s.
+template <typename T, int D>
+__global__ void __launch_bounds__(D) merge_splits_kernel(AttnParams p, int num_tokens) {
+  int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  int64_t base = (static_cast<int64_t>(t) * p.q_heads + h) * p.splits;
+  float m = kNegInf;
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.part_ml[(base + s) * 2]);
+  float l = 0.f, o = 0.f;
+  if (m != kNegInf) {
+    for (int s = 0; s < p.splits; ++s) {
+      float w = exp2f(p.part_ml[(base + s) * 2] - m) * p.part_ml[(base + s) * 2 + 1];
+      l += w;
+      o += w * p.part_o[(base + s) * D + d];
+    }
+  }
+  static_cast<T*>(p.out)[t * p.o_stride_t + h * p.o_stride_h + d] =
+      from_float<T>(l > 0.f ? o / l : 0.f);
+}
+
+// ---------------------------------------------------------------- prefill (tensor cores)
+
+template <int D>
+struct PrefillShape {
+  static constexpr int kKeys = D == 256 ? 32 : 64;  // keys per tile
+  static constexpr int kPitch = D + 8;  // smem row pitch: 16 bytes of padding keeps ldmatrix conflict-free
+  static constexpr int kSmemBytes = (kPrefillRows + 2 * kKeys) * kPitch * 2;
+};
+
+// The tile's sequence: tiles of sequence b start at query_start_loc[b] / tokens_per_tile + b.
+__device__ __forceinline__ int find_sequence(const int* qsl, int num_seqs, int tpt, int tile) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (qsl[mid] / tpt + mid <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Copies `rows` K or V rows of this tile (keys whose slot is -1 are zero-filled).
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int64_t* slots,
+                                             int kv_heads, int kvh) {
+  using S = PrefillShape<D>;
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < S::kKeys * kChunks; i += kThreads) {
+    int n = i / kChunks, c = i - n * kChunks;
+    int64_t slot = slots[n];
+    const T* src = slot >= 0 ? cache + (slot * kv_heads + kvh) * D + c * 8 : cache;
+    cp_async16(dst + n * S::kPitch + c * 8, src, slot >= 0);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) prefill_kernel(AttnParams p) {
+  using S = PrefillShape<D>;
+  constexpr int BN = S::kKeys, LD = S::kPitch;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kPrefillRows * LD;
+  T* sV = sK + BN * LD;
+  __shared__ int64_t s_slot[BN];
+
+  const int gcap = p.head_chunk, tpt = kPrefillRows / gcap;  // tokens per tile
+  const int b = find_sequence(p.query_start_loc, p.num_seqs, tpt, blockIdx.x);
+  const int qs = p.query_start_loc[b], q_len = p.query_start_loc[b + 1] - qs;
+  const int tok0 = (blockIdx.x - (qs / tpt + b)) * tpt;
+  if (tok0 >= q_len) return;  // whole block leaves together
+  const int ntok = min(tpt, q_len - tok0);
+  const int kvh = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks;
+  const int h0 = kvh * p.group + chunk * gcap;
+  const int gc = min(gcap, p.group - chunk * gcap);
+  const int ctx = p.seq_lens[b];
+  const int p_first = ctx - q_len + tok0;
+  const int kv_lo = p.window > 0 ? max(0, p_first - p.window + 1) : 0;
+  const int kv_hi = p_first + ntok;  // exclusive
+  const int* bt = p.block_tables + b * p.bt_stride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tq = lane % 4;
+
+  // Q rows: r -> (token r / gcap, head r % gcap).
+  const T* qbase = static_cast<const T*>(p.q);
+  for (int i = threadIdx.x; i < kPrefillRows * (D / 8); i += kThreads) {
+    int r = i / (D / 8), c = i - r * (D / 8);
+    int tok = r / gcap, g = r - tok * gcap;
+    bool ok = tok < ntok && g < gc;
+    const T* src = ok ? qbase + (qs + tok0 + tok) * p.q_stride_t + (h0 + g) * p.q_stride_h + c * 8
+                      : qbase;
+    cp_async16(sQ + r * LD + c * 8, src, ok);
+  }
+  cp_async_commit();
+
+  const int r0 = warp * 16 + grp, r1 = r0 + 8;
+  const int pos0 = p_first + r0 / gcap, pos1 = p_first + r1 / gcap;
+  float o[D / 8][4] = {};
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+
+  for (int n0 = kv_lo; n0 < kv_hi; n0 += BN) {
+    if (threadIdx.x < BN) {
+      int key = n0 + threadIdx.x;
+      s_slot[threadIdx.x] = key < kv_hi ? slot_of(bt, key, p.block_size) : -1;
+    }
+    __syncthreads();
+    load_kv_tile<T, D>(sK, static_cast<const T*>(p.k_cache), s_slot, p.kv_heads, kvh);
+    cp_async_commit();
+    load_kv_tile<T, D>(sV, static_cast<const T*>(p.v_cache), s_slot, p.kv_heads, kvh);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q and K landed; V may still be in flight
+    __syncthreads();
+
+    float s[BN / 8][4] = {};
+#pragma unroll
+    for (int kd = 0; kd < D / 16; ++kd) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sQ + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + kd * 16 +
+                         (lane / 16) * 8);
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; nt += 2) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, sK + (nt * 8 + (lane / 16) * 8 + lane % 8) * LD + kd * 16 +
+                            ((lane / 8) % 2) * 8);
+        mma_16816<T>(s[nt], a, kb[0], kb[1]);
+        mma_16816<T>(s[nt + 1], a, kb[2], kb[3]);
+      }
+    }
+    // Mask, scale and the online softmax; a row lives in the 4 lanes of a quad.
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int key = n0 + nt * 8 + tq * 2 + (e & 1);
+        int pos = e < 2 ? pos0 : pos1;
+        bool ok = key <= pos && key < kv_hi && (p.window <= 0 || key > pos - p.window);
+        s[nt][e] = ok ? s[nt][e] * p.scale_log2 : kNegInf;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+    float base0 = new0 == kNegInf ? 0.f : new0, base1 = new1 == kNegInf ? 0.f : new1;
+    float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+    m0 = new0;
+    m1 = new1;
+    l0 *= alpha0;
+    l1 *= alpha1;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - base0);
+      s[nt][1] = exp2f(s[nt][1] - base0);
+      s[nt][2] = exp2f(s[nt][2] - base1);
+      s[nt][3] = exp2f(s[nt][3] - base1);
+      l0 += s[nt][0] + s[nt][1];
+      l1 += s[nt][2] + s[nt][3];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][0] *= alpha0;
+      o[dt][1] *= alpha0;
+      o[dt][2] *= alpha1;
+      o[dt][3] *= alpha1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // O += P V: the S accumulators of two key tiles form one A fragment.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, sV + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dt * 8 +
+                                  (lane / 16) * 8);
+        mma_16816<T>(o[dt], a, vb[0], vb[1]);
+        mma_16816<T>(o[dt + 1], a, vb[2], vb[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // nothing stays in flight past the end (an empty key range)
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    int r = half ? r1 : r0;
+    int tok = r / gcap, g = r - tok * gcap;
+    if (tok >= ntok || g >= gc) continue;
+    float inv = half ? inv1 : inv0;
+    T* orow = out + (qs + tok0 + tok) * p.o_stride_t + (h0 + g) * p.o_stride_h + tq * 2;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+          pack2<T>(o[dt][half * 2] * inv, o[dt][half * 2 + 1] * inv);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- host side
+
+int sm_count(int device) {
+  static int cached[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int n = 0;
+    FT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cached[device] = n > 0 ? n : 1;
+  }
+  return cached[device];
+}
+
+template <typename T, int D>
+void launch_decode(AttnParams p, int num_tokens, cudaStream_t stream) {
+  dim3 grid(p.splits, p.kv_heads * p.chunks, p.num_seqs);
+  decode_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  check_launch("paged_attention (decode)");
+  if (p.splits > 1) {
+    merge_splits_kernel<T, D><<<dim3(num_tokens, p.q_heads), D, 0, stream>>>(p, num_tokens);
+    check_launch("paged_attention (merge splits)");
+  }
+}
+
+template <typename T, int D>
+void launch_prefill(AttnParams p, int num_tokens, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    TVM_FFI_ICHECK(false) << "internal: float32 has no tensor-core prefill";
+  } else {
+    using S = PrefillShape<D>;
+    int tpt = kPrefillRows / p.head_chunk;
+    dim3 grid(num_tokens / tpt + p.num_seqs, p.kv_heads * p.chunks);
+    // Above 48 KiB of dynamic shared memory needs an opt-in, once per device (the first call
+    // normally precedes any graph capture).
+    static bool opted_in[64] = {};
+    int device = 0;
+    FT_CUDA_CHECK(cudaGetDevice(&device));
+    if (device < 0 || device >= 64 || !opted_in[device]) {
+      FT_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         S::kSmemBytes));
+      if (device >= 0 && device < 64) opted_in[device] = true;
+    }
+    prefill_kernel<T, D><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+    check_launch("paged_attention (prefill)");
+  }
+}
+
+template <typename T, int D>
+void launch(AttnParams p, int num_tokens, bool prefill, cudaStream_t stream) {
+  if (prefill) {
+    launch_prefill<T, D>(p, num_tokens, stream);
+  } else {
+    launch_decode<T, D>(p, num_tokens, stream);
+  }
+}
+
+// Decode splits: enough blocks for ~2 waves, at least kMinSplitKeys keys each, within the
+// workspace the caller passed (none: no split).
+int choose_splits(const AttnParams& p, int num_tokens, int64_t max_context, int head_dim,
+                  int64_t workspace_floats, int device) {
+  int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.kv_heads * p.chunks;
+  int64_t want = 2 * static_cast<int64_t>(sm_count(device));
+  if (blocks <= 0 || blocks >= want) return 1;
+  int64_t splits = ceil_div(want, blocks);
+  splits = std::min<int64_t>(splits, ceil_div(max_context, kMinSplitKeys));
+  splits = std::min<int64_t>(splits, kMaxSplits);
+  int64_t per_split = static_cast<int64_t>(num_tokens) * p.q_heads * (head_dim + 2);
+  splits = std::min<int64_t>(splits, per_split > 0 ? workspace_floats / per_split : 1);
+  return static_cast<int>(splits < 1 ? 1 : splits);
+}
+
+void check_inputs(const TensorView& out, const TensorView& q, const TensorView& k_cache,
+                  const TensorView& v_cache, const TensorView& block_tables,
+                  const TensorView& seq_lens, const TensorView& qsl, int64_t block_size) {
+  int dev = q.device().device_id;
+  check_gpu(out, "out", dev);
+  check_gpu(k_cache, "k_cache", dev);
+  check_gpu(v_cache, "v_cache", dev);
+  check_gpu(block_tables, "block_tables", dev);
+  check_gpu(seq_lens, "seq_lens", dev);
+  check_gpu(qsl, "query_start_loc", dev);
+  check_same_dtype(out, q, "out", "q");
+  check_same_dtype(k_cache, q, "k_cache", "q");
+  check_same_dtype(v_cache, q, "v_cache", "q");
+  check_ndim(q, 3, "q");
+  check_ndim(out, 3, "out");
+  check_ndim(k_cache, 3, "k_cache");
+  check_ndim(v_cache, 3, "v_cache");
+  int64_t d = q.size(2);
+  TVM_FFI_ICHECK(d == 64 || d == 128 || d == 256) << "head_dim must be 64, 128 or 256, got " << d;
+  TVM_FFI_ICHECK(q.stride(2) == 1) << "q's last dim must be contiguous";
+  TVM_FFI_ICHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == d &&
+                 out.stride(2) == 1)
+      << "out must be [T, Hq, D] like q, last dim contiguous";
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  TVM_FFI_ICHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                 k_cache.size(2) == d && v_cache.size(2) == d)
+      << "k_cache and v_cache must both be [S, Hk, " << d << "]";
+  TVM_FFI_ICHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0)
+      << "q heads (" << q.size(1) << ") must be a multiple of kv heads (" << k_cache.size(1) << ")";
+  TVM_FFI_ICHECK(aligned16(k_cache) && aligned16(v_cache))
+      << "k_cache and v_cache must be 16-byte aligned";
+  TVM_FFI_ICHECK(block_size > 0 && k_cache.size(0) % block_size == 0)
+      << "the pool's slot count " << k_cache.size(0) << " must be a multiple of block_size "
+      << block_size;
+  check_dtype(block_tables, kDLInt, 32, "block_tables", "int32");
+  check_dtype(seq_lens, kDLInt, 32, "seq_lens", "int32");
+  check_dtype(qsl, kDLInt, 32, "query_start_loc", "int32");
+  check_ndim(block_tables, 2, "block_tables");
+  TVM_FFI_ICHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1)
+      << "block_tables rows must be contiguous";
+  int64_t b = seq_lens.size(0);
+  TVM_FFI_ICHECK(seq_lens.ndim() == 1 && seq_lens.IsContiguous() && block_tables.size(0) == b)
+      << "seq_lens must be a contiguous [B] tensor and block_tables [B, max_blocks]";
+  TVM_FFI_ICHECK(qsl.ndim() == 1 && qsl.IsContiguous() && qsl.size(0) == b + 1)
+      << "query_start_loc must be a contiguous [B+1] tensor";
+}
+
+/*!
+ * \brief Causal attention of new tokens over the paged pool; see ops.paged_attention.
+ * \param workspace optional float32 scratch for split decode: splits S use T*Hq*S*(D+2) floats;
+ *        a smaller (or no) workspace only limits S. 1M floats covers every decode batch with
+ *        Hq/Hk <= 8 and D <= 256 on GPUs of up to 240 SMs.
+ */
+void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                     TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
+                     int64_t block_size, double scale, int64_t sliding_window,
+                     tvm::ffi::Optional<TensorView> workspace) {
+  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size);
+  TVM_FFI_ICHECK(sliding_window >= 0) << "sliding_window must be >= 0, got " << sliding_window;
+  int dev = q.device().device_id;
+  int64_t ws_floats = 0;
+  float* ws = nullptr;
+  if (workspace.has_value()) {
+    const TensorView& w = workspace.value();
+    check_gpu(w, "workspace", dev);
+    check_dtype(w, kDLFloat, 32, "workspace", "float32");
+    check_contiguous(w, "workspace");
+    ws_floats = w.numel();
+    ws = data_of<float>(w);
+  }
+  int num_tokens = static_cast<int>(q.size(0));
+  int num_seqs = static_cast<int>(seq_lens.size(0));
+  if (num_tokens == 0 || num_seqs == 0) return;
+  FloatType ft = float_type(q, "q");
+  int d = static_cast<int>(q.size(2));
+  AttnParams p{};
+  p.q = data_of<void>(q);
+  p.out = data_of<void>(out);
+  p.k_cache = data_of<void>(k_cache);
+  p.v_cache = data_of<void>(v_cache);
+  p.block_tables = data_of<int>(block_tables);
+  p.seq_lens = data_of<int>(seq_lens);
+  p.query_start_loc = data_of<int>(query_start_loc);
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.o_stride_t = out.stride(0);
+  p.o_stride_h = out.stride(1);
+  p.bt_stride = block_tables.stride(0);
+  p.num_seqs = num_seqs;
+  p.q_heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k_cache.size(1));
+  p.group = p.q_heads / p.kv_heads;
+  p.block_size = static_cast<int>(block_size);
+  p.window = static_cast<int>(sliding_window);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  // Tensor-core prefill needs 16-byte aligned q rows and 4-byte aligned output pairs.
+  bool prefill = num_tokens != num_seqs && ft != FloatType::kF32 && aligned16(q) &&
+                 p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0 && p.o_stride_t % 2 == 0 && p.o_stride_h % 2 == 0 &&
+                 reinterpret_cast<uintptr_t>(p.out) % 4 == 0;
+  int max_group = prefill ? kPrefillMaxGroup : kDecodeMaxGroup;
+  p.chunks = static_cast<int>(ceil_div(p.group, max_group));
+  p.head_chunk = static_cast<int>(ceil_div(p.group, p.chunks));
+  p.splits = 1;
+  if (!prefill && num_tokens == num_seqs) {
+    int64_t max_context = block_tables.size(1) * block_size;
+    if (sliding_window > 0) max_context = std::min<int64_t>(max_context, sliding_window);
+    p.splits = choose_splits(p, num_tokens, max_context, d, ws_floats, dev);
+  }
+  if (p.splits > 1) {
+    p.part_o = ws;
+    p.part_ml = ws + static_cast<int64_t>(num_tokens) * p.q_heads * p.splits * d;
+  }
+  DeviceGuard guard(dev);
+  cudaStream_t stream = stream_for(q);
+  FT_CUDA_DISPATCH_FLOAT(ft, T, {
+    switch (d) {
+      case 64: launch<T, 64>(p, num_tokens, prefill, stream); break;
+      case 128: launch<T, 128>(p, num_tokens, prefill, stream); break;
+      default: launch<T, 256>(p, num_tokens, prefill, stream); break;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace freetoken
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention, freetoken::paged_attention);

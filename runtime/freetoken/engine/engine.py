@@ -1,0 +1,302 @@
+"""The engine: one background thread runs scheduling steps; asyncio callers submit and stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from freetoken.engine.config import EngineConfig, resolve_engine_config
+from freetoken.engine.detokenizer import IncrementalDetokenizer
+from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.prepare import prepare_forward_batch
+from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
+                                      SamplingParams, Usage)
+from freetoken.engine.sampling import create_generator, sample_tokens
+from freetoken.engine.scheduler import ScheduledChunk, Scheduler
+from freetoken.engine.stream import RequestStream
+from freetoken.models.batch import ForwardBatch, KVCache
+
+if TYPE_CHECKING:
+    from freetoken.models.config import GenerationDefaults
+
+logger = logging.getLogger("freetoken.engine")
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (never started, shut down, or crashed)."""
+
+
+class Engine:
+    """Serves one model: paged KV pool, continuous batching, sampling, streamed outputs.
+
+    Args:
+        model: has .config (ModelConfig), .device, .dtype and
+            .forward(ForwardBatch, KVCache) -> float32 logits [B, vocab].
+        tokenizer: has decode(ids, skip_special_tokens=True) -> str.
+        config: engine settings; "auto" values are resolved against the model's context.
+        generation_defaults: the model's sampling defaults (used when
+            config.sampling_defaults == "model" and a request leaves a field unset).
+        eos_token_ids: ids that end a sequence with finish_reason "stop".
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig,
+                 generation_defaults: GenerationDefaults | None = None,
+                 eos_token_ids: Sequence[int] = ()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = resolve_engine_config(config, model.config.max_position)
+        self.generation_defaults = generation_defaults
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pool = PagePool(self.config.num_blocks, self.config.block_size)
+        self.kv = KVCache(model.config, self.config.num_blocks, self.config.block_size,
+                          model.dtype, torch.device(model.device))
+        self.scheduler = Scheduler(self.config, self.pool)
+        if hasattr(model, "reserve"):  # size work buffers for the largest step up front
+            model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
+        self._requests: dict[str, Request] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0,
+                          "steps": 0}
+
+    @classmethod
+    def from_loaded(cls, loaded: Any, config: EngineConfig) -> Engine:
+        """An engine for a freetoken.models.loader.LoadedModel."""
+        eos = tuple(loaded.tokenizer.eos_token_ids) + tuple(loaded.config.eos_token_ids)
+        return cls(loaded.model, loaded.tokenizer, config, loaded.generation_defaults, eos)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="freetoken-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the thread; every request still in flight ends with finish_reason "abort"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cond:
+            for request in list(self._requests.values()):
+                self._end(request, "abort", "", error="the engine shut down")
+
+    def warm_up(self) -> None:
+        """Run one two-token request so every kernel is loaded (or compiled) before serving;
+        raises RuntimeError when it fails. The counters start from zero afterwards."""
+        async def run() -> RequestOutput:
+            params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            return [out async for out in self.generate([0], params)][-1]
+
+        last = asyncio.run(run())
+        if last.finish_reason == "error":
+            raise RuntimeError(f"the warm-up request failed: {last.error}")
+        with self._cond:
+            self._counters = dict.fromkeys(self._counters, 0)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request may use: the context or the whole pool."""
+        return min(self.model.config.max_position, self.pool.num_pages * self.pool.block_size)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request; call inside a running event loop and iterate the returned stream.
+
+        Raises RequestRejected (prompt empty, out of vocabulary, or too long with max_tokens)
+        before anything is queued, and EngineDead when the engine is not running.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        prompt = [int(t) for t in prompt_ids]
+        resolved = self._resolve_params(prompt, params)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
+        request = Request(
+            request_id=request_id, prompt_len=len(prompt), token_ids=prompt, params=resolved,
+            generator=create_generator(resolved.seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, resolved.stop),
+            sink=stream.put)
+        with self._cond:
+            if not self.is_alive:
+                raise EngineDead("the engine is not running; restart the server")
+            if request_id in self._requests:
+                raise RequestRejected(f"request id {request_id!r} is already in use")
+            self._requests[request_id] = request
+            self._counters["prompt_tokens"] += len(prompt)
+            self.scheduler.add(request)
+            self._cond.notify()
+        return stream
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early aborts the request."""
+        stream = self.submit(prompt_ids, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now with finish_reason "abort" and free its KV pages; False if unknown."""
+        with self._cond:
+            request = self._requests.get(request_id)
+            if request is None:
+                return False
+            self._end(request, "abort", request.detokenizer.finish())
+            return True
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for /v1/stats and the metrics gauges."""
+        with self._cond:
+            stats = {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_pages_used": self.pool.num_used,
+                "kv_pages_total": self.pool.num_pages,
+                "kv_block_size": self.pool.block_size,
+                "kv_occupancy": self.pool.occupancy,
+                "preemptions": self.scheduler.num_preemptions,
+                **self._counters,
+            }
+        defaults = self.generation_defaults
+        model_defaults = {k: getattr(defaults, k) for k in
+                          ("temperature", "top_k", "top_p", "max_tokens")} if defaults else {}
+        stats.update(
+            sampling_defaults=self.config.sampling_defaults,
+            model_generation_defaults={k: v for k, v in model_defaults.items() if v is not None},
+            max_num_seqs=self.config.max_num_seqs,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            max_request_tokens=self.max_request_tokens,
+            device=str(self.model.device))
+        return stats
+
+    def _resolve_params(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
+        limit = self.max_request_tokens
+        detail = (f"this server allows {limit} tokens per request (context "
+                  f"{self.model.config.max_position}, KV pool "
+                  f"{self.pool.num_pages * self.pool.block_size})")
+        check_request(prompt, params, limit, self.model.config.vocab_size, detail)
+        use_model = self.config.sampling_defaults == "model"
+        return params.resolve(self.generation_defaults if use_model else None,
+                              limit - len(prompt))
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while (work := self._next_step()) is not None:
+                self._step(*work)
+        except BaseException:
+            logger.exception("the engine thread crashed")
+            with self._cond:
+                self._stopping = True
+                for request in list(self._requests.values()):
+                    self._end(request, "error", "", error="the engine thread crashed")
+            raise
+
+    def _next_step(self) -> tuple[list[ScheduledChunk], ForwardBatch] | None:
+        """Wait for work; the plan and batch of the next step, or None when stopping."""
+        with self._cond:
+            while True:
+                while not self._stopping and not self.scheduler.has_work:
+                    self._cond.wait()
+                if self._stopping:
+                    return None
+                plan = self.scheduler.schedule()
+                if plan:
+                    return plan, prepare_forward_batch(plan, self.pool.block_size,
+                                                       self.model.device)
+                self._cond.wait(0.01)  # NOTE: nothing fits yet; not expected to happen
+
+    def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
+        # The forward runs without the lock, so submit/abort/stats never wait for it.
+        try:
+            with torch.inference_mode():
+                logits = self.model.forward(batch, self.kv)
+            with self._cond:
+                self._process(plan, logits)
+        except Exception as exc:  # a failed step fails its requests, not the server
+            logger.exception("engine step failed")
+            self._fail(plan, f"model step failed: {exc}")
+        with self._cond:
+            if not self.scheduler.has_work:
+                self.pool.check_integrity(self.scheduler.owned_pages())
+
+    def _process(self, plan: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        self._counters["steps"] += 1
+        to_sample = [i for i, chunk in enumerate(plan)
+                     if chunk.completes_sequence and not chunk.request.is_finished]
+        for chunk in plan:
+            if not chunk.request.is_finished:
+                chunk.request.num_computed += chunk.num_tokens
+        if to_sample:
+            requests = [plan[i].request for i in to_sample]
+            rows = torch.tensor(to_sample, device=logits.device)
+            with torch.inference_mode():
+                tokens = sample_tokens(logits.index_select(0, rows),
+                                       [r.params for r in requests],
+                                       [r.generator for r in requests])
+            for request, token in zip(requests, tokens):
+                self._append_token(request, token)
+
+    def _append_token(self, request: Request, token: int) -> None:
+        request.token_ids.append(token)
+        self._counters["tokens_generated"] += 1
+        if token in self.eos_token_ids and not request.params.ignore_eos:
+            self._end(request, "stop", request.detokenizer.finish(), token, stop_reason=token)
+            return
+        text = request.detokenizer.push(token)
+        if request.detokenizer.matched_stop is not None:
+            self._end(request, "stop", text, token, stop_reason=request.detokenizer.matched_stop)
+        elif request.num_output >= request.params.max_tokens:
+            self._end(request, "length", text + request.detokenizer.finish(), token)
+        else:
+            request.sink(RequestOutput(request.request_id, [token], text, None, request.usage()))
+
+    def _end(self, request: Request, reason: str, text: str, token: int | None = None,
+             stop_reason: str | int | None = None, error: str | None = None) -> None:
+        """Terminal output + free pages; called with the lock held."""
+        self.scheduler.finish(request)
+        self._requests.pop(request.request_id, None)
+        self._counters["requests_finished"] += 1
+        request.sink(RequestOutput(request.request_id, [] if token is None else [token], text,
+                                   reason, Usage(request.prompt_len, request.num_output),
+                                   stop_reason, error))
+
+    def _fail(self, plan: list[ScheduledChunk], message: str) -> None:
+        with self._cond:
+            for chunk in plan:
+                if not chunk.request.is_finished:
+                    self._end(chunk.request, "error", "", error=message)
+
+
+def check_request(prompt: list[int], params: SamplingParams, limit: int, vocab: int,
+                  detail: str) -> None:
+    """Raise RequestRejected unless the prompt and max_tokens fit in `limit` tokens."""
+    if not prompt:
+        raise RequestRejected("the prompt is empty")
+    if any(not 0 <= t < vocab for t in prompt):
+        raise RequestRejected(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+    if len(prompt) >= limit:
+        raise PromptTooLong(f"the prompt has {len(prompt)} tokens; {detail}, and at least "
+                              "one must be left for the output: shorten the prompt")
+    if params.max_tokens is not None and len(prompt) + params.max_tokens > limit:
+        raise PromptTooLong(
+            f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+            f"the limit; {detail}: lower max_tokens or shorten the prompt")

@@ -1,0 +1,168 @@
+"""Checkpoint-neutral decoder weights: loaders name tensors canonically, this module checks
+shapes, places them on the device and concatenates q/k/v and gate/up rows once.
+
+Canonical names: ``embed``, ``final_norm``, ``lm_head``, ``rope_freqs`` and per layer
+``layers.{i}.`` + ``input_norm q k v q_bias k_bias v_bias q_norm k_norm o post_norm gate up down``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+import torch
+
+from freetoken.models.config import ModelConfig, QuantWeight
+from freetoken.models.errors import MissingTensorError, ModelFormatError
+
+Weight = Union[torch.Tensor, QuantWeight]
+
+
+class TensorSource(Protocol):
+    """What a checkpoint reader offers: tensors by canonical name, and their file names."""
+
+    source: str
+
+    def get(self, name: str) -> Weight | None:
+        """The tensor (rows = output features), or None when the checkpoint lacks it."""
+
+    def file_name(self, name: str) -> str:
+        """How the checkpoint spells a canonical name (for error messages)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where weights live: GGUF blocks stay quantized only for float32 activations on CPU."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def keeps_quantized(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.float32
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: list[Weight]            # one fused matrix, or the parts when they cannot concatenate
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Weight
+    post_norm: torch.Tensor
+    gate_up: list[Weight]
+    down: Weight
+
+
+@dataclass
+class DecoderWeights:
+    embed: Weight
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: Weight
+    rope_freq_factors: torch.Tensor | None = None
+
+
+def dequantize(weight: QuantWeight) -> torch.Tensor:
+    """float32 [rows, cols] values of GGUF blocks."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(weight.data.numpy(), GGMLQuantizationType(weight.qtype))
+    return torch.from_numpy(values.reshape(weight.shape))
+
+
+def _shape(weight: Weight) -> tuple[int, ...]:
+    return tuple(weight.shape)
+
+
+def _place(weight: Weight, where: Placement) -> Weight:
+    if isinstance(weight, QuantWeight):
+        if where.keeps_quantized:
+            return weight
+        weight = dequantize(weight)
+    return weight.to(device=where.device, dtype=where.dtype).contiguous()
+
+
+def _fuse_rows(parts: list[Weight]) -> list[Weight]:
+    """One matrix when the parts concatenate (same float dtype, or same GGUF block type)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return [torch.cat(parts, dim=0)]
+    if all(isinstance(p, QuantWeight) for p in parts):
+        qtypes = {p.qtype for p in parts}
+        widths = {p.data.shape[1] for p in parts}
+        if len(qtypes) == 1 and len(widths) == 1:
+            rows = sum(p.shape[0] for p in parts)
+            data = torch.cat([p.data for p in parts], dim=0)
+            return [QuantWeight(parts[0].qtype, data, (rows, parts[0].shape[1]))]
+    return parts
+
+
+class _Reader:
+    """Fetches, checks the shape of and places each tensor."""
+
+    def __init__(self, src: TensorSource, where: Placement, architecture: str):
+        self.src, self.where, self.where_config = src, where, architecture
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> Weight | None:
+        weight = self.src.get(name)
+        if weight is None:
+            return None
+        if _shape(weight) != shape:
+            raise ModelFormatError(
+                f"{self.src.source}: tensor {self.src.file_name(name)!r} has shape "
+                f"{list(_shape(weight))}, expected {list(shape)} from the model config")
+        return _place(weight, self.where)
+
+    def required(self, name: str, shape: tuple[int, ...]) -> Weight:
+        weight = self.optional(name, shape)
+        if weight is None:
+            raise MissingTensorError(
+                f"{self.src.source}: missing tensor {self.src.file_name(name)!r}; the "
+                f"checkpoint is incomplete or does not match its {self.where_config} config")
+        return weight
+
+
+def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
+    p, h = f"layers.{i}.", cfg.hidden_size
+    qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    qkv = [read.required(p + "q", (qs, h)), read.required(p + "k", (kvs, h)),
+           read.required(p + "v", (kvs, h))]
+    bias = None
+    if cfg.attention_bias:
+        bias = torch.cat([read.required(p + "q_bias", (qs,)), read.required(p + "k_bias", (kvs,)),
+                          read.required(p + "v_bias", (kvs,))])
+    q_norm = k_norm = None
+    if cfg.qk_norm:
+        q_norm = read.required(p + "q_norm", (cfg.head_dim,))
+        k_norm = read.required(p + "k_norm", (cfg.head_dim,))
+    return LayerWeights(
+        input_norm=read.required(p + "input_norm", (h,)),
+        qkv=_fuse_rows(qkv), qkv_bias=bias, q_norm=q_norm, k_norm=k_norm,
+        o=read.required(p + "o", (h, qs)),
+        post_norm=read.required(p + "post_norm", (h,)),
+        gate_up=_fuse_rows([read.required(p + "gate", (inter, h)),
+                            read.required(p + "up", (inter, h))]),
+        down=read.required(p + "down", (h, inter)),
+    )
+
+
+def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
+                          ) -> DecoderWeights:
+    """Every tensor of a dense decoder, checked against `cfg` and placed per `where`."""
+    read = _Reader(src, where, cfg.architecture)
+    embed = read.required("embed", (cfg.vocab_size, cfg.hidden_size))
+    head = None if cfg.tie_word_embeddings else read.required(
+        "lm_head", (cfg.vocab_size, cfg.hidden_size))
+    rot = cfg.rope_dim or cfg.head_dim
+    freqs = src.get("rope_freqs")
+    if freqs is not None and _shape(freqs) != (rot // 2,):
+        raise ModelFormatError(f"{src.source}: tensor {src.file_name('rope_freqs')!r} has shape "
+                               f"{list(_shape(freqs))}, expected [{rot // 2}]")
+    return DecoderWeights(
+        embed=embed,
+        layers=[_layer(read, cfg, i) for i in range(cfg.num_layers)],
+        final_norm=read.required("final_norm", (cfg.hidden_size,)),
+        lm_head=embed if head is None else head,
+        rope_freq_factors=None if freqs is None else freqs.float(),
+    )

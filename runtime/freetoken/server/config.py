@@ -1,0 +1,25 @@
+"""HTTP front-end settings (a leaf module: the CLI reads defaults here without loading torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 1919
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """host/port to bind (port 0 = any free port), an optional API key required on /v1/*,
+    and the model id clients see (None = the loaded model's name)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"

@@ -1,0 +1,94 @@
+"""What every route needs: the engine, the tokenizer, the served name, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from freetoken.engine.engine import Engine, EngineDead
+from freetoken.engine.request import (PromptTooLong, RequestOutput, RequestRejected,
+                                      SamplingParams)
+from freetoken.engine.stream import RequestStream
+from freetoken.server.errors import APIError
+from freetoken.server.metrics import Metrics, RequestTimer
+
+
+@dataclass
+class ServerContext:
+    engine: Engine
+    tokenizer: Any
+    model_name: str
+    metrics: Metrics
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, requested: str | None) -> None:
+        """None means the served model; any other name is a 404."""
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"The model '{requested}' does not exist; this server serves "
+                                f"'{self.model_name}'", "model", "model_not_found")
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        from freetoken.models.errors import ChatTemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"the chat template failed: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               timer: RequestTimer) -> RequestStream:
+        try:
+            stream = self.engine.submit(prompt_ids, params)
+        except RequestRejected as exc:
+            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
+            raise APIError(400, str(exc), None, code) from None
+        except EngineDead as exc:
+            raise APIError(503, str(exc)) from None
+        timer.prompt_tokens = len(prompt_ids)
+        return stream
+
+
+async def collect(request: Request, stream: RequestStream,
+                  timer: RequestTimer) -> tuple[str, RequestOutput]:
+    """All text of a non-streamed request and its last output; a client that goes away
+    aborts the request so its KV pages are freed."""
+    async def gather() -> tuple[str, RequestOutput]:
+        pieces = []
+        async for output in stream:
+            timer.on_output(output)
+            pieces.append(output.text)
+        return "".join(pieces), output
+
+    task = asyncio.ensure_future(gather())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            stream.abort()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client closed the connection")
+    text, last = task.result()
+    if last.finish_reason == "error":
+        raise APIError(500, f"generation failed: {last.error}")
+    if last.finish_reason == "abort":
+        raise APIError(503, "the request was aborted (the server is shutting down)")
+    return text, last
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,96 @@
+"""Prometheus metrics: one registry per app, gauges refreshed from engine.stats() on scrape."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """Counters and histograms the routes feed; `render()` is the /metrics body."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self._engine_stats = engine_stats
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("freetoken_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=registry)
+        self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens accepted",
+                                     registry=registry)
+        self.generation_tokens = Counter("freetoken_generation_tokens", "Tokens generated",
+                                         registry=registry)
+        self.ttft = Histogram("freetoken_time_to_first_token_seconds",
+                              "Time from request arrival to the first generated token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("freetoken_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.kv_usage = Gauge("freetoken_kv_cache_usage_ratio",
+                              "Fraction of KV pages in use", registry=registry)
+        self.running = Gauge("freetoken_num_requests_running", "Requests holding KV pages",
+                             registry=registry)
+        self.waiting = Gauge("freetoken_num_requests_waiting", "Requests queued for KV pages",
+                             registry=registry)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        stats = self._engine_stats()
+        self.kv_usage.set(stats["kv_occupancy"])
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Tracks one request: feed it every engine output."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+        self._start = time.monotonic()
+        self._first_token_seen = False
+        self.prompt_tokens = 0
+
+    def on_output(self, output: Any) -> None:
+        if output.token_ids and not self._first_token_seen:
+            self._first_token_seen = True
+            self._metrics.ttft.observe(time.monotonic() - self._start)
+        if output.finished:
+            self._metrics.e2e.observe(time.monotonic() - self._start)
+            self._metrics.prompt_tokens.inc(output.usage.prompt_tokens)
+            self._metrics.generation_tokens.inc(output.usage.completion_tokens)
+
+
+# ---- routes: /health, /v1/stats, /metrics ------------------------------------------------------
+
+def create_admin_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        ctx = request.app.state.ctx
+        if not ctx.engine.is_alive:
+            return JSONResponse({"status": "error", "model": ctx.model_name,
+                                 "message": "the engine is not running"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": ctx.model_name})
+
+    @router.get("/v1/stats")
+    async def stats(request: Request) -> JSONResponse:
+        ctx = request.app.state.ctx
+        return JSONResponse({"model": ctx.model_name, **ctx.engine.stats()})
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = request.app.state.ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return router

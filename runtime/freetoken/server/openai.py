@@ -1,0 +1,147 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.background import BackgroundTask
+
+from freetoken.engine.request import Usage
+from freetoken.engine.stream import RequestStream
+from freetoken.server.context import ServerContext, collect
+from freetoken.server.errors import APIError
+from freetoken.server.metrics import RequestTimer
+from freetoken.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                       OpenAISampling, parse_body)
+from freetoken.server.sse import new_id, sse_data, sse_response
+
+router = APIRouter()
+
+
+def usage_dict(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+def message_dict(message: ChatMessage) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    return {"role": message.role, "content": content or ""}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    ctx: ServerContext = request.app.state.ctx
+    return {"object": "list", "data": [model_card(ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict:
+    ctx: ServerContext = request.app.state.ctx
+    ctx.check_model(model_id)
+    return model_card(ctx)
+
+
+def model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_name, "object": "model", "created": ctx.created,
+            "owned_by": "freetoken", "max_model_len": ctx.engine.max_request_tokens}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    body = await parse_body(request, ChatCompletionRequest)
+    ctx.check_model(body.model)
+    body.check_supported()
+    params = body.sampling_params(body.max_completion_tokens or body.max_tokens)
+    prompt = ctx.chat_prompt_ids([message_dict(m) for m in body.messages])
+    return await respond(request, ctx, body, prompt, params, new_id("chatcmpl-"), chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    ctx: ServerContext = request.app.state.ctx
+    body = await parse_body(request, CompletionRequest)
+    ctx.check_model(body.model)
+    body.check_supported()
+    params = body.sampling_params(body.max_tokens)
+    return await respond(request, ctx, body, completion_prompt_ids(ctx, body.prompt), params,
+                         new_id("cmpl-"), chat=False)
+
+
+def completion_prompt_ids(ctx: ServerContext, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return ctx.text_prompt_ids(prompt)
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if len(prompt) != 1:
+        raise APIError(400, f"got {len(prompt)} prompts: this server takes one prompt per "
+                            "request", "prompt")
+    only = prompt[0]
+    return ctx.text_prompt_ids(only) if isinstance(only, str) else list(only)
+
+
+async def respond(request: Request, ctx: ServerContext, body: OpenAISampling, prompt: list[int],
+                  params, request_id: str, chat: bool):
+    timer = ctx.metrics.timer()
+    stream = ctx.submit(prompt, params, timer)
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+    if body.stream:
+        make_chunk = chat_chunk if chat else completion_chunk
+        header = dict(id=request_id, object=kind + (".chunk" if chat else ""), created=created,
+                      model=ctx.model_name)
+        events = stream_events(stream, timer, header, make_chunk, chat, body.include_usage)
+        response = sse_response(events)
+        response.background = BackgroundTask(stream.abort)  # also when the body never started
+        return response
+    text, last = await collect(request, stream, timer)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+              else {"index": 0, "text": text})
+    choice.update(logprobs=None, finish_reason=last.finish_reason)
+    return JSONResponse({"id": request_id, "object": kind, "created": created,
+                         "model": ctx.model_name, "choices": [choice],
+                         "usage": usage_dict(last.usage)})
+
+
+def chat_chunk(delta: dict, finish_reason: str | None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion_chunk(delta: dict, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": delta.get("content", ""), "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict,
+                        make_chunk: Callable[[dict, str | None], dict], chat: bool,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI SSE: a role chunk (chat), content chunks, a finish_reason chunk, an optional
+    usage chunk with no choices, then [DONE]. Leaving early aborts the request."""
+    extra = {"usage": None} if include_usage else {}
+
+    def event(delta: dict, finish_reason: str | None = None) -> str:
+        return sse_data({**header, "choices": [make_chunk(delta, finish_reason)], **extra})
+
+    try:
+        if chat:
+            yield event({"role": "assistant", "content": ""})
+        async for output in stream:
+            timer.on_output(output)
+            if output.finish_reason == "error":
+                yield sse_data({"error": {"message": f"generation failed: {output.error}",
+                                          "type": "server_error", "param": None, "code": None}})
+                break
+            if output.text:
+                yield event({"content": output.text})
+            if output.finished:
+                yield event({}, output.finish_reason)
+                if include_usage:
+                    yield sse_data({**header, "choices": [], "usage": usage_dict(output.usage)})
+        yield sse_data("[DONE]")
+    finally:
+        stream.abort()

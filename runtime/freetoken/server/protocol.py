@@ -1,0 +1,186 @@
+"""Request bodies of every route, validated strictly: unknown fields and bad values are 400s."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from freetoken.engine.request import InvalidSamplingParams, SamplingParams
+from freetoken.server.errors import APIError
+
+MAX_STOP = 16
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- OpenAI -----------------------------------------------------------------------------------
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class OpenAISampling(Strict):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = off")
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    ignore_eos: bool = False
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice "
+                                "per request (n=1)", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported; send 0 or leave it out", name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           "stream_options")
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return build_sampling_params(
+            temperature=self.temperature, top_p=self.top_p,
+            top_k=None if self.top_k is None else max(self.top_k, 0), max_tokens=max_tokens,
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "logprobs is not supported", "logprobs")
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1)),
+                         ("logprobs", self.logprobs is None), ("suffix", not self.suffix)):
+            if not ok:
+                raise APIError(400, f"{name} is not supported by this server", name)
+
+
+# ---- Anthropic --------------------------------------------------------------------------------
+
+class AnthropicText(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict | None = None   # accepted and ignored: there is no prompt cache
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicText]
+
+
+class MessagesRequest(Strict):
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[AnthropicText] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: dict | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        return build_sampling_params(temperature=self.temperature, top_p=self.top_p,
+                                     top_k=self.top_k, max_tokens=self.max_tokens,
+                                     stop=self.stop_sequences or [])
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def build_sampling_params(stop: list[str], **fields) -> SamplingParams:
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop sequences are supported; got {len(stop)}",
+                       "stop")
+    try:
+        return SamplingParams(stop=tuple(stop), **fields)
+    except InvalidSamplingParams as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The JSON body validated against `model`; any problem is an APIError(400) naming it."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, as a 400 that names the field."""
+    errors = exc.errors(include_url=False)
+    extra = [e for e in errors if e["type"] == "extra_forbidden"]
+    first = extra[0] if extra else errors[0]
+    path = _field_path(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unknown field '{path}': this server does not accept it; remove it "
+                             "from the request", path, "unknown_field")
+    if first["type"] == "missing":
+        return APIError(400, f"Missing required field '{path}'", path)
+    return APIError(400, f"Invalid value for '{path}': {first['msg']}", path)
+
+
+def _field_path(loc: tuple) -> str:
+    # NOTE: pydantic adds the union member it tried (e.g. 'str', 'list[TextPart]') to loc.
+    parts = [str(p) for p in loc
+             if isinstance(p, int) or not (("[" in str(p)) or str(p) in _TYPE_TAGS
+                                           or str(p)[:1].isupper())]
+    return ".".join(parts)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}

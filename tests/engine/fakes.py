@@ -1,0 +1,76 @@
+"""A tiny model that really uses the paged KV pool, and a character tokenizer.
+
+The model stores each input token id in its K pool, then for every sequence reads the whole
+context back through block_tables and predicts next = (sum(context) * 7 + len(context)) % vocab.
+`expected_continuation` computes the same rule straight from the token list, so any paging or
+batching mistake (a wrong slot, a page shared by two sequences) changes the output.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from freetoken.models.batch import ForwardBatch, KVCache
+from freetoken.models.config import ModelConfig
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?"
+
+
+def next_token(context: list[int], vocab: int) -> int:
+    return (sum(context) * 7 + len(context)) % vocab
+
+
+def expected_continuation(prompt: list[int], count: int, vocab: int,
+                          eos: int | None = None) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    for _ in range(count):
+        token = next_token(tokens, vocab)
+        out.append(token)
+        tokens.append(token)
+        if token == eos:
+            break
+    return out
+
+
+class FakeModel:
+    def __init__(self, vocab: int = len(ALPHABET), max_position: int = 4096):
+        self.config = ModelConfig(
+            architecture="llama", vocab_size=vocab, hidden_size=4, intermediate_size=4,
+            num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-5,
+            rope_theta=1e4, max_position=max_position)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.batches: list[ForwardBatch] = []
+        self.fail_next = False
+        self.gate = threading.Event()   # forward waits while it is clear
+        self.gate.set()
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        self.batches.append(batch)
+        self.gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected failure")
+        kv.k[0][batch.slot_mapping, 0, 0] = batch.input_ids.float()
+        logits = torch.zeros(batch.num_seqs, self.config.vocab_size)
+        block = kv.block_size
+        for b in range(batch.num_seqs):
+            n = int(batch.seq_lens[b])
+            pos = torch.arange(n)
+            slots = batch.block_tables[b, pos // block].long() * block + pos % block
+            context = kv.k[0][slots, 0, 0].long().tolist()
+            logits[b, next_token(context, self.config.vocab_size)] = 10.0
+        return logits
+
+
+class CharTokenizer:
+    """id i <-> ALPHABET[i]; ids past the alphabet decode to nothing (special tokens)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ALPHABET.index(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(ALPHABET[i] for i in ids if i < len(ALPHABET))

@@ -1,0 +1,125 @@
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.detokenizer import IncrementalDetokenizer
+from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.request import Request, RequestStatus, SamplingParams
+from freetoken.engine.scheduler import Scheduler
+from tests.engine.fakes import CharTokenizer
+
+
+def make_request(name: str, prompt_len: int, max_tokens: int = 100) -> Request:
+    prompt = [1] * prompt_len
+    return Request(name, prompt_len, list(prompt),
+                   SamplingParams(max_tokens=max_tokens).resolve(None, max_tokens),
+                   torch.Generator(), IncrementalDetokenizer(CharTokenizer(), prompt),
+                   sink=lambda out: None)
+
+
+def run_step(plan):
+    """What the engine does after a forward: advance and sample one token where due."""
+    for chunk in plan:
+        done = chunk.completes_sequence
+        chunk.request.num_computed += chunk.num_tokens
+        if done:
+            chunk.request.token_ids.append(3)
+
+
+def make_scheduler(num_tokens=1024, block=16, seqs=8, chunk=64):
+    config = EngineConfig(num_tokens=num_tokens, block_size=block, max_num_seqs=seqs,
+                          max_prefill_tokens=chunk)
+    return Scheduler(config, PagePool(config.num_blocks, block))
+
+
+def test_long_prompt_is_prefilled_in_chunks():
+    sched = make_scheduler(chunk=64)
+    req = make_request("a", 150)
+    sched.add(req)
+    sizes = []
+    for _ in range(3):
+        plan = sched.schedule()
+        sizes.append([c.num_tokens for c in plan])
+        assert [c.completes_sequence for c in plan] == [len(sizes) == 3]
+        run_step(plan)
+    assert sizes == [[64], [64], [22]]
+    assert req.num_output == 1 and req.num_pending == 1
+    assert len(req.pages) == 10  # 150 computed tokens on 16-token pages
+
+
+def test_prefill_budget_respected_each_step():
+    sched = make_scheduler(chunk=40)
+    for i in range(5):
+        sched.add(make_request(f"r{i}", 30))
+    for _ in range(10):
+        plan = sched.schedule()
+        prefill = sum(c.num_tokens for c in plan if c.request.num_pending > 1)
+        assert prefill <= 40
+        run_step(plan)
+    assert all(r.num_output >= 1 for r in sched.running) and len(sched.running) == 5
+
+
+def test_new_requests_join_while_others_decode():
+    sched = make_scheduler(chunk=32)
+    first = make_request("first", 20)
+    sched.add(first)
+    run_step(sched.schedule())              # first is prefilled, now decoding
+    second = make_request("second", 20)
+    sched.add(second)
+    plan = sched.schedule()
+    assert {(c.request.request_id, c.num_tokens) for c in plan} == {("first", 1), ("second", 20)}
+    run_step(plan)
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan] == [("first", 1), ("second", 1)]
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make_scheduler(seqs=2, chunk=512)
+    for i in range(4):
+        sched.add(make_request(f"r{i}", 4))
+    plan = sched.schedule()
+    assert len(plan) == 2 and len(sched.waiting) == 2
+
+
+def test_admission_waits_for_free_pages():
+    sched = make_scheduler(num_tokens=64, block=16, chunk=512)  # 4 pages
+    big = make_request("big", 48)           # 3 pages
+    sched.add(big)
+    run_step(sched.schedule())
+    small = make_request("small", 20)       # needs 2 pages (+1 spare for big): must wait
+    sched.add(small)
+    plan = sched.schedule()
+    assert [c.request.request_id for c in plan] == ["big"]
+    assert small.status is RequestStatus.WAITING and small.pages == []
+    sched.finish(big)
+    assert sched.pool.num_free == 4
+    assert [c.request.request_id for c in sched.schedule()] == ["small"]
+
+
+def test_full_pool_preempts_newest_and_recomputes_it_later():
+    sched = make_scheduler(num_tokens=64, block=16, chunk=512)   # 4 pages
+    old, new = make_request("old", 16), make_request("new", 15)
+    sched.add(old)
+    run_step(sched.schedule())
+    sched.add(new)
+    run_step(sched.schedule())   # new admitted: each now holds 1 full-ish page
+    for _ in range(40):
+        plan = sched.schedule()
+        run_step(plan)
+        sched.pool.check_integrity(sched.owned_pages())
+    assert sched.num_preemptions >= 1
+    assert old.status is RequestStatus.RUNNING
+    # the preempted request keeps its generated tokens and recomputes them when readmitted
+    assert new.num_output >= 1 and len(new.token_ids) == new.prompt_len + new.num_output
+
+
+def test_finish_frees_pages_of_waiting_and_running():
+    sched = make_scheduler(num_tokens=64, seqs=1)
+    a, b = make_request("a", 10), make_request("b", 10)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
+    sched.finish(b)
+    sched.finish(a)
+    sched.finish(a)  # idempotent
+    assert sched.pool.num_free == sched.pool.num_pages and not sched.has_work

@@ -1,0 +1,121 @@
+"""Tiny random HF checkpoints, a byte-level BPE tokenizer.json, and a paged-KV step driver."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from freetoken.models.batch import ForwardBatch, KVCache
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["The quick brown fox jumps over the lazy dog. " * 3,
+          "def add(a, b):\n    return a + b\n", "Paris is the capital of France.",
+          "numbers 12345 and 678, héllo wörld, 東京 🚀"] * 20
+
+
+def write_byte_bpe(directory: Path, vocab_size: int = 300) -> int:
+    """tokenizer.json + tokenizer_config.json (ChatML template); returns the vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    return tok.get_vocab_size()
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Non-trivial norms and biases, and larger weights, so every path shows in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def tiny_hf_model(arch: str, directory: Path, seed: int = 0, **overrides):
+    """Save a random 2-layer float32 model of `arch` with a tokenizer; return the HF model."""
+    import transformers
+
+    vocab = write_byte_bpe(directory)
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, n) for n in classes[arch])
+    settings = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                    tie_word_embeddings=False, eos_token_id=2, bos_token_id=None)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    config = config_cls(**settings)
+    config._attn_implementation = "eager"
+    model = model_cls(config).to(torch.float32).eval()
+    _perturb(model, seed)
+    model.save_pretrained(directory)
+    return model
+
+
+class PagedRunner:
+    """Drives a model over a KV pool with scattered pages, like the engine does."""
+
+    def __init__(self, model, num_blocks: int = 32, block_size: int = 16, seed: int = 0):
+        self.model, self.block_size = model, block_size
+        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+        self.free = order.tolist()
+        self.pages: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def _slots(self, seq: int, count: int) -> list[int]:
+        pages = self.pages.setdefault(seq, [])
+        start = self.lengths.get(seq, 0)
+        slots = []
+        for pos in range(start, start + count):
+            if pos // self.block_size >= len(pages):
+                pages.append(self.free.pop())
+            slots.append(pages[pos // self.block_size] * self.block_size + pos % self.block_size)
+        self.lengths[seq] = start + count
+        return slots
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """One forward over (sequence id, new token ids) chunks; logits of each chunk's end."""
+        ids, positions, slots, starts, last = [], [], [], [0], []
+        for seq, tokens in chunks:
+            begin = self.lengths.get(seq, 0)
+            positions += range(begin, begin + len(tokens))
+            slots += self._slots(seq, len(tokens))
+            ids += tokens
+            starts.append(len(ids))
+            last.append(len(ids) - 1)
+        width = max(len(self.pages[s]) for s, _ in chunks)
+        tables = [self.pages[s] + [0] * (width - len(self.pages[s])) for s, _ in chunks]
+        dev = self.model.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([self.lengths[s] for s, _ in chunks], dtype=torch.int32,
+                                  device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
+            max_query_len=max(len(t) for _, t in chunks))
+        return self.model.forward(batch, self.kv)

@@ -1,0 +1,114 @@
+"""Tokenizer behaviour on a tiny byte-level BPE: streaming decode, chat templates (rendered in
+the sandbox, compared with transformers' rendering), eos ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freetoken.models.errors import ChatTemplateError
+from freetoken.models.hf_loader import hf_tokenizer
+
+TOOL_TEMPLATE = (
+    "{% if tools %}{{ 'Tools: ' + tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('system must come first') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    directory, _ = tiny_checkpoint("llama")
+    return hf_tokenizer(directory, {}, {})
+
+
+def with_template(tok, template: str):
+    from freetoken.models.tokenizer import Tokenizer
+
+    return Tokenizer(tok.backend, chat_template=template, bos_token_id=None,
+                     eos_token_ids=(), special_tokens=tok.special_tokens)
+
+
+def test_incremental_decoder_never_splits_characters(tok):
+    text = "héllo wörld 東京 🚀 done 👍🏽!"
+    ids = tok.encode(text)
+    stream = tok.incremental_decoder()
+    deltas = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(deltas) == text == tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 5          # really incremental
+
+
+def test_incremental_decoder_skips_special_tokens(tok):
+    end = tok.token_id("<|im_end|>")
+    ids = tok.encode("Paris.") + [end]
+    stream = tok.incremental_decoder(skip_special_tokens=True)
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == "Paris."
+    assert end in tok.eos_token_ids
+
+
+def test_special_token_text_becomes_one_id(tok):
+    ids = tok.encode("<|im_start|>user")
+    assert ids[0] == tok.token_id("<|im_start|>")
+    assert tok.decode(ids) == "user"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user"
+
+
+def test_chat_template_matches_transformers(tiny_checkpoint, tok):
+    from transformers import PreTrainedTokenizerFast
+
+    directory, _ = tiny_checkpoint("llama")
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Météo"}}]
+    messages = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}]
+    ours = with_template(tok, TOOL_TEMPLATE)
+    for kwargs in ({}, {"tools": tools}):
+        expected = reference.apply_chat_template(messages, chat_template=TOOL_TEMPLATE,
+                                                 add_generation_prompt=True, tokenize=False,
+                                                 **kwargs)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) \
+            == expected
+    assert '"Météo"' in ours.apply_chat_template(messages, tools=tools)   # tojson keeps unicode
+
+
+def test_raise_exception_becomes_chat_template_error(tok):
+    ours = with_template(tok, TOOL_TEMPLATE)
+    bad = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match="system must come first"):
+        ours.apply_chat_template(bad)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages.__class__.__mro__[1].__subclasses__() }}",
+    "{{ ''.__class__.__base__ }}",
+    "{% set x = messages.append(1) %}",
+])
+def test_sandbox_blocks_unsafe_templates(tok, template):
+    with pytest.raises(ChatTemplateError, match="failed to render"):
+        with_template(tok, template).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_helpers_and_generation_tag(tok):
+    template = ("{{ strftime_now('%Y') }}#{% for m in messages %}{% generation %}"
+                "{{ m['content'] }}{% endgeneration %}{% endfor %}#{{ eos_token }}")
+    text = with_template(tok, template).apply_chat_template([{"role": "user", "content": "x"}])
+    year, body, eos = text.split("#")
+    assert year.isdigit() and len(year) == 4 and body == "x" and eos == "<|im_end|>"
+
+
+def test_template_errors(tok):
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        with_template(tok, "{% for %}").apply_chat_template([])
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        with_template(tok, None).apply_chat_template([])
+
+
+def test_eos_ids_from_generation_config(tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("llama")
+    (tmp_path / "tokenizer.json").write_bytes((directory / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
+    tok = hf_tokenizer(tmp_path, {"eos_token_id": 0}, {"eos_token_id": [1, 0]})
+    assert tok.eos_token_ids[:2] == (1, 0)
+    assert tok.token_id("<|im_end|>") in tok.eos_token_ids    # end-of-turn spelling

@@ -1,0 +1,72 @@
+"""A real uvicorn server on a free loopback port over a tiny random HF llama."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.engine.tiny_llama import CONTEXT, write_tiny_llama
+
+API_KEY = "test-secret-key"
+
+
+@dataclass
+class Served:
+    url: str
+    engine: object
+    loaded: object
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_llama(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    from freetoken.models.loader import load_model
+
+    return load_model(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_loaded):
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+
+    config = EngineConfig(num_tokens=4 * CONTEXT, block_size=16, max_num_seqs=16,
+                          max_prefill_tokens=256, device="cpu")
+    engine = Engine.from_loaded(tiny_loaded, config).start()
+    yield engine
+    engine.shutdown()
+
+
+def _serve(engine, loaded, api_key=None):
+    from freetoken.server.app import create_app
+    from freetoken.server.launch import ServerThread
+
+    app = create_app(engine, loaded.tokenizer, loaded.name, api_key=api_key)
+    return ServerThread(app, "127.0.0.1", 0).start()
+
+
+@pytest.fixture(scope="session")
+def server(engine, tiny_loaded):
+    thread = _serve(engine, tiny_loaded)
+    yield Served(thread.url, engine, tiny_loaded)
+    thread.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(engine, tiny_loaded):
+    """A second front end over the same engine that requires API_KEY."""
+    thread = _serve(engine, tiny_loaded, api_key=API_KEY)
+    yield Served(thread.url, engine, tiny_loaded)
+    thread.stop()
