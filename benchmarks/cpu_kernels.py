@@ -80,6 +80,43 @@ def bench_attention(context: int, cache_dtype: torch.dtype, reps: int) -> float:
                                                       qsl, bs, d ** -0.5), reps)
 
 
+def decode_step_seconds(context: int, reps: int) -> float:
+    """One decoded token of the 30-layer model with random weights: every kernel in order."""
+    hidden, ffn, hq, hk, d, bs = 576, 1536, 9, 3, 64, 16
+    layers = [{name: ref.quantize(torch.randn(n, k), ref.Q4_1) for name, k, n in
+               (("qkv", hidden, (hq + 2 * hk) * d), ("o", hidden, hidden),
+                ("gate_up", hidden, 2 * ffn), ("down", ffn, hidden))} for _ in range(LAYERS)]
+    head = ref.quantize(torch.randn(49152, hidden), ref.Q8_0)
+    blocks = context // bs + 1
+    caches = [(torch.randn(blocks * bs, hk, d), torch.randn(blocks * bs, hk, d)) for _ in range(LAYERS)]
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    seq_lens, qsl = torch.tensor([context], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    pos, slot = torch.tensor([context - 1]), torch.tensor([context - 1])
+    cos_sin = torch.randn(context, d)
+    x, res, norm_w = torch.randn(1, hidden), torch.randn(1, hidden), torch.ones(hidden)
+    qkv, attn = torch.empty(1, (hq + 2 * hk) * d), torch.empty(1, hq, d)
+    gate_up, act, logits = torch.empty(1, 2 * ffn), torch.empty(1, ffn), torch.empty(1, 49152)
+    h = torch.empty(1, hidden)
+
+    def step():
+        for w, (kc, vc) in zip(layers, caches):
+            ops.fused_add_rms_norm(x, res, norm_w, 1e-5)
+            ops.quant_matmul(qkv, x, w["qkv"], ref.Q4_1)
+            q, k, v = qkv[:, : hq * d], qkv[:, hq * d: (hq + hk) * d], qkv[:, (hq + hk) * d:]
+            ops.rotary_embedding(pos, q, k, cos_sin, d, True)
+            ops.store_kv(k.view(1, hk, d), v.view(1, hk, d), kc, vc, slot)
+            ops.paged_attention(attn, q.view(1, hq, d), kc, vc, tables, seq_lens, qsl, bs, 0.125)
+            ops.quant_matmul(h, attn.view(1, -1), w["o"], ref.Q4_1)
+            ops.fused_add_rms_norm(h, res, norm_w, 1e-5)
+            ops.quant_matmul(gate_up, h, w["gate_up"], ref.Q4_1)
+            ops.silu_and_mul(act, gate_up)
+            ops.quant_matmul(x, act, w["down"], ref.Q4_1)
+        ops.fused_add_rms_norm(x, res, norm_w, 1e-5)
+        ops.quant_matmul(logits, x, head, ref.Q8_0)
+
+    return median_seconds(step, reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (0 = all cores)")
@@ -101,6 +138,9 @@ def main() -> None:
         per_64 = bench_matmul(isa, 64, max(5, args.reps // 5))
         print(f"  {isa}: prefill matmuls {per_64 / 64 * 1e3:.3f} ms/token "
               f"-> at most {64 / per_64:.0f} prompt tok/s")
+    for context in (128, 512):
+        s = decode_step_seconds(context, max(5, args.reps // 5))
+        print(f"  decode step, all kernels, context {context}: {s * 1e3:.2f} ms -> {1 / s:.0f} tok/s")
     for context in (128, 512, 2048):
         for dtype in (torch.float32, torch.float16):
             s = bench_attention(context, dtype, args.reps)

@@ -33,7 +33,7 @@ CUDA_FLAGS = (
 )
 ROCM_FLAGS = (
     "-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-x", "hip",
-    "-nogpulib", "-D__HIP_PLATFORM_AMD__",
+    "-nogpulib", "-nogpuinc", "-no-hip-rt", "-D__HIP_PLATFORM_AMD__",
 )
 
 
@@ -90,25 +90,36 @@ def abi_tag(backend: str, cuda_major: int | None) -> str:
     return backend
 
 
-def _headers() -> list[Path]:
-    found = []
-    for folder in ("include", "hip"):
-        root = KERNELS_DIR / folder
-        if root.is_dir():
-            found += sorted(p for p in root.rglob("*") if p.is_file())
-    return found
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+def included_headers(sources: list[Path], backend: str) -> list[Path]:
+    """Every header of this tree that `sources` include, transitively (shims too for ROCm)."""
+    roots = [KERNELS_DIR / "include"] + ([KERNELS_DIR / "hip"] if backend == "rocm" else [])
+    seen: dict[Path, None] = {}
+    pending = list(sources)
+    while pending:
+        text = pending.pop().read_text(errors="replace")
+        for name in _INCLUDE.findall(text):
+            for root in roots:
+                path = (root / name).resolve()
+                if path.is_file() and path not in seen:
+                    seen[path] = None
+                    pending.append(path)
+    return sorted(seen)
 
 
 def kernel_key(kernel, variant, backend: str, cuda_major: int | None = None) -> str:
-    """name-variant-hash; the hash covers sources, every shared header, flags and ABI tag."""
+    """name-variant-hash; the hash covers sources, the headers they include, flags and ABI tag."""
     h = hashlib.sha256()
     h.update(f"format={BUILD_FORMAT};abi={abi_tag(backend, cuda_major)};".encode())
     h.update(repr(variant.defines).encode())
     h.update(repr(_flags_for_backend(backend)).encode())
-    for rel in kernel.sources_for(backend):
+    sources = [KERNELS_DIR / rel for rel in kernel.sources_for(backend)]
+    for rel, path in zip(kernel.sources_for(backend), sources):
         h.update(rel.encode())
-        h.update((KERNELS_DIR / rel).read_bytes())
-    for header in _headers():
+        h.update(path.read_bytes())
+    for header in included_headers(sources, backend):
         h.update(str(header.relative_to(KERNELS_DIR)).encode())
         h.update(header.read_bytes())
     return f"{kernel.name}-{variant.name}-{h.hexdigest()[:16]}"
@@ -158,7 +169,7 @@ def compile_command(job: BuildJob, out_path: Path, tc: Toolchain) -> list[str]:
 
 def write_ninja(jobs: list[BuildJob], out_root: Path, tc: Toolchain, ninja_path: Path) -> None:
     """One ninja file for all jobs; each edge writes its .so atomically via a temp name."""
-    lines = ["ninja_required_version = 1.3", "rule cc", "  command = $cmd && mv -f $out.tmp $out",
+    lines = ["ninja_required_version = 1.3", f"builddir = {_ninja_escape(str(out_root))}", "rule cc", "  command = $cmd && mv -f $out.tmp $out",
              "  description = $desc", ""]
     for job in jobs:
         out = out_root / job.output

@@ -91,7 +91,8 @@ def _check_cuda_against_torch(nvcc, allow: bool) -> None:
         raise RuntimeError(str(problem))
 
 
-def compile_all(targets: list[str], facts: dict, out_root: Path, jobs: int) -> list:
+def compile_all(targets: list[str], facts: dict, objects: Path, jobs: int) -> list:
+    """Compile every job into `objects` (kept between builds: ninja skips existing keys)."""
     import tvm_ffi.libinfo as libinfo
 
     nvcc = facts["nvcc"]
@@ -105,20 +106,18 @@ def compile_all(targets: list[str], facts: dict, out_root: Path, jobs: int) -> l
     )
     build_jobs = build.jobs_for(set(targets), tc.cuda_major)
     for target in targets:
-        (out_root / target).mkdir(parents=True, exist_ok=True)
-    ninja_file = out_root.parent / "build.ninja"
-    build.write_ninja(build_jobs, out_root, tc, ninja_file)
+        (objects / target).mkdir(parents=True, exist_ok=True)
+    ninja_file = objects / f"build-{os.getpid()}.ninja"
+    build.write_ninja(build_jobs, objects, tc, ninja_file)
     if facts["cuda_home"]:
         os.environ["CUDA_HOME"] = str(facts["cuda_home"])
-    _say(f"compiling {len(build_jobs)} kernel builds for {', '.join(targets)}")
+    _say(f"{len(build_jobs)} kernel builds for {', '.join(targets)} (objects in {objects})")
     start = time.perf_counter()
-    build.run_ninja(ninja_file, jobs or None)
+    try:
+        build.run_ninja(ninja_file, jobs or None)
+    finally:
+        ninja_file.unlink(missing_ok=True)
     _say(f"compiled in {time.perf_counter() - start:.1f} s")
-    ninja_file.unlink()
-    for leftover in out_root.rglob(".ninja_*"):
-        leftover.unlink()
-    for leftover in out_root.parent.glob(".ninja_*"):
-        leftover.unlink()
     return build_jobs
 
 
@@ -211,7 +210,11 @@ def build_cache(out_dir: Path, env=None) -> tuple[str, list[str], dict]:
     package = out_dir / NAME
     shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "cache"))
     out_root = package / "cache"
-    build_jobs = compile_all(targets, facts, out_root, env.build_jobs)
+    objects = REPO / "kernel-cache" / "build" / "objects"
+    build_jobs = compile_all(targets, facts, objects, env.build_jobs)
+    for job in build_jobs:
+        (out_root / job.target).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(objects / job.output, out_root / job.output)
     version = cache_version(runtime_version(), targets, facts)
     write_index(out_root, build_jobs, targets, version, facts)
     init = package / "__init__.py"

@@ -14,31 +14,17 @@
 #include <vector>
 
 #include "freetoken/cpu_common.h"
+#include "freetoken/paged_attention_args.h"
 
 namespace freetoken {
 namespace {
 
+using attention::ConvertRow;
+using attention::Problem;
+
 constexpr int64_t kChunk = 64;          // keys per softmax step
 constexpr int64_t kTileRows = 32;       // query rows (tokens x heads) per task
 constexpr int64_t kMinSplitKeys = 128;  // a key range is split no finer than this
-
-using ConvertRow = void (*)(float* dst, const void* src, int64_t n);
-
-struct Problem {
-  int64_t tokens, q_heads, kv_heads, head_dim, group, batch, max_blocks, block_size, window;
-  int64_t q_token_stride, out_token_stride;
-  float scale;
-  const void* q;
-  void* out;
-  const void* k;
-  const void* v;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start;
-  FloatType q_type, out_type, cache_type;
-  ConvertRow convert;  // cache rows to f32 (unused for f32 caches)
-  float* partials;     // split tasks write [rows][m, l, acc[D]] here, kTileRows rows each
-};
 
 // Query tokens [t0, t1) (indices among the sequence's new tokens) of sequence `seq`, query heads
 // [h0, h1) of one KV head, keys at positions [key_lo, key_hi). partial < 0: write `out`.
@@ -53,10 +39,20 @@ struct Scratch {
 
 #define FT_ALWAYS_INLINE inline __attribute__((always_inline))
 
-FT_ALWAYS_INLINE float lanes_sum(v8f v) {
-  v += __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+FT_ALWAYS_INLINE float lanes_sum(const v8f& x) {
+  v8f v = x + __builtin_shuffle(x, v8i{4, 5, 6, 7, 0, 1, 2, 3});
   v += __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
   v += __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
+}
+
+FT_ALWAYS_INLINE float lanes_max(const v8f& x) {
+  v8f t = __builtin_shuffle(x, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+  v8f v = x > t ? x : t;
+  t = __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
+  v = v > t ? v : t;
+  t = __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  v = v > t ? v : t;
   return v[0];
 }
 
@@ -73,6 +69,37 @@ FT_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   float s = lanes_sum(s0 + s1);
   for (; i < len; ++i) s += a[i] * b[i];
   return s;
+}
+
+// Dots of q with four keys at once: q is loaded once, and the four lane sums share one
+// shuffle-and-add reduction (a fraction of four separate horizontal sums).
+template <int kD>
+FT_ALWAYS_INLINE void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+  const int64_t len = kD > 0 ? kD : n;
+  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const v8f qv = load8(q + i);
+    a0 += qv * load8(k[0] + i);
+    a1 += qv * load8(k[1] + i);
+    a2 += qv * load8(k[2] + i);
+    a3 += qv * load8(k[3] + i);
+  }
+  // [a lo+hi | b lo+hi], then pairs, then neighbours: lanes 0, 4, 2, 6 hold a, b, c, d
+  v8f ab = __builtin_shuffle(a0, a1, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(a0, a1, v8i{4, 5, 6, 7, 12, 13, 14, 15});
+  v8f cd = __builtin_shuffle(a2, a3, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(a2, a3, v8i{4, 5, 6, 7, 12, 13, 14, 15});
+  v8f x = __builtin_shuffle(ab, cd, v8i{0, 1, 8, 9, 4, 5, 12, 13}) +
+          __builtin_shuffle(ab, cd, v8i{2, 3, 10, 11, 6, 7, 14, 15});
+  x += __builtin_shuffle(x, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  out[0] = x[0];
+  out[1] = x[4];
+  out[2] = x[2];
+  out[3] = x[6];
+  for (; i < len; ++i) {
+    for (int j = 0; j < 4; ++j) out[j] += q[i] * k[j][i];
+  }
 }
 
 // acc = acc * alpha + sum_j p[j] * v[j]; with kD fixed the accumulator lives in registers.
@@ -124,11 +151,11 @@ __attribute__((target("avx2,f16c"))) void convert_f16_row_f16c(float* dst, const
 template <bool kDirect>
 FT_ALWAYS_INLINE void gather_chunk(const Problem& p, const int32_t* table, int64_t kv_head,
                                    int64_t c0, int64_t n, Scratch& sc) {
-  const int64_t d = p.head_dim;
+  const int64_t d = p.head_dim, key_stride = p.kv_heads * d;  // between slots, in elements
   const size_t elem = p.cache_type == FloatType::kF32 ? 4 : 2;
   int64_t page = c0 / p.block_size, offset = c0 % p.block_size;
+  int64_t row = ((table[page] * p.block_size + offset) * p.kv_heads + kv_head) * d;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = ((table[page] * p.block_size + offset) * p.kv_heads + kv_head) * d;
     if constexpr (kDirect) {
       sc.k_rows[j] = static_cast<const float*>(p.k) + row;
       sc.v_rows[j] = static_cast<const float*>(p.v) + row;
@@ -138,9 +165,10 @@ FT_ALWAYS_INLINE void gather_chunk(const Problem& p, const int32_t* table, int64
       sc.k_rows[j] = sc.k.data() + j * d;
       sc.v_rows[j] = sc.v.data() + j * d;
     }
-    if (++offset == p.block_size) {
+    row += key_stride;
+    if (++offset == p.block_size && j + 1 < n) {  // next page: look its block up
       offset = 0;
-      ++page;
+      row = (table[++page] * p.block_size * p.kv_heads + kv_head) * d;
     }
   }
 }
@@ -151,15 +179,18 @@ FT_ALWAYS_INLINE void update_row(const float* q, float* acc, float& m, float& l,
                                  int64_t j1, int64_t d, const Scratch& sc) {
   float s[kChunk + 8];  // local, so the compiler knows it aliases neither q nor the K rows
   const float* const* k_rows = sc.k_rows.data();
-  float top = -INFINITY;
-  for (int64_t j = j0; j < j1; ++j) {
-    s[j] = dot<kD>(q, k_rows[j], d);
-    top = std::max(top, s[j]);
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) dot4<kD>(q, k_rows + j, d, s + j);
+  for (; j < j1; ++j) s[j] = dot<kD>(q, k_rows[j], d);
+  for (int i = 0; i < 8; ++i) s[j1 + i] = -INFINITY;  // pad: max ignores it, exp gives 0
+  v8f top = v8f{} - INFINITY;
+  for (j = j0; j < j1; j += 8) {
+    v8f x = load8(s + j);
+    top = x > top ? x : top;
   }
-  for (int i = 0; i < 8; ++i) s[j1 + i] = -INFINITY;  // pad: exp gives 0 there
-  const float m_new = std::max(m, top);
+  const float m_new = std::max(m, lanes_max(top));
   v8f sum = {};
-  for (int64_t j = j0; j < j1; j += 8) {
+  for (j = j0; j < j1; j += 8) {
     v8f e = exp8(load8(s + j) - m_new);
     store8(s + j, e);
     sum += e;
@@ -251,95 +282,6 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-Problem check_problem(const TensorView& out, const TensorView& q, const TensorView& k_cache,
-                      const TensorView& v_cache, const TensorView& block_tables,
-                      const TensorView& seq_lens, const TensorView& query_start_loc,
-                      int64_t block_size, double scale, int64_t sliding_window) {
-  Problem p{};
-  p.q_type = float_type(q, "q");
-  p.out_type = float_type(out, "out");
-  p.cache_type = float_type(k_cache, "k_cache");
-  check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
-  check_ndim(q, 3, "q");
-  check_ndim(out, 3, "out");
-  check_ndim(k_cache, 3, "k_cache");
-  check_contiguous(k_cache, "k_cache");
-  check_contiguous(v_cache, "v_cache");
-  for (int i = 0; i < 3; ++i) {
-    TVM_FFI_ICHECK(out.size(i) == q.size(i)) << "out must have q's shape [T, Hq, D]";
-    TVM_FFI_ICHECK(v_cache.ndim() == 3 && v_cache.size(i) == k_cache.size(i))
-        << "v_cache must have k_cache's shape [S, Hk, D]";
-  }
-  p.tokens = q.size(0);
-  p.q_heads = q.size(1);
-  p.head_dim = q.size(2);
-  p.kv_heads = k_cache.size(1);
-  TVM_FFI_ICHECK(k_cache.size(2) == p.head_dim)
-      << "k_cache head dim " << k_cache.size(2) << " differs from q's " << p.head_dim;
-  TVM_FFI_ICHECK(p.kv_heads > 0 && p.q_heads % p.kv_heads == 0)
-      << "q heads (" << p.q_heads << ") must be a multiple of KV heads (" << p.kv_heads << ")";
-  TVM_FFI_ICHECK(block_size > 0 && k_cache.size(0) % block_size == 0)
-      << "block_size " << block_size << " must be positive and divide the pool's "
-      << k_cache.size(0) << " slots";
-  TVM_FFI_ICHECK(sliding_window >= 0) << "sliding_window must be >= 0, got " << sliding_window;
-  p.q_token_stride = row_view(q, 2, "q").stride;
-  p.out_token_stride = row_view(out, 2, "out").stride;
-  p.group = p.q_heads / p.kv_heads;
-  p.block_size = block_size;
-  p.window = sliding_window;
-  p.scale = static_cast<float>(scale);
-  p.q = data_of<void>(q);
-  p.out = data_of<void>(out);
-  p.k = data_of<void>(k_cache);
-  p.v = data_of<void>(v_cache);
-  for (auto [t, name] : {std::pair{&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
-                         {&query_start_loc, "query_start_loc"}}) {
-    check_contiguous(*t, name);
-    check_dtype(*t, kDLInt, 32, name, "int32");
-  }
-  check_ndim(block_tables, 2, "block_tables");
-  p.batch = block_tables.size(0);
-  p.max_blocks = block_tables.size(1);
-  TVM_FFI_ICHECK(seq_lens.ndim() == 1 && seq_lens.size(0) == p.batch)
-      << "seq_lens must be [" << p.batch << "] (one per block_tables row)";
-  TVM_FFI_ICHECK(query_start_loc.ndim() == 1 && query_start_loc.size(0) == p.batch + 1)
-      << "query_start_loc must be [" << p.batch + 1 << "] (batch + 1)";
-  p.block_tables = data_of<int32_t>(block_tables);
-  p.seq_lens = data_of<int32_t>(seq_lens);
-  p.query_start = data_of<int32_t>(query_start_loc);
-  return p;
-}
-
-// Checks every sequence's lengths and the block ids it will read (workers must not throw).
-void check_sequences(const Problem& p) {
-  TVM_FFI_ICHECK(p.query_start[0] >= 0 && p.query_start[p.batch] <= p.tokens)
-      << "query_start_loc must lie within q's " << p.tokens << " tokens";
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t q_len = p.query_start[b + 1] - p.query_start[b], seq_len = p.seq_lens[b];
-    TVM_FFI_ICHECK(q_len >= 0) << "query_start_loc must be non-decreasing (sequence " << b << ")";
-    if (q_len == 0) continue;
-    TVM_FFI_ICHECK(seq_len >= q_len)
-        << "seq_lens[" << b << "] = " << seq_len << " is less than its " << q_len << " new tokens";
-    const int64_t pages = (seq_len + p.block_size - 1) / p.block_size;
-    TVM_FFI_ICHECK(pages <= p.max_blocks)
-        << "sequence " << b << " needs " << pages << " blocks but block_tables has "
-        << p.max_blocks << " columns";
-  }
-}
-
-void check_block_ids(const Problem& p, int64_t num_blocks) {
-  for (int64_t b = 0; b < p.batch; ++b) {
-    if (p.query_start[b + 1] == p.query_start[b]) continue;
-    const int64_t pages = (p.seq_lens[b] + p.block_size - 1) / p.block_size;
-    for (int64_t i = 0; i < pages; ++i) {
-      const int64_t id = p.block_tables[b * p.max_blocks + i];
-      TVM_FFI_ICHECK(id >= 0 && id < num_blocks)
-          << "block_tables[" << b << ", " << i << "] = " << id << " is outside the pool's "
-          << num_blocks << " blocks";
-    }
-  }
-}
-
 // Tasks of (sequence, token tile, KV head); when they are too few to fill the cores, each key
 // range is split and `merges` records the groups to combine afterwards.
 struct Merge {
@@ -407,10 +349,11 @@ void merge_partials(const Problem& p, const std::vector<Merge>& merges) {
 void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
                      TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
                      int64_t block_size, double scale, int64_t sliding_window) {
-  Problem p = check_problem(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            block_size, scale, sliding_window);
-  check_sequences(p);
-  check_block_ids(p, k_cache.size(0) / block_size);
+  Problem p = attention::check_problem(out, q, k_cache, v_cache, block_size, sliding_window);
+  attention::fill_problem(p, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                          block_size, scale, sliding_window);
+  attention::check_sequences(p);
+  attention::check_block_ids(p, k_cache.size(0) / block_size);
   const CpuFeatures& cpu = cpu_features();
   p.convert = p.cache_type == FloatType::kBF16 ? convert_row<bf16>
               : cpu.f16c                      ? convert_f16_row_f16c
@@ -418,7 +361,7 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
   thread_local std::vector<Task> tasks;
   thread_local std::vector<Merge> merges;
   thread_local std::vector<float> partials;
-  build_tasks(p, ThreadPool::instance().num_threads(), tasks, merges);
+  build_tasks(p, thread_pool().num_threads(), tasks, merges);
   int64_t n_partials = 0;
   for (const Merge& g : merges) n_partials += g.count;
   partials.resize(n_partials * kTileRows * (p.head_dim + 2));
@@ -435,8 +378,8 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
 }
 
 int64_t set_num_threads(int64_t n) {
-  ThreadPool::instance().set_num_threads(static_cast<int>(n));
-  return ThreadPool::instance().num_threads();
+  thread_pool().set_num_threads(static_cast<int>(n));
+  return thread_pool().num_threads();
 }
 
 }  // namespace

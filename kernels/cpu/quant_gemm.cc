@@ -136,7 +136,7 @@ void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64
   const uint8_t* wp = data_of<uint8_t>(qweight);
   float* op = data_of<float>(out);
   const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
-  const int64_t threads = ThreadPool::instance().num_threads();
+  const int64_t threads = thread_pool().num_threads();
   if (s.m < 8) {
     quantize(isa, xp, s.k, 0, s.m, xq);
   } else {
@@ -145,8 +145,9 @@ void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64
   }
   // Decode (M = 1) streams the weights once: many chunks balance the cores. Prefill keeps a
   // chunk's weight rows (<= 16) in L1 while every activation tile passes over them.
-  const int64_t grain = s.m == 1 ? std::max<int64_t>(16, s.n / (threads * 16))
-                                 : std::max<int64_t>(4, std::min<int64_t>(16, s.n / (threads * 4)));
+  int64_t grain = s.m == 1 ? std::max<int64_t>(16, s.n / (threads * 16))
+                           : std::max<int64_t>(4, std::min<int64_t>(16, s.n / (threads * 4)));
+  grain = (grain + 3) / 4 * 4;  // whole tiles of four weight rows
   parallel_for(s.n, grain, [&](int64_t n0, int64_t n1) { multiply(isa, wp, s, qtype, n0, n1, xq, op); });
 }
 
@@ -195,8 +196,8 @@ void dequantize_rows(TensorView out, TensorView ids, TensorView qweight, int64_t
 std::string cpu_isa() { return isa_name(best_isa()); }
 
 int64_t set_num_threads(int64_t n) {
-  ThreadPool::instance().set_num_threads(static_cast<int>(n));
-  return ThreadPool::instance().num_threads();
+  thread_pool().set_num_threads(static_cast<int>(n));
+  return thread_pool().num_threads();
 }
 
 }  // namespace

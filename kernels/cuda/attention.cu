@@ -2,14 +2,20 @@
 //
 // Two kernels, chosen on the host from shapes alone (no device->host sync, so the call can be
 // captured in a CUDA graph):
-//  * decode (T == B, or float32, or an unaligned q): one block per (split, kv head, sequence)
-//    serves up to 8 query heads of that kv head, so each K/V row is read once for the whole
-//    GQA group; with few blocks the KV range is split (flash-decoding) and a second kernel
-//    merges the splits from the caller's workspace. It loops over a sequence's new tokens, so
-//    it is correct for any query length.
-//  * prefill (bf16/fp16): tiles of 64 query rows packed as (token, head of the group) pairs,
-//    keys in tiles of 64 (32 for head_dim 256), tensor-core mma with an online softmax.
+//  * tiled (bf16/fp16, every batch): tiles of 64 query rows packed as (token, head of the GQA
+//    group) pairs, so each K/V tile is loaded once for the whole group; keys stream through
+//    shared memory in tiles of 64 (32 for head_dim 256) with cp.async; tensor-core mma and an
+//    online softmax. Decode rows fill only the first warp(s); the rest skip the math.
+//  * decode (float32, or a q whose rows are not 16-byte aligned): CUDA-core dot products,
+//    one block per (split, kv head, sequence) serving up to 8 query heads; it loops over a
+//    sequence's new tokens, so it is correct for any query length.
+// A decode batch (T == B) with few blocks splits each KV range (flash-decoding); a second
+// kernel merges the splits from the caller's workspace.
+//
+// NOTE: one source file per registry kernel (a header would re-key every kernel's cache
+// entry), hence the length.
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "freetoken/cuda_common.cuh"
@@ -19,12 +25,12 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_huge_valf();
-constexpr int kThreads = 128;        // both kernels: 4 warps
-constexpr int kDecodeMaxGroup = 8;   // query heads per decode block
-constexpr int kPrefillMaxGroup = 16; // query heads per prefill tile
-constexpr int kPrefillRows = 64;     // query rows (token, head) per prefill tile
+constexpr int kThreads = 128;       // both kernels: 4 warps
+constexpr int kDecodeMaxGroup = 8;  // query heads per decode block
+constexpr int kTileMaxGroup = 16;   // query heads per tile
+constexpr int kTileRows = 64;       // query rows (token, head) per tile
 constexpr int kMaxSplits = 64;
-constexpr int kMinSplitKeys = 128;
+constexpr int kMinSplitKeys = 64;
 
 struct AttnParams {
   const void* q;
@@ -217,13 +223,14 @@ __global__ void __launch_bounds__(D) merge_splits_kernel(AttnParams p, int num_t
       from_float<T>(l > 0.f ? o / l : 0.f);
 }
 
-// ---------------------------------------------------------------- prefill (tensor cores)
+// ---------------------------------------------------------------- tiled (tensor cores)
 
 template <int D>
-struct PrefillShape {
+struct TileShape {
   static constexpr int kKeys = D == 256 ? 32 : 64;  // keys per tile
-  static constexpr int kPitch = D + 8;  // smem row pitch: 16 bytes of padding keeps ldmatrix conflict-free
-  static constexpr int kSmemBytes = (kPrefillRows + 2 * kKeys) * kPitch * 2;
+  // Shared-memory row pitch: 16 bytes of padding keep ldmatrix reads free of bank conflicts.
+  static constexpr int kPitch = D + 8;
+  static constexpr int kSmemBytes = (kTileRows + 2 * kKeys) * kPitch * 2;
 };
 
 // The tile's sequence: tiles of sequence b start at query_start_loc[b] / tokens_per_tile + b.
@@ -244,7 +251,7 @@ __device__ __forceinline__ int find_sequence(const int* qsl, int num_seqs, int t
 template <typename T, int D>
 __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int64_t* slots,
                                              int kv_heads, int kvh) {
-  using S = PrefillShape<D>;
+  using S = TileShape<D>;
   constexpr int kChunks = D / 8;
   for (int i = threadIdx.x; i < S::kKeys * kChunks; i += kThreads) {
     int n = i / kChunks, c = i - n * kChunks;
@@ -254,35 +261,175 @@ __device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int64
   }
 }
 
+// Per-warp state of 16 query rows: this lane holds rows r0 = 16 * warp + lane / 4 and r0 + 8.
+template <int D>
+struct RowState {
+  float o[D / 8][4];
+  float m0, m1, l0, l1;  // running max (log2 units) and this lane's share of the row sums
+};
+
+// S = Q K^T for the warp's 16 rows, masked and folded into the online softmax; on return
+// s holds the probabilities P (unnormalized) of this key tile.
+template <typename T, int D, int BN>
+__device__ __forceinline__ void tile_scores(const AttnParams& p, const T* sQ, const T* sK,
+                                            int n0, int ke, int pos0, int pos1,
+                                            float (&s)[BN / 8][4], RowState<D>& st) {
+  constexpr int LD = TileShape<D>::kPitch;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tq = lane % 4;
+#pragma unroll
+  for (int kd = 0; kd < D / 16; ++kd) {
+    uint32_t a[4];
+    ldmatrix_x4(a, sQ + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + kd * 16 +
+                       (lane / 16) * 8);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; nt += 2) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, sK + (nt * 8 + (lane / 16) * 8 + lane % 8) * LD + kd * 16 +
+                          ((lane / 8) % 2) * 8);
+      mma_16816<T>(s[nt], a, kb[0], kb[1]);
+      mma_16816<T>(s[nt + 1], a, kb[2], kb[3]);
+    }
+  }
+  // A row lives in the 4 lanes of a quad: reduce the tile max over them.
+  float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int key = n0 + nt * 8 + tq * 2 + (e & 1);
+      int pos = e < 2 ? pos0 : pos1;
+      bool ok = key <= pos && key < ke && (p.window <= 0 || key > pos - p.window);
+      s[nt][e] = ok ? s[nt][e] * p.scale_log2 : kNegInf;
+    }
+    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+  float new0 = fmaxf(st.m0, mx0), new1 = fmaxf(st.m1, mx1);
+  float base0 = new0 == kNegInf ? 0.f : new0, base1 = new1 == kNegInf ? 0.f : new1;
+  float alpha0 = exp2f(st.m0 - base0), alpha1 = exp2f(st.m1 - base1);
+  st.m0 = new0;
+  st.m1 = new1;
+  st.l0 *= alpha0;
+  st.l1 *= alpha1;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    s[nt][0] = exp2f(s[nt][0] - base0);
+    s[nt][1] = exp2f(s[nt][1] - base0);
+    s[nt][2] = exp2f(s[nt][2] - base1);
+    s[nt][3] = exp2f(s[nt][3] - base1);
+    st.l0 += s[nt][0] + s[nt][1];
+    st.l1 += s[nt][2] + s[nt][3];
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    st.o[dt][0] *= alpha0;
+    st.o[dt][1] *= alpha0;
+    st.o[dt][2] *= alpha1;
+    st.o[dt][3] *= alpha1;
+  }
+}
+
+// O += P V: the accumulators of two key tiles of S form one A fragment.
+template <typename T, int D, int BN>
+__device__ __forceinline__ void tile_values(const T* sV, const float (&s)[BN / 8][4],
+                                            RowState<D>& st) {
+  constexpr int LD = TileShape<D>::kPitch;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                     pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                     pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, sV + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dt * 8 +
+                                (lane / 16) * 8);
+      mma_16816<T>(st.o[dt], a, vb[0], vb[1]);
+      mma_16816<T>(st.o[dt + 1], a, vb[2], vb[3]);
+    }
+  }
+}
+
+// Writes the warp's valid rows: the normalized output, or this split's partial result.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) prefill_kernel(AttnParams p) {
-  using S = PrefillShape<D>;
+__device__ __forceinline__ void store_rows(const AttnParams& p, RowState<D>& st, int row_token0,
+                                           int ntok, int gcap, int h0, int gc) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tq = lane % 4;
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, off);
+    st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, off);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    int r = warp * 16 + lane / 4 + half * 8;
+    int tok = r / gcap, g = r - tok * gcap;
+    if (tok >= ntok || g >= gc) continue;
+    float l = half ? st.l1 : st.l0, m = half ? st.m1 : st.m0;
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    int64_t t = row_token0 + tok;
+    if (p.splits == 1) {
+      T* orow = static_cast<T*>(p.out) + t * p.o_stride_t + (h0 + g) * p.o_stride_h + tq * 2;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+            pack2<T>(st.o[dt][half * 2] * inv, st.o[dt][half * 2 + 1] * inv);
+      }
+    } else {
+      int64_t part = (t * p.q_heads + h0 + g) * p.splits + blockIdx.z;
+      float* orow = p.part_o + part * D + tq * 2;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<float2*>(orow + dt * 8) =
+            make_float2(st.o[dt][half * 2] * inv, st.o[dt][half * 2 + 1] * inv);
+      }
+      if (tq == 0) {
+        p.part_ml[part * 2] = m;
+        p.part_ml[part * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+// Grid: (query tiles, kv heads * head chunks, KV splits). Warps whose 16 rows are all padding
+// (decode: one token per sequence) skip the math but still share the loads and barriers.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
+  using S = TileShape<D>;
   constexpr int BN = S::kKeys, LD = S::kPitch;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kPrefillRows * LD;
+  T* sK = sQ + kTileRows * LD;
   T* sV = sK + BN * LD;
   __shared__ int64_t s_slot[BN];
 
-  const int gcap = p.head_chunk, tpt = kPrefillRows / gcap;  // tokens per tile
+  const int gcap = p.head_chunk, tpt = kTileRows / gcap;  // tokens per tile
   const int b = find_sequence(p.query_start_loc, p.num_seqs, tpt, blockIdx.x);
   const int qs = p.query_start_loc[b], q_len = p.query_start_loc[b + 1] - qs;
-  const int tok0 = (blockIdx.x - (qs / tpt + b)) * tpt;
+  const int tok0 = (static_cast<int>(blockIdx.x) - (qs / tpt + b)) * tpt;
   if (tok0 >= q_len) return;  // whole block leaves together
   const int ntok = min(tpt, q_len - tok0);
   const int kvh = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks;
   const int h0 = kvh * p.group + chunk * gcap;
   const int gc = min(gcap, p.group - chunk * gcap);
-  const int ctx = p.seq_lens[b];
-  const int p_first = ctx - q_len + tok0;
+  const int p_first = p.seq_lens[b] - q_len + tok0;
   const int kv_lo = p.window > 0 ? max(0, p_first - p.window + 1) : 0;
   const int kv_hi = p_first + ntok;  // exclusive
+  const int per = (max(kv_hi - kv_lo, 0) + p.splits - 1) / p.splits;
+  const int ks = kv_lo + static_cast<int>(blockIdx.z) * per, ke = min(kv_hi, ks + per);
   const int* bt = p.block_tables + b * p.bt_stride;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, tq = lane % 4;
+  const int warp = threadIdx.x / 32;
+  const bool active = warp * 16 < ntok * gcap;
 
   // Q rows: r -> (token r / gcap, head r % gcap).
   const T* qbase = static_cast<const T*>(p.q);
-  for (int i = threadIdx.x; i < kPrefillRows * (D / 8); i += kThreads) {
+  for (int i = threadIdx.x; i < kTileRows * (D / 8); i += kThreads) {
     int r = i / (D / 8), c = i - r * (D / 8);
     int tok = r / gcap, g = r - tok * gcap;
     bool ok = tok < ntok && g < gc;
@@ -292,15 +439,18 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttnParams p) {
   }
   cp_async_commit();
 
-  const int r0 = warp * 16 + grp, r1 = r0 + 8;
-  const int pos0 = p_first + r0 / gcap, pos1 = p_first + r1 / gcap;
-  float o[D / 8][4] = {};
-  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+  const int r0 = warp * 16 + (threadIdx.x % 32) / 4;
+  const int pos0 = p_first + r0 / gcap, pos1 = p_first + (r0 + 8) / gcap;
+  RowState<D> st;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) st.o[dt][0] = st.o[dt][1] = st.o[dt][2] = st.o[dt][3] = 0.f;
+  st.m0 = st.m1 = kNegInf;
+  st.l0 = st.l1 = 0.f;
 
-  for (int n0 = kv_lo; n0 < kv_hi; n0 += BN) {
+  for (int n0 = ks; n0 < ke; n0 += BN) {
     if (threadIdx.x < BN) {
       int key = n0 + threadIdx.x;
-      s_slot[threadIdx.x] = key < kv_hi ? slot_of(bt, key, p.block_size) : -1;
+      s_slot[threadIdx.x] = key < ke ? slot_of(bt, key, p.block_size) : -1;
     }
     __syncthreads();
     load_kv_tile<T, D>(sK, static_cast<const T*>(p.k_cache), s_slot, p.kv_heads, kvh);
@@ -309,103 +459,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttnParams p) {
     cp_async_commit();
     cp_async_wait<1>();  // Q and K landed; V may still be in flight
     __syncthreads();
-
     float s[BN / 8][4] = {};
-#pragma unroll
-    for (int kd = 0; kd < D / 16; ++kd) {
-      uint32_t a[4];
-      ldmatrix_x4(a, sQ + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + kd * 16 +
-                         (lane / 16) * 8);
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; nt += 2) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, sK + (nt * 8 + (lane / 16) * 8 + lane % 8) * LD + kd * 16 +
-                            ((lane / 8) % 2) * 8);
-        mma_16816<T>(s[nt], a, kb[0], kb[1]);
-        mma_16816<T>(s[nt + 1], a, kb[2], kb[3]);
-      }
-    }
-    // Mask, scale and the online softmax; a row lives in the 4 lanes of a quad.
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int key = n0 + nt * 8 + tq * 2 + (e & 1);
-        int pos = e < 2 ? pos0 : pos1;
-        bool ok = key <= pos && key < kv_hi && (p.window <= 0 || key > pos - p.window);
-        s[nt][e] = ok ? s[nt][e] * p.scale_log2 : kNegInf;
-      }
-      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
-    float base0 = new0 == kNegInf ? 0.f : new0, base1 = new1 == kNegInf ? 0.f : new1;
-    float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-    m0 = new0;
-    m1 = new1;
-    l0 *= alpha0;
-    l1 *= alpha1;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - base0);
-      s[nt][1] = exp2f(s[nt][1] - base0);
-      s[nt][2] = exp2f(s[nt][2] - base1);
-      s[nt][3] = exp2f(s[nt][3] - base1);
-      l0 += s[nt][0] + s[nt][1];
-      l1 += s[nt][2] + s[nt][3];
-    }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][0] *= alpha0;
-      o[dt][1] *= alpha0;
-      o[dt][2] *= alpha1;
-      o[dt][3] *= alpha1;
-    }
+    if (active) tile_scores<T, D, BN>(p, sQ, sK, n0, ke, pos0, pos1, s, st);
     cp_async_wait<0>();
     __syncthreads();
-    // O += P V: the S accumulators of two key tiles form one A fragment.
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dt = 0; dt < D / 8; dt += 2) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, sV + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dt * 8 +
-                                  (lane / 16) * 8);
-        mma_16816<T>(o[dt], a, vb[0], vb[1]);
-        mma_16816<T>(o[dt + 1], a, vb[2], vb[3]);
-      }
-    }
+    if (active) tile_values<T, D, BN>(sV, s, st);
   }
   cp_async_wait<0>();  // nothing stays in flight past the end (an empty key range)
-#pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  T* out = static_cast<T*>(p.out);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    int r = half ? r1 : r0;
-    int tok = r / gcap, g = r - tok * gcap;
-    if (tok >= ntok || g >= gc) continue;
-    float inv = half ? inv1 : inv0;
-    T* orow = out + (qs + tok0 + tok) * p.o_stride_t + (h0 + g) * p.o_stride_h + tq * 2;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      *reinterpret_cast<uint32_t*>(orow + dt * 8) =
-          pack2<T>(o[dt][half * 2] * inv, o[dt][half * 2 + 1] * inv);
-    }
-  }
+  if (active) store_rows<T, D>(p, st, qs + tok0, ntok, gcap, h0, gc);
 }
 
 // ---------------------------------------------------------------- host side
@@ -422,44 +483,49 @@ int sm_count(int device) {
 }
 
 template <typename T, int D>
-void launch_decode(AttnParams p, int num_tokens, cudaStream_t stream) {
-  dim3 grid(p.splits, p.kv_heads * p.chunks, p.num_seqs);
-  decode_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
-  check_launch("paged_attention (decode)");
-  if (p.splits > 1) {
-    merge_splits_kernel<T, D><<<dim3(num_tokens, p.q_heads), D, 0, stream>>>(p, num_tokens);
-    check_launch("paged_attention (merge splits)");
-  }
+void launch_merge(const AttnParams& p, int num_tokens, cudaStream_t stream) {
+  if (p.splits == 1) return;
+  merge_splits_kernel<T, D><<<dim3(num_tokens, p.q_heads), D, 0, stream>>>(p, num_tokens);
+  check_launch("paged_attention (merge splits)");
 }
 
 template <typename T, int D>
-void launch_prefill(AttnParams p, int num_tokens, cudaStream_t stream) {
+void launch_decode(const AttnParams& p, int num_tokens, cudaStream_t stream) {
+  dim3 grid(p.splits, p.kv_heads * p.chunks, p.num_seqs);
+  decode_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  check_launch("paged_attention (decode)");
+  launch_merge<T, D>(p, num_tokens, stream);
+}
+
+template <typename T, int D>
+void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
-    TVM_FFI_ICHECK(false) << "internal: float32 has no tensor-core prefill";
+    TVM_FFI_ICHECK(false) << "internal: float32 has no tensor-core path";
   } else {
-    using S = PrefillShape<D>;
-    int tpt = kPrefillRows / p.head_chunk;
-    dim3 grid(num_tokens / tpt + p.num_seqs, p.kv_heads * p.chunks);
+    using S = TileShape<D>;
+    int tpt = kTileRows / p.head_chunk;
+    dim3 grid(num_tokens / tpt + p.num_seqs, p.kv_heads * p.chunks, p.splits);
     // Above 48 KiB of dynamic shared memory needs an opt-in, once per device (the first call
     // normally precedes any graph capture).
     static bool opted_in[64] = {};
     int device = 0;
     FT_CUDA_CHECK(cudaGetDevice(&device));
     if (device < 0 || device >= 64 || !opted_in[device]) {
-      FT_CUDA_CHECK(cudaFuncSetAttribute(prefill_kernel<T, D>,
+      FT_CUDA_CHECK(cudaFuncSetAttribute(tiled_kernel<T, D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          S::kSmemBytes));
       if (device >= 0 && device < 64) opted_in[device] = true;
     }
-    prefill_kernel<T, D><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
-    check_launch("paged_attention (prefill)");
+    tiled_kernel<T, D><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+    check_launch("paged_attention (tiled)");
+    launch_merge<T, D>(p, num_tokens, stream);
   }
 }
 
 template <typename T, int D>
-void launch(AttnParams p, int num_tokens, bool prefill, cudaStream_t stream) {
-  if (prefill) {
-    launch_prefill<T, D>(p, num_tokens, stream);
+void launch(const AttnParams& p, int num_tokens, bool tiled, cudaStream_t stream) {
+  if (tiled) {
+    launch_tiled<T, D>(p, num_tokens, stream);
   } else {
     launch_decode<T, D>(p, num_tokens, stream);
   }
@@ -576,15 +642,14 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
   p.block_size = static_cast<int>(block_size);
   p.window = static_cast<int>(sliding_window);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
-  // Tensor-core prefill needs 16-byte aligned q rows and 4-byte aligned output pairs.
-  bool prefill = num_tokens != num_seqs && ft != FloatType::kF32 && aligned16(q) &&
-                 p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0 && p.o_stride_t % 2 == 0 && p.o_stride_h % 2 == 0 &&
-                 reinterpret_cast<uintptr_t>(p.out) % 4 == 0;
-  int max_group = prefill ? kPrefillMaxGroup : kDecodeMaxGroup;
-  p.chunks = static_cast<int>(ceil_div(p.group, max_group));
+  // The tensor-core kernel (bf16/fp16) needs 16-byte aligned q rows and 4-byte output pairs.
+  bool tiled = ft != FloatType::kF32 && aligned16(q) && p.q_stride_t % 8 == 0 &&
+               p.q_stride_h % 8 == 0 && p.o_stride_t % 2 == 0 && p.o_stride_h % 2 == 0 &&
+               reinterpret_cast<uintptr_t>(p.out) % 4 == 0;
+  p.chunks = static_cast<int>(ceil_div(p.group, tiled ? kTileMaxGroup : kDecodeMaxGroup));
   p.head_chunk = static_cast<int>(ceil_div(p.group, p.chunks));
   p.splits = 1;
-  if (!prefill && num_tokens == num_seqs) {
+  if (num_tokens == num_seqs) {  // a decode batch: split long KV ranges over more blocks
     int64_t max_context = block_tables.size(1) * block_size;
     if (sliding_window > 0) max_context = std::min<int64_t>(max_context, sliding_window);
     p.splits = choose_splits(p, num_tokens, max_context, d, ws_floats, dev);
@@ -597,9 +662,9 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
   cudaStream_t stream = stream_for(q);
   FT_CUDA_DISPATCH_FLOAT(ft, T, {
     switch (d) {
-      case 64: launch<T, 64>(p, num_tokens, prefill, stream); break;
-      case 128: launch<T, 128>(p, num_tokens, prefill, stream); break;
-      default: launch<T, 256>(p, num_tokens, prefill, stream); break;
+      case 64: launch<T, 64>(p, num_tokens, tiled, stream); break;
+      case 128: launch<T, 128>(p, num_tokens, tiled, stream); break;
+      default: launch<T, 256>(p, num_tokens, tiled, stream); break;
     }
   });
 }
@@ -607,4 +672,16 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
 }  // namespace
 }  // namespace freetoken
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention, freetoken::paged_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention_with_workspace, freetoken::paged_attention);
+
+// `paged_attention` takes the workspace as an optional last argument: a 10-argument call (the
+// signature before the workspace existed) runs without one.
+extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_paged_attention(void* self, const TVMFFIAny* args,
+                                                           int32_t num_args, TVMFFIAny* result) {
+  if (num_args != 10) {
+    return __tvm_ffi_paged_attention_with_workspace(self, args, num_args, result);
+  }
+  TVMFFIAny padded[11] = {};  // a zeroed TVMFFIAny is None
+  std::memcpy(padded, args, sizeof(TVMFFIAny) * 10);
+  return __tvm_ffi_paged_attention_with_workspace(self, padded, 11, result);
+}

@@ -22,9 +22,29 @@ using u64 = unsigned long long;
 struct RowCtx {
   const float* logits;
   int vocab;
+  bool vec4;  // 16-byte aligned row: read it as float4
   float max_logit;
   float inv_temp;
 };
+
+// Calls f(index, logit) for this thread's share of the row (ascending indices per thread).
+template <typename F>
+__device__ __forceinline__ void for_each_logit(const RowCtx& rc, F&& f) {
+  int start = 0;
+  if (rc.vec4) {
+    const float4* row4 = reinterpret_cast<const float4*>(rc.logits);
+    int n4 = rc.vocab / 4;
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+      float4 v = row4[i];
+      f(4 * i, v.x);
+      f(4 * i + 1, v.y);
+      f(4 * i + 2, v.z);
+      f(4 * i + 3, v.w);
+    }
+    start = n4 * 4;
+  }
+  for (int i = start + threadIdx.x; i < rc.vocab; i += blockDim.x) f(i, rc.logits[i]);
+}
 
 // Both helpers round every step explicitly (no FMA contraction), so a logit gets the same key
 // and weight in every pass.
@@ -118,16 +138,15 @@ __device__ uint32_t select_threshold(const RowCtx& rc, Shared& sh, bool by_mass,
       sh.mass[i] = 0;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rc.vocab; i += blockDim.x) {
-      float x = rc.logits[i];
+    for_each_logit(rc, [&](int, float x) {
       uint32_t key = key_of(x, rc);
-      if (key > limit) continue;
-      if (shift < 24 && (key >> (shift + 8)) != (prefix >> (shift + 8))) continue;
+      if (key > limit) return;
+      if (shift < 24 && (key >> (shift + 8)) != (prefix >> (shift + 8))) return;
       uint32_t digit = (key >> shift) & 255u;
-      if (shift == 24 && digit == 255u) continue;  // >= 31.875 nats below the max: weight 0
+      if (shift == 24 && digit == 255u) return;  // >= 31.875 nats below the max: weight 0
       atomicAdd(&sh.count[digit], 1u);
       if (by_mass) atomicAdd(&sh.mass[digit], weight_of(x, rc));
-    }
+    });
     __syncthreads();
     if (threadIdx.x < kWarp) {
       bool first_mass_pass = by_mass && shift == 24;
@@ -151,13 +170,12 @@ __device__ uint32_t select_threshold(const RowCtx& rc, Shared& sh, bool by_mass,
 __device__ void row_argmax(const RowCtx& rc, Shared& sh) {
   float best = -__builtin_huge_valf();
   int idx = rc.vocab;
-  for (int i = threadIdx.x; i < rc.vocab; i += blockDim.x) {
-    float x = rc.logits[i];
+  for_each_logit(rc, [&](int i, float x) {
     if (x > best) {
       best = x;
       idx = i;
     }
-  }
+  });
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) {
     float ob = __shfl_xor_sync(0xffffffffu, best, off);
@@ -261,7 +279,8 @@ __global__ void __launch_bounds__(kThreads)
                   uint64_t offset) {
   __shared__ Shared sh;
   const int row = blockIdx.x;
-  RowCtx rc{logits + row * row_stride, vocab, 0.f, 1.f};
+  const float* row_logits = logits + row * row_stride;
+  RowCtx rc{row_logits, vocab, reinterpret_cast<uintptr_t>(row_logits) % 16 == 0, 0.f, 1.f};
   row_argmax(rc, sh);
   const float temp = temperature[row];
   const float best = sh.best_val;

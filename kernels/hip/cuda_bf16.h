@@ -18,4 +18,6 @@ __host__ __device__ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return {static_cast<unsigned short>(u >> 16)};
 }
 
-__host__ __device__ inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+__host__ __device__ inline __nv_bfloat16 __float2bfloat16(float f) {
+  return __float2bfloat16_rn(f);
+}

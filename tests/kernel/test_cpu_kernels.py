@@ -181,6 +181,18 @@ def test_paged_attention_decode(batch, context):
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 300])
+def test_paged_attention_split_key_ranges(cache_dtype, window):
+    # one sequence, few tasks: the key range is split over the cores and merged (head dim 128)
+    q, kc, vc, bt, sl, qsl = make_attention_case([3], [400], 8, 2, 128, 16, torch.float32,
+                                                 cache_dtype, seed=7)
+    out, want = torch.empty_like(q), torch.empty_like(q)
+    ops.paged_attention(out, q, kc, vc, bt, sl, qsl, 16, 128 ** -0.5, window)
+    ref.paged_attention(want, q, kc, vc, bt, sl, qsl, 16, 128 ** -0.5, window)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
 def test_paged_attention_strided_q_from_fused_projection():
     q, kc, vc, bt, sl, qsl = make_attention_case([3, 1], [3, 20], 4, 2, 64, 16,
                                                  torch.float32, torch.float32, seed=5)
@@ -257,6 +269,22 @@ def test_quant_matmul_isas_agree_and_threads_do_not_change_results():
     multi = torch.empty(7, 300)
     ops.quant_matmul(multi, x, qw, ref.Q4_1)
     assert torch.equal(single, multi)
+
+
+def test_quant_matmul_in_a_forked_child():
+    import os
+
+    qw, x = quant_case(3, 64, 256, ref.Q4_1, seed=4)
+    parent = torch.empty(3, 256)
+    ops.quant_matmul(parent, x, qw, ref.Q4_1)  # the pool exists before the fork
+    pid = os.fork()
+    if pid == 0:  # the child restarts its own workers
+        child = torch.empty(3, 256)
+        for _ in range(20):
+            ops.quant_matmul(child, x, qw, ref.Q4_1)
+        os._exit(0 if torch.equal(child, parent) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

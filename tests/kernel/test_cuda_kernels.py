@@ -166,14 +166,28 @@ def _paged_batch(seqs, hq, hk, d, dtype, block_size, seed):
     return q, caches, tables.to(_dev()), seq_lens, qsl.to(_dev())
 
 
-def _check_attention(seqs, hq, hk, d, dtype, window, block_size=16, workspace=True, seed=0):
+def _reference_attention(q, kc, vc, tables, seq_lens, qsl, block_size, scale, window):
+    """reference.paged_attention on CPU copies (it indexes with CPU tensors)."""
+    ref = torch.zeros(q.shape, dtype=q.dtype)
+    cpu = [t.cpu() for t in (q, kc, vc, tables, seq_lens, qsl)]
+    reference.paged_attention(ref, *cpu[:3], *cpu[3:], block_size, scale, window)
+    return ref
+
+
+def _check_attention(seqs, hq, hk, d, dtype, window, block_size=16, workspace=True, seed=0,
+                     unaligned=False):
     q, (kc, vc), tables, seq_lens, qsl = _paged_batch(seqs, hq, hk, d, dtype, block_size, seed)
-    out, ref = torch.full_like(q, float("nan")), torch.zeros_like(q)
-    ws = torch.empty(WORKSPACE_FLOATS, device=_dev()) if workspace else None
+    if unaligned:  # rows off the 16-byte grid take the CUDA-core kernel
+        q = torch.cat((torch.zeros_like(q[..., :1]), q), dim=-1)[..., 1:]
+    out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
-    _attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale, window, ws)
-    reference.paged_attention(ref, q, kc, vc, tables, seq_lens, qsl, block_size, scale, window)
-    _close(out, ref)
+    if workspace:
+        ws = torch.empty(WORKSPACE_FLOATS, device=_dev())
+        _attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale, window, ws)
+    else:  # the plain ops call (no workspace argument): no KV split
+        ops.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale, window)
+    ref = _reference_attention(q, kc, vc, tables, seq_lens, qsl, block_size, scale, window)
+    _close(out.cpu(), ref)
 
 
 MIXED = [(37, 37), (100, 1), (300, 45), (1, 1), (65, 1), (129, 64), (20, 3)]
@@ -207,6 +221,8 @@ def test_paged_attention_odd_layouts(dtype):
     _check_attention([(5, 2), (9, 0), (40, 1)], 8, 2, 128, dtype, 0)
     _check_attention(MIXED, 8, 2, 64, dtype, 0, block_size=7)
     _check_attention([(1, 1)], 4, 1, 128, dtype, 0)
+    _check_attention(MIXED, 8, 2, 128, dtype, 16, unaligned=True)
+    _check_attention(DECODE, 12, 4, 64, dtype, 0, unaligned=True)
 
 
 @gpu
@@ -226,9 +242,7 @@ def test_paged_attention_replays_in_a_cuda_graph():
     seq_lens.copy_(torch.tensor([5, 900, 333, 64], dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     graph.replay()
-    ref = torch.zeros_like(q)
-    reference.paged_attention(ref, q, kc, vc, tables, seq_lens, qsl, bs, d ** -0.5, 0)
-    _close(out, ref)
+    _close(out.cpu(), _reference_attention(q, kc, vc, tables, seq_lens, qsl, bs, d ** -0.5, 0))
 
 
 # ---------------------------------------------------------------- sampling

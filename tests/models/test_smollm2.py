@@ -19,7 +19,8 @@ pytestmark = pytest.mark.needs_weights
 KL_LIMIT = 0.02   # nats; our matmuls quantize activations to 8 bits, transformers runs f32
 QUESTION = "What is the capital of France? Answer in one sentence."
 TEXTS = ["Hello, world!", "  leading and  double  spaces ", "tabs\tand\nnewlines\n\n",
-         "digits 0 12 345 6789 3.14159 1,000,000", "naïve café déjà vu — “quotes”",
+         "digits 0 12 345 6789 3.14159 1,000,000",
+         "naïve café déjà vu — “quotes”",
          "日本語のテキスト 中文 한국어 🚀🎉", "def f(x):\n    return x ** 2  # square\n",
          "<|im_start|>user\nhi<|im_end|>", "emoji👍🏽 and ZWJ 👨‍👩‍👧"]
 CONVERSATIONS = [

@@ -112,3 +112,46 @@ def test_eos_ids_from_generation_config(tiny_checkpoint, tmp_path):
     tok = hf_tokenizer(tmp_path, {"eos_token_id": 0}, {"eos_token_id": [1, 0]})
     assert tok.eos_token_ids[:2] == (1, 0)
     assert tok.token_id("<|im_end|>") in tok.eos_token_ids    # end-of-turn spelling
+
+
+def gguf_meta_from(directory, pre: str, add_bos: bool) -> dict:
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {t["content"] for t in spec["added_tokens"] if t["special"]}
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m)
+                                      for m in spec["model"]["merges"]],
+            "tokenizer.ggml.token_type": [3 if t in specials else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": vocab["<|im_start|>"],
+            "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"],
+            "tokenizer.ggml.add_bos_token": add_bos}
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("default", ["12345", "Ġabc"]),
+    ("smollm", ["1", "2", "3", "4", "5", "Ġabc"]),
+    ("llama-bpe", ["123", "45", "Ġabc"]),
+    ("qwen2", ["1", "2", "3", "4", "5", "Ġabc"]),
+])
+def test_gguf_pre_tokenizer_families(tiny_checkpoint, pre, pieces):
+    from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+
+    directory, _ = tiny_checkpoint("llama")
+    tok = tokenizer_from_gguf(gguf_meta_from(directory, pre, False), "m.gguf")
+    split = tok.backend.pre_tokenizer.pre_tokenize_str("12345 abc")
+    assert [piece for piece, _ in split] == pieces
+
+
+def test_gguf_add_bos_and_unknown_pre(tiny_checkpoint):
+    from freetoken.models.errors import UnsupportedModelError
+    from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+
+    directory, _ = tiny_checkpoint("llama")
+    tok = tokenizer_from_gguf(gguf_meta_from(directory, "llama-bpe", True), "m.gguf")
+    bos = tok.token_id("<|im_start|>")
+    assert tok.encode("hi", add_special_tokens=True)[0] == bos
+    assert tok.encode("hi")[0] != bos
+    with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre 'klingon'"):
+        tokenizer_from_gguf(gguf_meta_from(directory, "klingon", False), "m.gguf")

@@ -223,7 +223,7 @@ inline __attribute__((always_inline)) v8f load8(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline __attribute__((always_inline)) void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline __attribute__((always_inline)) void store8(float* p, const v8f& v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline __attribute__((always_inline)) float hsum8(v8f v) {
   float s = 0.f;

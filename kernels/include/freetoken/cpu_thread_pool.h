@@ -1,14 +1,21 @@
-// A small persistent thread pool for the CPU kernels (one per kernel library).
+// One persistent thread pool per process, shared by every CPU kernel library.
 //
-// The calling thread works too, so `n` threads means n-1 workers. Tasks are claimed through one
-// atomic word holding (generation << 32 | next index): a worker that wakes late for a finished
-// run sees a stale generation and claims nothing, so the caller never waits for a sleeping
-// worker. Idle workers spin briefly (decode issues a kernel every few microseconds), then yield,
-// then sleep on a condition variable.
+// Two pools would each keep a worker spinning between calls and fight over the cores, so the
+// first library that needs one creates it and publishes a small C table of entry points as a
+// tvm-ffi global; later libraries look that up. The workers hold a thread_local with a
+// destructor, which makes glibc keep the creating library mapped while they live, so unloading
+// that library cannot pull the code out from under them.
+//
+// The calling thread works too, so n threads means n-1 workers. Tasks are claimed through one
+// atomic word (generation << 32 | next index): a worker that wakes late for a finished run sees
+// a stale generation and claims nothing, so the caller never waits for a sleeping worker. Idle
+// workers spin briefly (decode issues a kernel every few microseconds), then yield, then sleep.
 #pragma once
 
 #include <sched.h>
 #include <unistd.h>
+
+#include <tvm/ffi/function.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,45 +23,57 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
 namespace freetoken {
 
+using PoolTask = void (*)(void* ctx, int64_t index);
+
+/*! \brief The cross-library contract: bump the name's version when this struct changes. */
+struct PoolApi {
+  void (*run)(int64_t n_tasks, PoolTask fn, void* ctx);
+  int (*num_threads)();
+  void (*set_num_threads)(int n);
+};
+constexpr const char* kPoolGlobalName = "freetoken.cpu_thread_pool.v1";
+
+namespace pool_detail {
+
+inline int default_threads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+struct LibraryPin {
+  // A thread_local with a real destructor: glibc keeps its library loaded while it is pending.
+  ~LibraryPin() { alive = 0; }
+  volatile int alive = 1;
+};
+
 class ThreadPool {
  public:
-  using TaskFn = void (*)(void* ctx, int64_t index);
-
-  /*! \brief The pool of this kernel library, started on first use with one thread per CPU. */
-  static ThreadPool& instance() {
-    static ThreadPool pool;
-    return pool;
-  }
-
-  ~ThreadPool() { stop_workers(); }
+  explicit ThreadPool(int n) { start_workers(n); }
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  /*! \brief Use n threads (caller included); n <= 0 means one per CPU this process may use. */
   void set_num_threads(int n) {
     std::lock_guard<std::mutex> run_lock(run_mutex_);
     stop_workers();
     start_workers(n > 0 ? n : default_threads());
   }
 
-  /*! \brief Run fn(ctx, i) for i in [0, n_tasks); returns when all have finished. */
-  void run(int64_t n_tasks, TaskFn fn, void* ctx) {
-    if (n_tasks <= 0) return;
+  void run(int64_t n_tasks, PoolTask fn, void* ctx) {
     std::unique_lock<std::mutex> run_lock(run_mutex_, std::try_to_lock);
     // Busy (another caller thread, or a nested call) or nothing to share: run inline.
     if (!run_lock.owns_lock() || workers_.empty() || n_tasks == 1) {
       for (int64_t i = 0; i < n_tasks; ++i) fn(ctx, i);
       return;
     }
-    if (getpid() != owner_pid_) {  // forked child: the workers did not survive the fork
-      abandon_workers();
-      start_workers(default_threads());
-    }
+    if (getpid() != owner_pid_) restart_after_fork();
     fn_.store(fn, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
     n_tasks_.store(n_tasks, std::memory_order_relaxed);
@@ -68,29 +87,16 @@ class ThreadPool {
     int64_t mine = work(generation_);
     int64_t total = done_.fetch_add(mine, std::memory_order_acq_rel) + mine;
     for (int spins = 0; total < n_tasks; ++spins) {
-      pause(spins);
+      if (spins < 4096) {
+        __builtin_ia32_pause();
+      } else {
+        sched_yield();
+      }
       total = done_.load(std::memory_order_acquire);
     }
   }
 
  private:
-  ThreadPool() { start_workers(default_threads()); }
-
-  static int default_threads() {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-    unsigned n = std::thread::hardware_concurrency();
-    return n > 0 ? static_cast<int>(n) : 1;
-  }
-
-  static void pause(int spins) {
-    if (spins < 4096) {
-      __builtin_ia32_pause();
-    } else {
-      sched_yield();
-    }
-  }
-
   // Claims and runs tasks of generation `gen` until none is left; returns how many it ran.
   int64_t work(uint64_t gen) {
     int64_t ran = 0;
@@ -107,6 +113,8 @@ class ThreadPool {
   }
 
   void worker_loop() {
+    thread_local LibraryPin pin;
+    (void)&pin;
     uint64_t seen = claim_.load(std::memory_order_acquire) >> 32;
     while (true) {
       uint64_t gen = wait_for_new_generation(seen);
@@ -131,7 +139,7 @@ class ThreadPool {
       auto now = clock::now();
       if (now < spin_until) continue;
       if (now < yield_until) {
-        sched_yield();  // let another runnable thread (e.g. another library's worker) have the core
+        sched_yield();  // leave the core to any other runnable thread
         continue;
       }
       std::unique_lock<std::mutex> lock(sleep_mutex_);
@@ -143,6 +151,16 @@ class ThreadPool {
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
       i = 0;
     }
+  }
+
+  // A forked child has none of the workers, and a worker may have held sleep_mutex_ at the fork.
+  void restart_after_fork() {
+    new std::vector<std::thread>(std::move(workers_));  // NOTE: leaked on purpose, never joined
+    workers_.clear();
+    new (&sleep_mutex_) std::mutex();
+    new (&wake_) std::condition_variable();
+    sleepers_.store(0);
+    start_workers(default_threads());
   }
 
   void start_workers(int n_threads) {
@@ -161,13 +179,6 @@ class ThreadPool {
     workers_.clear();
   }
 
-  // After fork the thread handles name threads of the parent: drop them without joining.
-  void abandon_workers() {
-    auto* orphans = new std::vector<std::thread>(std::move(workers_));  // NOTE: leaked on purpose
-    (void)orphans;
-    workers_.clear();
-  }
-
   static constexpr int kSpinMicros = 100;
   static constexpr int kYieldMicros = 2000;
 
@@ -178,13 +189,52 @@ class ThreadPool {
   std::atomic<uint64_t> claim_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int64_t> n_tasks_{0};
-  std::atomic<TaskFn> fn_{nullptr};
+  std::atomic<PoolTask> fn_{nullptr};
   std::atomic<void*> ctx_{nullptr};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   uint64_t generation_ = 0;
   pid_t owner_pid_ = 0;
 };
+
+// Entry points of the pool created by this library (when it is the one that creates it).
+inline ThreadPool& own_pool() {
+  static ThreadPool* pool = new ThreadPool(default_threads());  // NOTE: leaked; workers outlive exit
+  return *pool;
+}
+inline void own_run(int64_t n, PoolTask fn, void* ctx) {
+  thread_local LibraryPin pin;  // callers pin this library too (a 1-thread pool has no workers)
+  (void)&pin;
+  own_pool().run(n, fn, ctx);
+}
+inline int own_num_threads() { return own_pool().num_threads(); }
+inline void own_set_num_threads(int n) { own_pool().set_num_threads(n); }
+
+inline const PoolApi* lookup_or_publish() {
+  static const PoolApi mine{own_run, own_num_threads, own_set_num_threads};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (auto found = tvm::ffi::Function::GetGlobal(kPoolGlobalName)) {
+      return reinterpret_cast<const PoolApi*>((*found)().cast<int64_t>());
+    }
+    try {
+      tvm::ffi::Function::SetGlobal(kPoolGlobalName, tvm::ffi::Function::FromTyped([] {
+        return reinterpret_cast<int64_t>(&mine);
+      }));
+      return &mine;
+    } catch (const std::exception&) {
+      // another library published its pool first: loop and use that one
+    }
+  }
+  return &mine;
+}
+
+}  // namespace pool_detail
+
+/*! \brief The process-wide pool's entry points (looked up once per library). */
+inline const PoolApi& thread_pool() {
+  static const PoolApi* api = pool_detail::lookup_or_publish();
+  return *api;
+}
 
 /*!
  * \brief Split [0, n) into chunks of `grain` and run body(begin, end) on the pool.
@@ -204,7 +254,7 @@ inline void parallel_for(int64_t n, int64_t grain, const Body& body) {
     int64_t begin = i * c->grain;
     (*c->body)(begin, std::min(c->n, begin + c->grain));
   };
-  ThreadPool::instance().run(chunks, task, &ctx);
+  thread_pool().run(chunks, task, &ctx);
 }
 
 }  // namespace freetoken

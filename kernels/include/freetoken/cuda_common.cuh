@@ -144,7 +144,7 @@ inline RowView row_view(const TensorView& t, int inner_dims, const char* name) {
   return {rows, width, row_stride};
 }
 
-/*! \brief The stream tvm-ffi holds for the device (torch's current stream when called from torch). */
+/*! \brief The stream tvm-ffi holds for the device (torch's current stream, from torch). */
 inline cudaStream_t stream_for(const TensorView& t) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kGpuDeviceType, t.device().device_id));
 }

@@ -12,12 +12,6 @@
 
 namespace FT_QX_NS {
 
-FT_QX_INLINE float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // 16 nibble bytes -> 32 unsigned bytes: low nibbles are elements 0..15, high nibbles 16..31.
 // The upper copy is shifted by 4 within 32-bit lanes; the mask drops bits from the next byte.
 FT_QX_INLINE __m256i unpack_nibbles(const uint8_t* qs) {
@@ -169,7 +163,7 @@ FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count
     }
   }
   for (int k = 0; k < n_blocks; ++k) {
-    const int8_t* x = xq.q + ((m0) * xq.blocks + b + k) * kBlock;
+    const int8_t* x = xq.q + (m0 * xq.blocks + b + k) * kBlock;  // row m0; + r rows below
     for (int n = 0; n < NR; ++n) {
       __m256i wb = weight_bytes<QT>(w[n] + (b + k) * kBytes);
       for (int r = 0; r < MR; ++r) {

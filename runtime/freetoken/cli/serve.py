@@ -37,16 +37,19 @@ from freetoken.server.config import ServerConfig
               help="The model id clients use (default: the model's name).")
 @click.option("--log-level", default=ServerConfig.log_level, show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs,
+              show_default=True, help="Capture decode steps as CUDA graphs (GPU only).")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
-                  log_level) -> None:
+                  log_level, cuda_graphs) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics)."""
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
                                  served_model_name=served_model_name, log_level=log_level)
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
-                                 sampling_defaults=sampling_defaults, device=device)
+                                 sampling_defaults=sampling_defaults, device=device,
+                                 cuda_graphs=cuda_graphs)
     run_server(model_path, dtype, engine_config, server_config)
 
 

@@ -23,6 +23,7 @@ class EngineConfig:
     sampling_defaults: "model" applies the model's generation_config to unset request fields;
         "none" ignores it (neutral defaults: temperature 1, top_k off, top_p 1).
     device: "auto" (cuda when available), "cpu" or "cuda[:N]".
+    cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start.
     """
 
     num_tokens: int = 0
@@ -31,6 +32,7 @@ class EngineConfig:
     max_prefill_tokens: int = 1024
     sampling_defaults: str = "model"
     device: str = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         checks = (

@@ -59,6 +59,13 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.pool)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
+        self.graphs = None
+        if torch.device(model.device).type == "cuda" and self.config.cuda_graphs:
+            from freetoken.engine.cuda_graph import DecodeGraphs
+
+            max_blocks = -(-self.max_request_tokens // self.config.block_size)
+            self.graphs = DecodeGraphs(model, self.kv, self.config.max_num_seqs,
+                                       max_blocks).capture()
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -183,7 +190,8 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             max_prefill_tokens=self.config.max_prefill_tokens,
             max_request_tokens=self.max_request_tokens,
-            device=str(self.model.device))
+            device=str(self.model.device),
+            cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None)
         return stats
 
     def _resolve_params(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
@@ -228,7 +236,10 @@ class Engine:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
         try:
             with torch.inference_mode():
-                logits = self.model.forward(batch, self.kv)
+                if self.graphs is not None and self.graphs.can_run(batch):
+                    logits = self.graphs.run(batch)
+                else:
+                    logits = self.model.forward(batch, self.kv)
             with self._cond:
                 self._process(plan, logits)
         except Exception as exc:  # a failed step fails its requests, not the server

@@ -48,14 +48,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def embedding(out: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
-    """out[T, D] = table[ids]; ids int64 [T]; an id outside the table raises."""
+    """out[T, D] = table[ids]; ids int64 [T]. An id outside the table raises on CPU; on the GPU
+    it writes a zero row (raising would need a device sync)."""
     get_function("embedding", "embedding", table.device)(out, ids, table)
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, block_size: int, scale: float,
-                    sliding_window: int = 0) -> None:
+                    sliding_window: int = 0, workspace: torch.Tensor | None = None) -> None:
     """Causal attention of new tokens over the paged pool (K/V already stored).
 
     q, out [T, Hq, D]; caches [S, Hk, D] with S = num_blocks * block_size; block_tables int32
@@ -63,10 +64,16 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     query_start_loc int32 [B+1] = offsets of each sequence's new tokens in q. The i-th new token
     of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys 0..that position
     (only the last `sliding_window` of them when it is > 0). GQA: Hq is a multiple of Hk.
+    workspace: optional contiguous f32 scratch on q's device (CUDA decode splits long contexts
+    across blocks with it; 1M floats covers every decode batch; None is correct, just slower).
     """
-    get_function("attention", "paged_attention", q.device)(
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
-        sliding_window)
+    fn = get_function("attention", "paged_attention", q.device)
+    if workspace is None:
+        fn(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
+           sliding_window)
+    else:
+        fn(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
+           sliding_window, workspace)
 
 
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
@@ -84,3 +91,18 @@ def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
 def cpu_isa() -> str:
     """The instruction set the CPU quantized kernels dispatch to: avx512, avx2 or scalar."""
     return str(get_function("quant_gemm", "cpu_isa", torch.device("cpu"))())
+
+
+def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, seed: int, offset: int) -> None:
+    """GPU sampling, one token per row of logits f32 [B, V] into out_ids int64 [B].
+
+    Greedy (argmax, lowest index on ties) where temperature <= 0; otherwise softmax(logits / T)
+    limited to the top_k most likely tokens (0 or >= V: no limit), then to the smallest set whose
+    renormalised probability reaches top_p (>= 1: no limit). Philox4x32-10 keyed by seed with
+    counter (row, offset): the same seed and offset give the same tokens (change offset every
+    step). No host sync and no allocation, so it can run inside a CUDA graph. temperature f32,
+    top_k int32 and top_p f32 are [B] tensors on the logits' device.
+    """
+    get_function("sampling", "sample_tokens", logits.device)(
+        out_ids, logits, temperature, top_k, top_p, seed, offset)

@@ -27,12 +27,16 @@ class _Kernels:
             setattr(self, name, bind_op(name, device))
         embed_op = "dequantize_rows" if quantized_embedding else "embedding"
         self.embed = bind_op(embed_op, device)
+        # CUDA decode splits long contexts across blocks through this scratch (4 MiB covers
+        # every decode batch); the CPU kernel takes none.
+        self.attn_extra = ((torch.empty(1 << 20, dtype=torch.float32, device=device),)
+                           if device.type == "cuda" else ())
 
 
 class _DecoderLayer:
     def __init__(self, w: LayerWeights, next_norm: torch.Tensor, cfg: ModelConfig,
-                 rope: torch.Tensor, k: _Kernels):
-        self.k = k
+                 rope: torch.Tensor, kernels: _Kernels):
+        self.ops = kernels
         self.input_norm, self.post_norm, self.next_norm = w.input_norm, w.post_norm, next_norm
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
         self.qkv = make_linear(w.qkv, w.qkv_bias)
@@ -41,29 +45,30 @@ class _DecoderLayer:
         self.down = make_linear(w.down)
         self.rope = rope
         self.eps = cfg.rms_norm_eps
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.is_neox = cfg.head_dim, cfg.rope_is_neox
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, block_size: int) -> None:
         """hidden holds this layer's normed input; on return, the next layer's normed input."""
-        k = self.k
+        ops = self.ops
         self.qkv(w.qkv, w.hidden)
         w.split_qkv()
         if self.q_norm is not None:      # in place: each row is read before it is written
-            k.rms_norm(w.q_heads, w.q_heads, self.q_norm, self.eps)
-            k.rms_norm(w.k_heads, w.k_heads, self.k_norm, self.eps)
-        k.rotary_embedding(batch.positions, w.q, w.k, self.rope, self.head_dim, True)
-        k.store_kv(w.k3, w.v3, k_cache, v_cache, batch.slot_mapping)
-        k.paged_attention(w.attn3, w.q3, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                          batch.query_start_loc, block_size, self.scale, self.window)
+            ops.rms_norm(w.q_heads, w.q_heads, self.q_norm, self.eps)
+            ops.rms_norm(w.k_heads, w.k_heads, self.k_norm, self.eps)
+        ops.rotary_embedding(batch.positions, w.q, w.k, self.rope, self.head_dim, self.is_neox)
+        ops.store_kv(w.k3, w.v3, k_cache, v_cache, batch.slot_mapping)
+        ops.paged_attention(w.attn3, w.q3, k_cache, v_cache, batch.block_tables,
+                            batch.seq_lens, batch.query_start_loc, block_size, self.scale,
+                            self.window, *ops.attn_extra)
         self.o(w.hidden, w.attn)
-        k.fused_add_rms_norm(w.hidden, w.residual, self.post_norm, self.eps)
+        ops.fused_add_rms_norm(w.hidden, w.residual, self.post_norm, self.eps)
         self.gate_up(w.gate_up, w.hidden)
-        k.silu_and_mul(w.act, w.gate_up)
+        ops.silu_and_mul(w.act, w.gate_up)
         self.down(w.hidden, w.act)
-        k.fused_add_rms_norm(w.hidden, w.residual, self.next_norm, self.eps)
+        ops.fused_add_rms_norm(w.hidden, w.residual, self.next_norm, self.eps)
 
 
 class DenseDecoder:
@@ -85,7 +90,7 @@ class DenseDecoder:
         self._embed = weights.embed
         self._lm_head = make_linear(weights.lm_head)
         self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == torch.float32
-        self._workspace = Workspace(config, dtype, self.device, strided_qkv=False)
+        self._workspace = Workspace(config, dtype, self.device)
 
     def reserve(self, max_tokens: int) -> None:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""

@@ -125,9 +125,6 @@ class GGUFTensors:
             return f"blk.{index}.{_LAYER_NAMES[part]}"
         return _GLOBAL_NAMES[name]
 
-    def has(self, name: str) -> bool:
-        return self.file_name(name) in self._by_name
-
     def get(self, name: str) -> Weight | None:
         tensor = self._by_name.get(self.file_name(name))
         if tensor is None:
@@ -176,8 +173,6 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors, dict[str, Any]]:
     spec = spec_for_gguf(str(meta.get("general.architecture")), str(path))
     vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     config = config_from_gguf(meta, vocab, str(path))
-    tensors = GGUFTensors(reader, path, spec, config)
-    tied = not tensors.has("lm_head")
+    tied = not any(t.name == _GLOBAL_NAMES["lm_head"] for t in reader.tensors)
     config = dataclasses.replace(config, tie_word_embeddings=tied)
-    tensors._config = config
-    return config, tensors, meta
+    return config, GGUFTensors(reader, path, spec, config), meta

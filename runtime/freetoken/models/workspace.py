@@ -11,44 +11,41 @@ _CACHED_VIEW_SETS = 64     # distinct step sizes whose views are kept (decode ba
 
 
 class WorkViews:
-    """Views over the workspace for one step of T tokens (all [T, ...], rows contiguous).
+    """Views over the workspace for one step of T tokens.
 
-    hidden/residual [T, hidden]; qkv [T, q+2kv] is the fused projection output; q [T, Hq*D],
-    k/v [T, Hk*D] are contiguous (views into qkv when T == 1 or when the kernels accept row
-    strides and no q/k norm needs flat heads, else copies made by ``split_qkv``); q3/k3/v3 and
-    attn3 are the same memory as [T, H, D]; q_heads/k_heads as [T*H, D]; gate_up [T, 2I];
-    act [T, I]; attn [T, Hq*D].
+    hidden/residual [T, hidden]; qkv [T, q+2kv] is the fused projection output and q [T, Hq*D],
+    k/v [T, Hk*D] are views of its columns (rows strided by q+2kv, which the kernels accept);
+    with a per-head q/k norm and T > 1, q and k are contiguous copies instead (made by
+    ``split_qkv``) so that q_heads/k_heads [T*H, D] can view them. q3/k3/v3 and attn3 are the
+    same memory as [T, H, D]; gate_up [T, 2I]; act [T, I]; attn [T, Hq*D].
     """
 
-    def __init__(self, bufs: dict[str, torch.Tensor], cfg: ModelConfig, t: int, copy_qkv: bool):
+    def __init__(self, bufs: dict[str, torch.Tensor], cfg: ModelConfig, t: int, copy_qk: bool):
         qs, kvs, d = cfg.q_size, cfg.kv_size, cfg.head_dim
         self.hidden, self.residual = bufs["hidden"][:t], bufs["residual"][:t]
         self.qkv = bufs["qkv"][:t]
         self.gate_up, self.act = bufs["gate_up"][:t], bufs["act"][:t]
         self.attn = bufs["attn"][:t]
         self.attn3 = self.attn.view(t, cfg.num_heads, d)
-        if copy_qkv:
-            self.q, self.k, self.v = bufs["q"][:t], bufs["k"][:t], bufs["v"][:t]
-            self._parts = (self.qkv[:, :qs], self.qkv[:, qs:qs + kvs], self.qkv[:, qs + kvs:])
-            self.split_qkv = self._copy_parts
-        else:
-            flat = self.qkv.view(-1)      # T == 1 or strided rows: plain views
-            width = qs + 2 * kvs
-            self.q = flat.as_strided((t, qs), (width, 1), 0)
-            self.k = flat.as_strided((t, kvs), (width, 1), qs)
-            self.v = flat.as_strided((t, kvs), (width, 1), qs + kvs)
-            self.split_qkv = _nothing
+        flat, width = self.qkv.view(-1), qs + 2 * kvs
+        self.q = flat.as_strided((t, qs), (width, 1), 0)
+        self.k = flat.as_strided((t, kvs), (width, 1), qs)
+        self.v = flat.as_strided((t, kvs), (width, 1), qs + kvs)
+        self.split_qkv = _nothing
+        if copy_qk:
+            self._sources = (self.q, self.k)
+            self.q, self.k = bufs["q"][:t], bufs["k"][:t]
+            self.split_qkv = self._copy_qk
         self.q3 = self.q.view(t, cfg.num_heads, d)
         self.k3 = self.k.view(t, cfg.num_kv_heads, d)
         self.v3 = self.v.view(t, cfg.num_kv_heads, d)
-        if copy_qkv or t == 1:
+        if copy_qk or t == 1:
             self.q_heads = self.q.view(t * cfg.num_heads, d)
             self.k_heads = self.k.view(t * cfg.num_kv_heads, d)
 
-    def _copy_parts(self) -> None:
-        self.q.copy_(self._parts[0])
-        self.k.copy_(self._parts[1])
-        self.v.copy_(self._parts[2])
+    def _copy_qk(self) -> None:
+        self.q.copy_(self._sources[0])
+        self.k.copy_(self._sources[1])
 
 
 def _nothing() -> None:
@@ -58,11 +55,10 @@ def _nothing() -> None:
 class Workspace:
     """Owns the buffers; ``views(t)`` is the only per-step call (one dict look-up)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 strided_qkv: bool):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        # Flat q/k heads for the per-head norm need contiguous copies unless T == 1.
-        self.copy_qkv = cfg.qk_norm or not strided_qkv
+        # The per-head q/k norm needs flat [T*H, D] rows: contiguous copies unless T == 1.
+        self.copy_qk = cfg.qk_norm
         self.capacity = 0
         self._bufs: dict[str, torch.Tensor] = {}
         self._views: dict[int, WorkViews] = {}
@@ -73,9 +69,10 @@ class Workspace:
             return
         c, n = self.cfg, max(tokens, 2 * self.capacity)
         widths = {"hidden": c.hidden_size, "residual": c.hidden_size,
-                  "qkv": c.q_size + 2 * c.kv_size, "q": c.q_size, "k": c.kv_size,
-                  "v": c.kv_size, "attn": c.q_size, "gate_up": 2 * c.intermediate_size,
-                  "act": c.intermediate_size}
+                  "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
+                  "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
+        if self.copy_qk:
+            widths.update(q=c.q_size, k=c.kv_size)
         self._bufs = {name: torch.empty((n, width), dtype=self.dtype, device=self.device)
                       for name, width in widths.items()}
         self.capacity = n
@@ -85,7 +82,7 @@ class Workspace:
         views = self._views.get(tokens)
         if views is None:
             self.reserve(tokens)
-            views = WorkViews(self._bufs, self.cfg, tokens, self.copy_qkv and tokens > 1)
+            views = WorkViews(self._bufs, self.cfg, tokens, self.copy_qk and tokens > 1)
             if len(self._views) < _CACHED_VIEW_SETS:
                 self._views[tokens] = views
         return views
