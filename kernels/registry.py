@@ -44,9 +44,13 @@ class Kernel:
     cpu: tuple[str, ...] = ()
     cuda: tuple[str, ...] = ()  # ROCm builds the same sources through the hip/ shim headers
     rocm: bool = False
+    cpu_functions: tuple[str, ...] = ()  # exported by the CPU build only
     variants: tuple[Variant, ...] = (Variant(),)
     doc: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def functions_for(self, backend: str) -> tuple[str, ...]:
+        return self.functions + (self.cpu_functions if backend == "cpu" else ())
 
     def sources_for(self, backend: str) -> tuple[str, ...]:
         if backend == "cpu":
@@ -112,13 +116,15 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="attention",
         functions=("paged_attention",),
+        cpu_functions=("set_num_threads",),
         cpu=("cpu/attention.cc",),
         cuda=("cuda/attention.cu",),
         doc="causal attention over the paged KV pool (prefill chunks and decode)",
     ),
     Kernel(
         name="quant_gemm",
-        functions=("quant_matmul", "dequantize_rows", "cpu_isa"),
+        functions=("quant_matmul", "quant_matmul_isa", "dequantize_rows", "cpu_isa",
+                   "set_num_threads"),
         cpu=("cpu/quant_gemm.cc",),
         doc="GGUF Q4_0/Q4_1/Q8_0 matrix product with runtime ISA dispatch",
     ),

@@ -127,7 +127,9 @@ def write_index(out_root: Path, build_jobs: list, targets: list[str], version: s
     for job in build_jobs:
         kernel = registry.KERNELS_BY_NAME[job.kernel]
         entry = kernels.setdefault(job.key, {"kernel": job.kernel, "variant": job.variant,
-                                             "functions": list(kernel.functions), "targets": {}})
+                                             "functions": list(kernel.functions_for(
+                                                 registry.backend_of(job.target))),
+                                             "targets": {}})
         path = out_root / job.output
         entry["targets"][job.target] = {"file": job.output,
                                         "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
@@ -210,7 +212,7 @@ def build_cache(out_dir: Path, env=None) -> tuple[str, list[str], dict]:
     package = out_dir / NAME
     shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "cache"))
     out_root = package / "cache"
-    objects = REPO / "kernel-cache" / "build" / "objects"
+    objects = env.build_dir or REPO / "kernel-cache" / "build" / "objects"
     build_jobs = compile_all(targets, facts, objects, env.build_jobs)
     for job in build_jobs:
         (out_root / job.target).mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,8 @@ void silu_and_mul(TensorView out, TensorView x) {
     const T* xp = data_of<T>(x);
     T* op = data_of<T>(out);
     for (int64_t r = 0; r < xr.rows; ++r) {
-      const T* row = xp + r * xr.stride;
-      silu_mul_row(op + r * orow.stride, row, row + d, d);
+      const T* row = xp + xr.offset(r);
+      silu_mul_row(op + orow.offset(r), row, row + d, d);
     }
   });
 }

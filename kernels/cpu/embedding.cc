@@ -11,7 +11,7 @@ void gather_rows(Dst* out, const RowView& orow, const Src* table, int64_t dim,
                  const int64_t* ids, int64_t tokens) {
   for (int64_t t = 0; t < tokens; ++t) {
     const Src* src = table + ids[t] * dim;
-    Dst* dst = out + t * orow.stride;
+    Dst* dst = out + orow.offset(t);
     if constexpr (std::is_same_v<Src, Dst>) {
       std::memcpy(dst, src, dim * sizeof(Src));
     } else {

@@ -11,7 +11,7 @@ template <typename Src, typename Dst>
 void copy_rows(const Src* src, const RowView& view, Dst* cache, const int64_t* slots) {
   for (int64_t t = 0; t < view.rows; ++t) {
     if (slots[t] < 0) continue;
-    const Src* s = src + t * view.stride;
+    const Src* s = src + view.offset(t);
     Dst* d = cache + slots[t] * view.width;
     if constexpr (std::is_same_v<Src, Dst>) {
       std::memcpy(d, s, view.width * sizeof(Src));

@@ -52,7 +52,7 @@ void rms_norm(TensorView out, TensorView x, TensorView weight, double eps) {
     const T* wp = data_of<T>(weight);
     T* op = data_of<T>(out);
     for (int64_t r = 0; r < xr.rows; ++r) {
-      norm_row(op + r * orow.stride, xp + r * xr.stride, wp, xr.width, static_cast<float>(eps));
+      norm_row(op + orow.offset(r), xp + xr.offset(r), wp, xr.width, static_cast<float>(eps));
     }
   });
 }
@@ -68,8 +68,8 @@ void fused_add_rms_norm(TensorView x, TensorView residual, TensorView weight, do
     T* rp = data_of<T>(residual);
     const T* wp = data_of<T>(weight);
     for (int64_t r = 0; r < xr.rows; ++r) {
-      T* xrow = xp + r * xr.stride;
-      T* rrow = rp + r * rr.stride;
+      T* xrow = xp + xr.offset(r);
+      T* rrow = rp + rr.offset(r);
       // The sum is rounded to the residual's dtype first; the norm reads the rounded value.
       for (int64_t i = 0; i < xr.width; ++i) {
         rrow[i] = from_float<T>(to_float(rrow[i]) + to_float(xrow[i]));

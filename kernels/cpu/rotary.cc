@@ -13,7 +13,7 @@ void rotate_rows(T* data, const RowView& view, int64_t head_dim, const int64_t* 
     const float* cos = cos_sin + positions[t] * rot_dim;
     const float* sin = cos + half;
     for (int64_t h = 0; h < heads; ++h) {
-      T* x = data + t * view.stride + h * head_dim;
+      T* x = data + view.offset(t) + h * head_dim;
       // neox pairs element i with i + half; interleaved pairs 2i with 2i + 1
       const int64_t step = is_neox ? 1 : 2, partner = is_neox ? half : 1;
       for (int64_t i = 0; i < half; ++i) {

@@ -70,6 +70,7 @@ class Env:
     allow_cuda_mismatch: bool   # FREETOKEN_ALLOW_CUDA_MISMATCH
     cache_targets: tuple[str, ...]  # FREETOKEN_CACHE_TARGETS: cache-wheel build targets
     build_jobs: int             # FREETOKEN_BUILD_JOBS: parallel compiles (0 = ninja's default)
+    build_dir: Path | None      # FREETOKEN_BUILD_DIR: compiled objects kept between cache builds
     num_threads: int            # FREETOKEN_NUM_THREADS: CPU kernel threads (0 = all cores)
     home: Path                  # FREETOKEN_HOME: where ci/install.sh puts the venv
     log_level: str              # FREETOKEN_LOG_LEVEL
@@ -85,6 +86,8 @@ VARIABLES = {
     "FREETOKEN_CACHE_TARGETS": "cache-wheel targets: names, or cpu/cuda/rocm/all (default: "
                                "every target whose compiler is present)",
     "FREETOKEN_BUILD_JOBS": "parallel compile jobs for cache and JIT builds (0 = ninja default)",
+    "FREETOKEN_BUILD_DIR": "where cache builds keep compiled kernels between builds "
+                           "(default kernel-cache/build/objects)",
     "FREETOKEN_NUM_THREADS": "threads for CPU kernels (0 = every core)",
     "FREETOKEN_HOME": "install root used by ci/install.sh (default ~/.freetoken)",
     "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error)",
@@ -108,6 +111,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
                                   e.get("FREETOKEN_ALLOW_CUDA_MISMATCH"), False),
         cache_targets=_list(e.get("FREETOKEN_CACHE_TARGETS")),
         build_jobs=_int("FREETOKEN_BUILD_JOBS", e.get("FREETOKEN_BUILD_JOBS"), 0),
+        build_dir=_path(e.get("FREETOKEN_BUILD_DIR"), None),
         num_threads=_int("FREETOKEN_NUM_THREADS", e.get("FREETOKEN_NUM_THREADS"), 0),
         home=_path(e.get("FREETOKEN_HOME"), None) or Path.home() / ".freetoken",
         log_level=level,

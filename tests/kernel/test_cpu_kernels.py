@@ -49,6 +49,15 @@ def test_rms_norm_strided_rows_and_heads():
         ops.rms_norm(out, inp, w, 1e-6)
         ref.rms_norm(want, inp, w, 1e-6)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # per-head norm in place on the q heads of a fused qkv row (Qwen3): token stride 512, head 64
+    qkv = randn(5, 8 * 64, seed=6)
+    q_heads = qkv[:, : 4 * 64].view(5, 4, 64)
+    want = torch.empty(5, 4, 64)
+    ref.rms_norm(want, q_heads.clone(), w, 1e-6)
+    untouched = qkv[:, 4 * 64:].clone()
+    ops.rms_norm(q_heads, q_heads, w, 1e-6)
+    torch.testing.assert_close(q_heads, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, 4 * 64:], untouched)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -79,41 +79,55 @@ inline T* data_of(const TensorView& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
 }
 
-/*! \brief A tensor seen as `rows` rows of `width` contiguous elements `stride` apart. */
+/*!
+ * \brief A tensor seen as `rows` rows of `width` contiguous elements. The leading dims may have
+ * any strides (a head slice of a fused projection output, say); offset(r) finds row r.
+ */
 struct RowView {
-  int64_t rows;
-  int64_t width;
-  int64_t stride;
+  static constexpr int kMaxLead = 8;
+  int64_t rows = 1, width = 0;
+  int lead = 0;  // leading dims of size > 1, outermost first
+  int64_t size[kMaxLead] = {}, stride[kMaxLead] = {};
+
+  int64_t offset(int64_t r) const {
+    if (lead <= 1) return lead == 0 ? 0 : r * stride[0];
+    int64_t off = 0;
+    for (int i = lead - 1; i >= 0; --i) {
+      off += (r % size[i]) * stride[i];
+      r /= size[i];
+    }
+    return off;
+  }
+  /*! \brief The distance between consecutive rows, or -1 when rows are not evenly spaced. */
+  int64_t uniform_stride() const { return lead == 0 ? width : lead == 1 ? stride[0] : -1; }
 };
 
-/*!
- * \brief View `t` as rows whose last `inner_dims` dims are contiguous; the leading dims must
- * collapse into one uniform row stride (a slice of a fused projection output qualifies).
- */
+/*! \brief View `t` as rows whose last `inner_dims` dims are contiguous. */
 inline RowView row_view(const TensorView& t, int inner_dims, const char* name) {
   check_cpu(t, name);
-  int nd = t.ndim();
-  TVM_FFI_ICHECK(nd >= inner_dims && inner_dims >= 1)
-      << name << " must have at least " << inner_dims << " dims, got " << nd;
-  int64_t width = 1, rows = 1;
-  for (int i = nd - inner_dims; i < nd; ++i) width *= t.size(i);
-  for (int i = 0; i < nd - inner_dims; ++i) rows *= t.size(i);
-  if (t.IsContiguous() || rows <= 1) return {rows, width, width};
+  const int nd = t.ndim();
+  TVM_FFI_ICHECK(nd >= inner_dims && inner_dims >= 1 && nd - inner_dims <= RowView::kMaxLead)
+      << name << " must have between " << inner_dims << " and " << inner_dims + RowView::kMaxLead
+      << " dims, got " << nd;
+  RowView v;
+  v.width = 1;
+  for (int i = nd - inner_dims; i < nd; ++i) v.width *= t.size(i);
+  const bool contiguous = t.IsContiguous();
   int64_t expected = 1;
-  for (int i = nd - 1; i >= nd - inner_dims; --i) {
+  for (int i = nd - 1; i >= nd - inner_dims && !contiguous; --i) {
     TVM_FFI_ICHECK(t.size(i) == 1 || t.stride(i) == expected)
         << name << " must have contiguous rows (its last " << inner_dims << " dims)";
     expected *= t.size(i);
   }
-  int64_t row_stride = width, next = -1;  // size-1 dims carry arbitrary strides: skip them
-  for (int i = nd - inner_dims - 1; i >= 0; --i) {
-    if (t.size(i) == 1) continue;
-    if (next < 0) row_stride = t.stride(i);
-    TVM_FFI_ICHECK(next < 0 || t.stride(i) == next)
-        << name << ": leading dims must collapse into one row stride (call .contiguous())";
-    next = t.stride(i) * t.size(i);
+  for (int i = 0; i < nd - inner_dims; ++i) {
+    v.rows *= t.size(i);
+    if (t.size(i) == 1) continue;  // size-1 dims carry arbitrary strides: skip them
+    int64_t inner = 1;             // contiguous tensors may have no strides array
+    for (int j = i + 1; j < nd && contiguous; ++j) inner *= t.size(j);
+    v.size[v.lead] = t.size(i);
+    v.stride[v.lead++] = contiguous ? inner : t.stride(i);
   }
-  return {rows, width, row_stride};
+  return v;
 }
 
 // ---------------------------------------------------------------- bf16 / fp16

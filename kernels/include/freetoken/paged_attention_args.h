@@ -68,8 +68,8 @@ inline void fill_problem(Problem& p, const TensorView& out, const TensorView& q,
                          const TensorView& block_tables, const TensorView& seq_lens,
                          const TensorView& query_start_loc, int64_t block_size, double scale,
                          int64_t sliding_window) {
-  p.q_token_stride = row_view(q, 2, "q").stride;
-  p.out_token_stride = row_view(out, 2, "out").stride;
+  p.q_token_stride = row_view(q, 2, "q").uniform_stride();  // one leading dim: always uniform
+  p.out_token_stride = row_view(out, 2, "out").uniform_stride();
   p.group = p.q_heads / p.kv_heads;
   p.block_size = block_size;
   p.window = sliding_window;

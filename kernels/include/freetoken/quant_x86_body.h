@@ -109,29 +109,31 @@ FT_QX_INLINE int word_at(const uint8_t* p) {
   return v;
 }
 
+FT_QX_INLINE __m256i first_lanes(int count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // The first 4 bytes (f16 scale, then Q4_1's f16 min) of `count` <= 8 blocks `stride` apart;
-// missing blocks read as 0. Built with inserts: a gather is several times slower on Zen 3.
+// lanes past `count` are 0. Built with inserts (a gather is several times slower on Zen 3, a
+// stack array stalls store forwarding); reads past `count` repeat the last block, never beyond.
 FT_QX_INLINE __m256i block_heads(const uint8_t* g, int stride, int count) {
-  if (count == 8) {
-    __m128i lo = _mm_cvtsi32_si128(word_at(g));
-    lo = _mm_insert_epi32(lo, word_at(g + stride), 1);
-    lo = _mm_insert_epi32(lo, word_at(g + 2 * stride), 2);
-    lo = _mm_insert_epi32(lo, word_at(g + 3 * stride), 3);
-    __m128i hi = _mm_cvtsi32_si128(word_at(g + 4 * stride));
-    hi = _mm_insert_epi32(hi, word_at(g + 5 * stride), 1);
-    hi = _mm_insert_epi32(hi, word_at(g + 6 * stride), 2);
-    hi = _mm_insert_epi32(hi, word_at(g + 7 * stride), 3);
-    return _mm256_set_m128i(hi, lo);
-  }
-  int words[8] = {};
-  for (int i = 0; i < count; ++i) words[i] = word_at(g + i * stride);
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+  const uint8_t* at[8];
+  for (int i = 0; i < 8; ++i) at[i] = g + std::min(i, count - 1) * stride;
+  __m128i lo = _mm_cvtsi32_si128(word_at(at[0]));
+  lo = _mm_insert_epi32(lo, word_at(at[1]), 1);
+  lo = _mm_insert_epi32(lo, word_at(at[2]), 2);
+  lo = _mm_insert_epi32(lo, word_at(at[3]), 3);
+  __m128i hi = _mm_cvtsi32_si128(word_at(at[4]));
+  hi = _mm_insert_epi32(hi, word_at(at[5]), 1);
+  hi = _mm_insert_epi32(hi, word_at(at[6]), 2);
+  hi = _mm_insert_epi32(hi, word_at(at[7]), 3);
+  __m256i heads = _mm256_set_m128i(hi, lo);
+  return count == 8 ? heads : _mm256_and_si256(heads, first_lanes(count));
 }
 
 FT_QX_INLINE __m256 load_first(const float* p, int count) {
   if (count == 8) return _mm256_loadu_ps(p);
-  __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_maskload_ps(p, lanes);  // never touches memory past the row
+  return _mm256_maskload_ps(p, first_lanes(count));  // never touches memory past the row
 }
 
 /*!

@@ -34,7 +34,7 @@ def kernel_rows(verify: bool = True) -> list[dict]:
             rows.append({"kernel": kernel.name, "device": device, "status": res.source,
                          "target": res.target, "key": res.key,
                          "path": str(res.path) if res.path else None, "reason": res.reason,
-                         "functions": list(kernel.functions)})
+                         "functions": list(kernel.functions_for(spec.backend))})
     return rows
 
 

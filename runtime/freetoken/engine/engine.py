@@ -57,6 +57,10 @@ class Engine:
         self.kv = KVCache(model.config, self.config.num_blocks, self.config.block_size,
                           model.dtype, torch.device(model.device))
         self.scheduler = Scheduler(self.config, self.pool)
+        if torch.device(model.device).type == "cpu" and getattr(model, "matmuls_in_kernels", False):
+            # The kernels bring their own thread pool; torch's threads would only spin against
+            # it (each small parallel op then waits for a descheduled thread).
+            torch.set_num_threads(1)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
         self.graphs = None
@@ -258,10 +262,10 @@ class Engine:
                 chunk.request.num_computed += chunk.num_tokens
         if to_sample:
             requests = [plan[i].request for i in to_sample]
-            rows = torch.tensor(to_sample, device=logits.device)
+            if len(to_sample) < logits.shape[0]:
+                logits = logits.index_select(0, torch.tensor(to_sample, device=logits.device))
             with torch.inference_mode():
-                tokens = sample_tokens(logits.index_select(0, rows),
-                                       [r.params for r in requests],
+                tokens = sample_tokens(logits, [r.params for r in requests],
                                        [r.generator for r in requests])
             for request, token in zip(requests, tokens):
                 self._append_token(request, token)

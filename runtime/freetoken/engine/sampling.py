@@ -31,14 +31,15 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     params must be resolved (temperature, top_k, top_p set); generators are CPU generators.
     """
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        chosen = _sample_rows(logits.index_select(0, index).float(),
-                              [params[i] for i in rows], [generators[i] for i in rows])
-        tokens = tokens.index_copy(0, index, chosen)
-    return tokens.tolist()
+    if not rows:                    # all greedy: one argmax, no copies
+        return logits.argmax(dim=-1).tolist()
+    if len(rows) == len(params):    # none greedy: no argmax, no gather
+        return _sample_rows(logits.float(), list(params), list(generators)).tolist()
+    index = torch.tensor(rows, device=logits.device)
+    chosen = _sample_rows(logits.index_select(0, index).float(),
+                          [params[i] for i in rows], [generators[i] for i in rows])
+    return logits.argmax(dim=-1).index_copy(0, index, chosen).tolist()
 
 
 def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor,

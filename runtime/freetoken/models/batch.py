@@ -44,8 +44,12 @@ class KVCache:
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # Attention reads only slots written earlier, so the CPU pool is left uninitialised:
+        # the OS maps its pages on first write (fast start, RSS grows with use). CUDA graphs
+        # may read padding slots, which must hold finite values: zero them there.
+        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     @property
     def num_slots(self) -> int:

@@ -12,7 +12,7 @@ import torch
 from freetoken.models.batch import ForwardBatch, KVCache
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.kernels import bind_op
-from freetoken.models.linear import make_linear
+from freetoken.models.linear import QuantLinear, make_linear
 from freetoken.models.rope import cos_sin_cache
 from freetoken.models.weights import DecoderWeights, LayerWeights
 from freetoken.models.workspace import Workspace, WorkViews
@@ -91,6 +91,16 @@ class DenseDecoder:
         self._lm_head = make_linear(weights.lm_head)
         self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == torch.float32
         self._workspace = Workspace(config, dtype, self.device)
+        if self.device.type == "cpu":
+            _apply_kernel_threads()
+
+    @property
+    def matmuls_in_kernels(self) -> bool:
+        """True when every projection runs in the quantized kernels (none through torch.mm),
+        so torch's own CPU threads only serve small bookkeeping ops."""
+        linears = [self._lm_head] + [lin for layer in self.layers
+                                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return all(isinstance(lin, QuantLinear) for lin in linears)
 
     def reserve(self, max_tokens: int) -> None:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
@@ -119,3 +129,14 @@ class DenseDecoder:
         low = torch.empty(logits.shape, dtype=self.dtype, device=self.device)
         self._lm_head(low, rows)
         return logits.copy_(low)
+
+
+def _apply_kernel_threads() -> None:
+    """Size the CPU kernels' shared thread pool from FREETOKEN_NUM_THREADS (0 = every core)."""
+    from freetoken import env
+
+    threads = env.read().num_threads
+    if threads > 0:
+        from freetoken.kernel.loader import get_function
+
+        get_function("quant_gemm", "set_num_threads", "cpu")(threads)

@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from freetoken.models.config import GenerationDefaults, ModelConfig, QuantWeight
@@ -31,77 +30,22 @@ _LAYER_NAMES = {
 }
 
 
-def _reader_class():
-    """GGUFReader over a plain ndarray view of the map: parsing is ~5x faster than over
-    np.memmap (whose per-slice Python hook dominates), and the last key read is tracked
-    so a truncated file names where it ends."""
-    from gguf import GGUFReader
-
-    class Reader(GGUFReader):
-        last_key = "header"
-
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, value):
-            self._plain = value.view(np.ndarray)
-
-        def _push_field(self, field, skip_sum=False):
-            self.last_key = field.name
-            return super()._push_field(field, skip_sum)
-
-        def _build_tensors(self, start_offs, fields):
-            _check_extents(len(self.data), start_offs, fields)
-            self.last_key = "tensor data"
-            super()._build_tensors(start_offs, fields)
-
-    return Reader
-
-
-class _TensorPastEnd(Exception):
-    """A tensor's bytes run past the end of the file (the file is truncated)."""
-
-
-def _check_extents(size: int, start: int, fields) -> None:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    for field in fields:
-        _, name, _, dims, raw_type, offset = field.parts
-        try:
-            block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-        except (ValueError, KeyError):
-            continue   # an unknown type id: reported when the tensor is used
-        end = start + int(offset[0]) + int(np.prod(dims)) * type_bytes // block
-        if end > size:
-            raise _TensorPastEnd(bytes(name).decode("utf-8", "replace"))
-
-
 def open_gguf(path: Path):
-    """A GGUFReader for `path`; a truncated or corrupt file raises ModelFormatError."""
+    """The parsed GGUFFile at `path`; a truncated or corrupt file raises ModelFormatError."""
+    from freetoken.models.gguf_file import GGUFFile, GGUFParseError, TensorPastEnd
+
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such GGUF file")
-    cls = _reader_class()
-    reader = cls.__new__(cls)    # kept even when __init__ fails, to report where it stopped
     try:
-        reader.__init__(path, "c")   # copy-on-write: writable arrays, the file is untouched
-        return reader
-    except _TensorPastEnd as exc:
-        raise ModelFormatError(f"{path}: tensor {str(exc)!r} ends past the end of the file "
+        return GGUFFile(path)
+    except TensorPastEnd as exc:
+        raise ModelFormatError(f"{path}: tensor {exc.where!r} ends past the end of the file "
                                f"({path.stat().st_size} bytes); the file is truncated, "
                                f"download it again") from None
-    except Exception as exc:   # the reader raises ValueError/IndexError/KeyError on bad bytes
-        where = reader.last_key
+    except GGUFParseError as exc:
         raise ModelFormatError(
             f"{path}: not a readable GGUF file ({path.stat().st_size} bytes); it is truncated "
-            f"or corrupt after {where!r} ({type(exc).__name__}: {exc}); download it again"
-        ) from None
-
-
-def read_metadata(reader) -> dict[str, Any]:
-    """Every key/value field as plain Python values (arrays as lists)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
+            f"or corrupt after {exc.where!r} ({exc}); download it again") from None
 
 
 def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
@@ -114,9 +58,10 @@ def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
 class GGUFTensors:
     """Canonical-name access to a GGUF file's tensors (a ``TensorSource``)."""
 
-    def __init__(self, reader, path: Path, spec: ArchSpec, config: ModelConfig):
+    def __init__(self, file, path: Path, spec: ArchSpec, config: ModelConfig):
         self.source = str(path)
-        self._by_name = {t.name: t for t in reader.tensors}
+        self._file = file
+        self._by_name = file.tensors
         self._spec, self._config = spec, config
 
     def file_name(self, name: str) -> str:
@@ -136,18 +81,20 @@ class GGUFTensors:
         return weight
 
     def _to_weight(self, tensor) -> Weight:
-        qtype = int(tensor.tensor_type)
-        shape = tuple(int(d) for d in reversed(tensor.shape))   # GGML lists ne0 (cols) first
-        data = torch.from_numpy(tensor.data)
+        qtype = tensor.type_id
+        shape = tuple(reversed(tensor.dims))   # GGML lists ne0 (cols) first
+        if qtype not in QUANT_TYPES + (F32, F16, BF16):
+            from freetoken.models.gguf_file import type_name
+
+            raise UnsupportedModelError(
+                f"{self.source}: tensor {tensor.name!r} has type {type_name(qtype)}, which "
+                f"is not supported; supported: {SUPPORTED_TYPES} (re-quantize the model)")
+        data = torch.from_numpy(self._file.array(tensor))
         if qtype in QUANT_TYPES:
             return QuantWeight(qtype, data.view(shape[0], -1), (shape[0], shape[-1]))
-        if qtype in (F32, F16):
-            return data.view(shape)
         if qtype == BF16:
             return data.view(torch.bfloat16).view(shape)
-        raise UnsupportedModelError(
-            f"{self.source}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
-            f"is not supported; supported: {SUPPORTED_TYPES} (re-quantize the model)")
+        return data.view(shape)
 
 
 def _take_rows(weight: Weight, index: torch.Tensor) -> Weight:
@@ -168,11 +115,11 @@ def gguf_generation_defaults(meta: dict[str, Any]) -> GenerationDefaults:
 
 def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors, dict[str, Any]]:
     """(config, tensor source, metadata) of a GGUF file; weights are not placed yet."""
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
+    file = open_gguf(path)
+    meta = file.meta
     spec = spec_for_gguf(str(meta.get("general.architecture")), str(path))
     vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     config = config_from_gguf(meta, vocab, str(path))
-    tied = not any(t.name == _GLOBAL_NAMES["lm_head"] for t in reader.tensors)
+    tied = _GLOBAL_NAMES["lm_head"] not in file.tensors
     config = dataclasses.replace(config, tie_word_embeddings=tied)
-    return config, GGUFTensors(reader, path, spec, config), meta
+    return config, GGUFTensors(file, path, spec, config), meta

@@ -90,12 +90,23 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
                        generation_defaults=defaults, name=name, source=str(path))
 
 
+def _build_model(tensors, config: ModelConfig, placement: Placement) -> DenseDecoder:
+    # NOTE: loading runs many small copies; torch's parallel regions cost far more than they
+    # save there (on a busy 2-core machine each one waits for a descheduled thread).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        weights = build_decoder_weights(tensors, config, placement)
+        return DenseDecoder(config, weights, placement.device, placement.dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _load_hf(path: Path, placement: Placement):
     from freetoken.models.hf_loader import read_hf_dir
 
     config, tensors, tokenizer, defaults = read_hf_dir(path)
-    weights = build_decoder_weights(tensors, config, placement)
-    model = DenseDecoder(config, weights, placement.device, placement.dtype)
+    model = _build_model(tensors, config, placement)
     return config, model, tokenizer, defaults
 
 
@@ -105,6 +116,5 @@ def _load_gguf(path: Path, placement: Placement):
 
     config, tensors, meta = read_gguf(path)
     tokenizer = tokenizer_from_gguf(meta, str(path))
-    weights = build_decoder_weights(tensors, config, placement)
-    model = DenseDecoder(config, weights, placement.device, placement.dtype)
+    model = _build_model(tensors, config, placement)
     return config, model, tokenizer, gguf_generation_defaults(meta)
