@@ -344,6 +344,14 @@ def prompts_for(model: Path, lengths: tuple[int, ...]) -> dict[str, list[int]]:
     return {str(n): ids[:n] for n in lengths}
 
 
+def import_torch_seconds(repeats: int) -> float:
+    """Median seconds to spawn Python and import torch: the floor of FreeToken's start."""
+    def spawn() -> None:
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+
+    return _timed(spawn, repeats)
+
+
 def machine_line() -> str:
     info = Path("/proc/cpuinfo").read_text()
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
@@ -438,13 +446,16 @@ def main(argv: list[str]) -> None:
         else:
             repeats = 1 if peer == "transformers" else args.start_repeats
             results[peer] = run_peer(peer, spec, repeats)
-    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    floor = import_torch_seconds(max(1, args.start_repeats))
+    print(f"load average after: {os.getloadavg()[0]:.1f}; spawning Python + `import torch` alone "
+          f"takes {floor:.2f} s (median), the floor of FreeToken's start->ready")
     print_table(results, spec)
     print_ratios(results)
     print(REFERENCE)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"machine": machine_line(), "spec": {
-            k: v for k, v in spec.items() if k != "prompts"}, "results": results}, indent=1))
+            k: v for k, v in spec.items() if k != "prompts"}, "import_torch_s": floor,
+            "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ python3 -m venv --system-site-packages "$VENV"
 "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
   "$(ls "$WHEELS"/freetoken-*.whl)" "$(ls "$WHEELS"/freetoken_kernel_cache-*.whl)"
 
-# Nothing that compiles is reachable from here on.
+# Nothing that compiles is reachable from here on. With HIDE_TOOLKIT=1 (a disposable test
+# machine) every nvcc on disk is renamed too, so not even a toolkit search can find one.
+if [ "${HIDE_TOOLKIT:-}" = 1 ]; then
+  for f in /usr/local/cuda*/bin/nvcc /usr/bin/nvcc; do
+    [ -f "$f" ] && [ ! -L "$f" ] && mv "$f" "$f.hidden" && echo "hid $f"
+  done
+fi
 PATH="$VENV/bin:$(echo "$PATH" | tr ':' '\n' | grep -v -e cuda -e '^$' | paste -sd:)"
 export PATH
 unset CUDA_HOME CUDA_PATH CXX CC
@@ -29,9 +35,11 @@ ft --version
 ft doctor || true
 ft kernels
 ft kernels verify
-(cd "$REPO" && python -m pytest -q -p no:cacheprovider tests/kernel/test_cuda_kernels.py \
-  tests/models/test_gpu_vs_hf.py)
-test ! -e "$FREETOKEN_JIT_DIR" && echo "== no JIT folder was created: zero compiles"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  (cd "$REPO" && python -m pytest -q -rs -p no:cacheprovider tests/kernel/test_cuda_kernels.py \
+    tests/models/test_gpu_vs_hf.py -k "not compile")
+  test ! -e "$FREETOKEN_JIT_DIR" && echo "== no JIT folder was created: zero compiles"
+fi
 
 if [ -n "$GGUF" ]; then
   ft serve --model "$GGUF" --device cuda --port 19190 >/tmp/ft-serve.log 2>&1 &

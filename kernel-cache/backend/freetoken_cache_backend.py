@@ -107,11 +107,15 @@ def compile_all(targets: list[str], facts: dict, objects: Path, jobs: int) -> li
     build_jobs = build.jobs_for(set(targets), tc.cuda_major)
     for target in targets:
         (objects / target).mkdir(parents=True, exist_ok=True)
+    # Keys hash sources, headers, flags and toolchain: an existing object is already right,
+    # wherever the tree it came from lived.
+    missing = [job for job in build_jobs if not (objects / job.output).is_file()]
     ninja_file = objects / f"build-{os.getpid()}.ninja"
-    build.write_ninja(build_jobs, objects, tc, ninja_file)
+    build.write_ninja(missing, objects, tc, ninja_file)
     if facts["cuda_home"]:
         os.environ["CUDA_HOME"] = str(facts["cuda_home"])
-    _say(f"{len(build_jobs)} kernel builds for {', '.join(targets)} (objects in {objects})")
+    _say(f"{len(missing)} of {len(build_jobs)} kernel builds to compile for "
+         f"{', '.join(targets)} (objects in {objects})")
     start = time.perf_counter()
     try:
         build.run_ninja(ninja_file, jobs or None)
