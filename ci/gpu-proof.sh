@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Driver-only proof on a CUDA machine: install a wheel pair (plus offline dependency wheels)
-# into a venv that sees the system torch, hide every compiler, disable JIT, then verify the
-# kernels, run the GPU tests and serve a real completion on the GPU.
+# into the Python environment that holds torch ($PYTHON, default python3), hide every
+# compiler, disable JIT, then verify the kernels, run the GPU tests and serve a real
+# completion on the GPU.
 #
 #   ci/gpu-proof.sh WHEEL_DIR [GGUF]      (WHEEL_DIR holds freetoken, freetoken_kernel_cache
 #                                         and any dependency wheels the machine lacks)
@@ -9,10 +10,10 @@ set -euo pipefail
 WHEELS=$(cd "${1:?usage: ci/gpu-proof.sh WHEEL_DIR [GGUF]}" && pwd)
 GGUF=${2:-}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-VENV=${VENV:-/tmp/ft-driver-only}
+PY=$(command -v "${PYTHON:-python3}")
+BIN=$(dirname "$PY")
 
-python3 -m venv --system-site-packages "$VENV"
-"$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
+"$PY" -m pip install -q --no-index --find-links "$WHEELS" \
   "$(ls "$WHEELS"/freetoken-*.whl)" "$(ls "$WHEELS"/freetoken_kernel_cache-*.whl)"
 
 # Nothing that compiles is reachable from here on. With HIDE_TOOLKIT=1 (a disposable test
@@ -22,7 +23,7 @@ if [ "${HIDE_TOOLKIT:-}" = 1 ]; then
     [ -f "$f" ] && [ ! -L "$f" ] && mv "$f" "$f.hidden" && echo "hid $f"
   done
 fi
-PATH="$VENV/bin:$(echo "$PATH" | tr ':' '\n' | grep -v -e cuda -e '^$' | paste -sd:)"
+PATH="$BIN:$(echo "$PATH" | tr ':' '\n' | grep -v -e cuda -e '^$' | paste -sd:)"
 export PATH
 unset CUDA_HOME CUDA_PATH CXX CC
 export FREETOKEN_DISABLE_JIT=1 FREETOKEN_JIT_DIR=/tmp/ft-no-jit
