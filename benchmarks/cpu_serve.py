@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -120,6 +121,12 @@ def worker_llama_cpp(spec: dict) -> dict:
 def worker_transformers(spec: dict) -> dict:
     import torch
 
+    try:   # imported before the load clock starts, as the other peers' packages are
+        import transformers.modeling_gguf_pytorch_utils  # noqa: F401
+        from transformers import LlamaForCausalLM  # noqa: F401
+    except ImportError as exc:
+        raise PeerUnavailable(f"transformers is not installed ({exc}); "
+                              "`pip install transformers`") from None
     torch.set_num_threads(spec["threads"])
     load_start = time.perf_counter()
     model = _transformers_model(Path(spec["model"]))
@@ -280,12 +287,14 @@ def ft_serve_once(spec: dict, measure: bool) -> dict:
                "--device", "cpu", "--log-level", "warning", "--num-tokens", "4096"]
     if spec["model_arg"]:
         command += ["--model", spec["model"]]
+    log = tempfile.TemporaryFile("w+")     # a file, not a pipe: nothing blocks on a full pipe
     spawned = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
     try:
         while True:
             if proc.poll() is not None:
-                return {"unavailable": "ft serve exited: " + proc.stderr.read()[-400:]}
+                log.seek(0)
+                return {"unavailable": "ft serve exited: " + log.read()[-400:]}
             try:
                 _http(base + "/health", timeout=1.0)
                 break
@@ -302,6 +311,7 @@ def ft_serve_once(spec: dict, measure: bool) -> dict:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def _measure_http(spec: dict, base: str) -> dict:
@@ -345,11 +355,15 @@ def prompts_for(model: Path, lengths: tuple[int, ...]) -> dict[str, list[int]]:
 
 
 def import_torch_seconds(repeats: int) -> float:
-    """Median seconds to spawn Python and import torch: the floor of FreeToken's start."""
-    def spawn() -> None:
-        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    """Median seconds from spawning Python until `import torch` returns (exit not counted):
+    the floor of FreeToken's start->ready."""
+    def once() -> float:
+        spawned = time.time()
+        out = subprocess.run([sys.executable, "-c", "import time, torch; print(time.time())"],
+                             capture_output=True, text=True, check=True).stdout
+        return float(out.split()[-1]) - spawned
 
-    return _timed(spawn, repeats)
+    return _median([once() for _ in range(repeats)])
 
 
 def machine_line() -> str:
@@ -380,7 +394,8 @@ def print_table(results: dict[str, dict], spec: dict) -> None:
         print(f"{LABELS[peer]:32} {rates.get('42', float('nan')):9.0f} "
               f"{rates.get('520', float('nan')):9.0f} {_cell(r, 'ttft_s', 1e3):>8} "
               f"{_cell(r, 'decode_tok_s'):>8} {_cell(r, 'start_to_ready_s', 1, '{:.2f}'):>8} "
-              f"{_cell(r, 'load_warm_s', 1, '{:.2f}'):>7} {_cell(r, 'peak_rss_mb', 1, '{:.0f}'):>7}")
+              f"{_cell(r, 'load_warm_s', 1, '{:.2f}'):>7} "
+              f"{_cell(r, 'peak_rss_mb', 1, '{:.0f}'):>7}")
     print("prompt/decode in tok/s (medians of %d); decode: batch 1, %d tokens, greedy; "
           "ready = process spawn until answerable; load = load + warm-up in-process"
           % (spec["repeats"], spec["gen_tokens"]))
@@ -398,7 +413,8 @@ def print_ratios(results: dict[str, dict]) -> None:
         parts.append(f"TTFT x{other['ttft_s'] / ours['ttft_s']:.2f}")
         start = serve.get("start_to_ready_s", ours["start_to_ready_s"])
         parts.append(f"start->ready x{other['start_to_ready_s'] / start:.2f}")
-        parts.append(f"RSS x{serve.get('peak_rss_mb', ours['peak_rss_mb']) / other['peak_rss_mb']:.2f}")
+        rss = serve.get("peak_rss_mb", ours["peak_rss_mb"])
+        parts.append(f"RSS x{rss / other['peak_rss_mb']:.2f}")
         print(f"FreeToken vs {LABELS[peer]} (>1 = FreeToken better, RSS: ours/theirs): "
               + ", ".join(parts))
 

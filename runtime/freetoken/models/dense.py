@@ -120,7 +120,9 @@ class DenseDecoder:
         block_size = kv.block_size
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             layer.forward(w, batch, k_cache, v_cache, block_size)
-        rows = w.hidden.index_select(0, batch.logits_indices)
+        # T == B: every token is its sequence's last (pure decode), so no gather is needed.
+        rows = (w.hidden if batch.num_tokens == batch.num_seqs
+                else w.hidden.index_select(0, batch.logits_indices))
         logits = torch.empty((rows.shape[0], self.config.vocab_size), dtype=torch.float32,
                              device=self.device)
         if self._head_is_f32:

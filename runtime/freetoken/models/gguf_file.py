@@ -86,6 +86,15 @@ class GGUFFile:
             return raw.reshape(shape[:-1] + (shape[-1] // blocks * block_bytes,))
         return raw.view(dtype).reshape(shape)
 
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's pages from this process (after it was copied elsewhere); a later
+        read maps them again from the file. Whole pages inside the tensor only."""
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + (info.nbytes or 0)) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     # ---- parsing ---------------------------------------------------------------------------
 
     def _parse(self) -> None:

@@ -80,6 +80,12 @@ class GGUFTensors:
             weight = _take_rows(weight, _unpermute_index(weight.shape[0], heads))
         return weight
 
+    def release(self, name: str) -> None:
+        """The caller copied this tensor: its file pages may leave memory."""
+        tensor = self._by_name.get(self.file_name(name))
+        if tensor is not None:
+            self._file.release(tensor)
+
     def _to_weight(self, tensor) -> Weight:
         qtype = tensor.type_id
         shape = tuple(reversed(tensor.dims))   # GGML lists ne0 (cols) first

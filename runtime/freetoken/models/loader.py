@@ -92,10 +92,10 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
 
 
 def _build_model(tensors, config: ModelConfig, placement: Placement) -> DenseDecoder:
-    # NOTE: loading runs many small copies; torch's parallel regions cost far more than they
-    # save there (on a busy 2-core machine each one waits for a descheduled thread).
+    # NOTE: a CPU load runs many small copies; torch's parallel regions cost far more than
+    # they save there (on a busy 2-core machine each one waits for a descheduled thread).
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1 if placement.device.type == "cpu" else threads)
     try:
         weights = build_decoder_weights(tensors, config, placement)
         return DenseDecoder(config, weights, placement.device, placement.dtype)

@@ -114,6 +114,19 @@ class _Reader:
                 f"{list(_shape(weight))}, expected {list(shape)} from the model config")
         return _place(weight, self.where)
 
+    def fused(self, parts: list[tuple[str, tuple[int, ...]]]) -> list[Weight]:
+        """Required tensors whose rows are concatenated into one matrix when they can be.
+
+        A source with ``release(name)`` may then drop the originals from memory (the GGUF
+        reader unmaps their pages), so the file's copies do not count twice in the RSS."""
+        weights = [self.required(name, shape) for name, shape in parts]
+        fused = _fuse_rows(weights)
+        release = getattr(self.src, "release", None)
+        if len(fused) == 1 and len(weights) > 1 and release is not None:
+            for name, _ in parts:
+                release(name)
+        return fused
+
     def required(self, name: str, shape: tuple[int, ...]) -> Weight:
         weight = self.optional(name, shape)
         if weight is None:
@@ -126,8 +139,7 @@ class _Reader:
 def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
     p, h = f"layers.{i}.", cfg.hidden_size
     qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    qkv = [read.required(p + "q", (qs, h)), read.required(p + "k", (kvs, h)),
-           read.required(p + "v", (kvs, h))]
+    qkv = read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))])
     bias = None
     if cfg.attention_bias:
         bias = torch.cat([read.required(p + "q_bias", (qs,)), read.required(p + "k_bias", (kvs,)),
@@ -138,11 +150,10 @@ def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
         k_norm = read.required(p + "k_norm", (cfg.head_dim,))
     return LayerWeights(
         input_norm=read.required(p + "input_norm", (h,)),
-        qkv=_fuse_rows(qkv), qkv_bias=bias, q_norm=q_norm, k_norm=k_norm,
+        qkv=qkv, qkv_bias=bias, q_norm=q_norm, k_norm=k_norm,
         o=read.required(p + "o", (h, qs)),
         post_norm=read.required(p + "post_norm", (h,)),
-        gate_up=_fuse_rows([read.required(p + "gate", (inter, h)),
-                            read.required(p + "up", (inter, h))]),
+        gate_up=read.fused([(p + "gate", (inter, h)), (p + "up", (inter, h))]),
         down=read.required(p + "down", (h, inter)),
     )
 
