@@ -1,0 +1,171 @@
+"""The peers of benchmarks/cpu_serve.py, one per worker process.
+
+    python benchmarks/cpu_serve_peers.py PEER SPEC_JSON
+
+loads PEER (freetoken, llama_cpp or transformers), warms it up and prints `@@ready {...}`;
+then each stdin line {"ids": [...], "n": N} is answered with `@@stamps [...]` (every output
+token's seconds since the request started), and `null` ends it with `@@rss <peak MB>`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer cannot run here (its package is missing); the message says how to install it."""
+
+
+# ---- the peers ----------------------------------------------------------------------------
+# A setup loads the model, runs one tiny warm-up request and returns (run, load seconds);
+# run(ids, max_tokens) returns every output token's seconds since the request started.
+
+def setup_freetoken(spec: dict):
+    import asyncio
+
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.request import SamplingParams
+    from freetoken.models.loader import load_model
+
+    start = time.perf_counter()
+    loaded = load_model(spec["model"], device="cpu")
+    engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=4096, device="cpu",
+                                                     max_prefill_tokens=1024)).start()
+    engine.warm_up()
+
+    async def generate(ids: list[int], max_tokens: int) -> list[float]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        stamps, t0 = [], time.perf_counter()
+        async for out in engine.generate(ids, params):
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error)
+            stamps += [time.perf_counter() - t0] * len(out.token_ids)
+        return stamps
+
+    return (lambda ids, n: asyncio.run(generate(ids, n))), time.perf_counter() - start
+
+
+def setup_llama_cpp(spec: dict):
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        raise PeerUnavailable(f"llama-cpp-python is not installed ({exc}); "
+                              "`pip install llama-cpp-python` (builds from source)") from None
+    start = time.perf_counter()
+    llm = Llama(model_path=spec["model"], n_threads=spec["threads"],
+                n_threads_batch=spec["threads"], n_ctx=2048, n_batch=1024, n_ubatch=1024,
+                use_extra_bufts=False, verbose=False, seed=0)
+
+    def run(ids: list[int], max_tokens: int) -> list[float]:
+        llm.reset()             # no prefix reuse between runs: every prompt is prefilled
+        stamps, t0 = [], time.perf_counter()
+        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            stamps.append(time.perf_counter() - t0)
+            if len(stamps) == max_tokens:
+                break
+        return stamps
+
+    run(spec["prompts"]["42"][:4], 2)
+    return run, time.perf_counter() - start
+
+
+def setup_transformers(spec: dict):
+    import torch
+
+    try:   # imported before the load clock starts, as the other peers' packages are
+        import transformers.modeling_gguf_pytorch_utils  # noqa: F401
+        from transformers import LlamaForCausalLM  # noqa: F401
+    except ImportError as exc:
+        raise PeerUnavailable(f"transformers is not installed ({exc}); "
+                              "`pip install transformers`") from None
+    torch.set_num_threads(spec["threads"])
+    start = time.perf_counter()
+    model = _transformers_model(Path(spec["model"]))
+
+    class Stamps:
+        """A generate() streamer that timestamps every new token (the first put is the prompt)."""
+
+        def __init__(self):
+            self.t0, self.times, self.prompt_seen = time.perf_counter(), [], False
+
+        def put(self, value):
+            if self.prompt_seen:
+                self.times.append(time.perf_counter() - self.t0)
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    def run(ids: list[int], max_tokens: int) -> list[float]:
+        stamps = Stamps()
+        with torch.inference_mode():
+            model.generate(torch.tensor([ids]), max_new_tokens=max_tokens,
+                           min_new_tokens=max_tokens, do_sample=False, streamer=stamps,
+                           pad_token_id=0)
+        return stamps.times
+
+    run(spec["prompts"]["42"][:4], 2)
+    return run, time.perf_counter() - start
+
+
+def _transformers_model(path: Path):
+    """float32 model from the GGUF's dequantized tensors (from_pretrained(gguf_file=) needs
+    `accelerate`); its parser runs over a plain array view of the file, as in the tests."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._array
+
+        @data.setter
+        def data(self, value):
+            self._array = value.view(np.ndarray)
+
+    gguf.GGUFReader = Reader
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
+SETUPS = {"freetoken": setup_freetoken, "llama_cpp": setup_llama_cpp,
+          "transformers": setup_transformers}
+
+
+def _say(kind: str, payload) -> None:
+    print(f"@@{kind} {json.dumps(payload)}", flush=True)
+
+
+def worker_main(peer: str, spec_json: str) -> None:
+    """Load and warm up, say `ready`, then answer one request per stdin line until `null`."""
+    spec = json.loads(spec_json)
+    try:
+        run, load_s = SETUPS[peer](spec)
+    except PeerUnavailable as exc:
+        _say("unavailable", str(exc))
+        return
+    _say("ready", {"wall": time.time(), "load_warm_s": load_s})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command is None:
+            break
+        _say("stamps", run(command["ids"], command["n"]))
+    _say("rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], sys.argv[2])
