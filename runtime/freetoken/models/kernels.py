@@ -14,7 +14,7 @@ import torch
 
 def bind_op(name: str, device: torch.device) -> Callable:
     """The function behind ``ops.<name>`` for `device`, with the same arguments."""
-    from freetoken.csrc import registry
+    from freetoken.csrc.build import registry  # the one copy the loader uses
     from freetoken.kernel import loader, ops
 
     wrapper = getattr(ops, name)
