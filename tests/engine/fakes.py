@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 
-import torch
+import numpy as np
 
+from freetoken.arrays import HostArrays
 from freetoken.models.batch import ForwardBatch, KVCache
 from freetoken.models.config import ModelConfig
 
@@ -41,27 +42,28 @@ class FakeModel:
             architecture="llama", vocab_size=vocab, hidden_size=4, intermediate_size=4,
             num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-5,
             rope_theta=1e4, max_position=max_position)
-        self.device = torch.device("cpu")
-        self.dtype = torch.float32
+        self.arrays = HostArrays()
+        self.device = self.arrays.device
+        self.dtype = "float32"
         self.batches: list[ForwardBatch] = []
         self.fail_next = False
         self.gate = threading.Event()   # forward waits while it is clear
         self.gate.set()
 
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         self.batches.append(batch)
         self.gate.wait()
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")
-        kv.k[0][batch.slot_mapping, 0, 0] = batch.input_ids.float()
-        logits = torch.zeros(batch.num_seqs, self.config.vocab_size)
+        kv.k[0][batch.slot_mapping, 0, 0] = batch.input_ids.astype(np.float32)
+        logits = np.zeros((batch.num_seqs, self.config.vocab_size), dtype=np.float32)
         block = kv.block_size
         for b in range(batch.num_seqs):
             n = int(batch.seq_lens[b])
-            pos = torch.arange(n)
-            slots = batch.block_tables[b, pos // block].long() * block + pos % block
-            context = kv.k[0][slots, 0, 0].long().tolist()
+            pos = np.arange(n)
+            slots = batch.block_tables[b, pos // block].astype(np.int64) * block + pos % block
+            context = kv.k[0][slots, 0, 0].astype(np.int64).tolist()
             logits[b, next_token(context, self.config.vocab_size)] = 10.0
         return logits
 

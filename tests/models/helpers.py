@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from freetoken.models.batch import ForwardBatch, KVCache
@@ -78,7 +79,7 @@ class PagedRunner:
 
     def __init__(self, model, num_blocks: int = 32, block_size: int = 16, seed: int = 0):
         self.model, self.block_size = model, block_size
-        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.arrays)
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free = order.tolist()
         self.pages: dict[int, list[int]] = {}
@@ -96,7 +97,8 @@ class PagedRunner:
         return slots
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """One forward over (sequence id, new token ids) chunks; logits of each chunk's end."""
+        """One forward over (sequence id, new token ids) chunks; logits of each chunk's end
+        (a torch tensor on the model's device, sharing memory with the model's output)."""
         ids, positions, slots, starts, last = [], [], [], [0], []
         for seq, tokens in chunks:
             begin = self.lengths.get(seq, 0)
@@ -107,15 +109,17 @@ class PagedRunner:
             last.append(len(ids) - 1)
         width = max(len(self.pages[s]) for s, _ in chunks)
         tables = [self.pages[s] + [0] * (width - len(self.pages[s])) for s, _ in chunks]
-        dev = self.model.device
+        on_device = self.model.arrays.index
+
+        def longs(values):
+            return on_device(np.array(values, dtype=np.int64))
+
+        def ints(values):
+            return on_device(np.array(values, dtype=np.int32))
+
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([self.lengths[s] for s, _ in chunks], dtype=torch.int32,
-                                  device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
+            input_ids=longs(ids), positions=longs(positions), slot_mapping=longs(slots),
+            block_tables=ints(tables), seq_lens=ints([self.lengths[s] for s, _ in chunks]),
+            query_start_loc=ints(starts), logits_indices=longs(last),
             max_query_len=max(len(t) for _, t in chunks))
-        return self.model.forward(batch, self.kv)
+        return torch.as_tensor(self.model.forward(batch, self.kv))

@@ -10,10 +10,10 @@ largest logit.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from freetoken.kernel.ops import Q4_0, Q4_1, Q8_0
 from freetoken.models.config import QuantWeight
+from freetoken.models.errors import ModelOptionError
 from freetoken.models.linear import QuantLinear
 from freetoken.models.loader import load_model
 from tests.models.helpers import PagedRunner
@@ -71,14 +71,12 @@ def test_gguf_forward_matches_dequantized_transformers(arch, gguf_case):
             assert int(logits[0].argmax()) == int(expected.argmax())
 
 
-def test_gguf_embedding_stays_quantized_only_in_float32(gguf_case):
+def test_cpu_keeps_gguf_blocks_and_computes_in_float32(gguf_case):
     path, _, _ = gguf_case("llama")
     f32 = load_model(str(path), dtype="float32")
-    assert isinstance(f32.model._embed, QuantWeight)
-    bf16 = load_model(str(path), dtype="bfloat16")
-    assert bf16.model.dtype == torch.bfloat16
-    assert isinstance(bf16.model._embed, torch.Tensor)
-    assert bf16.model._embed.dtype == torch.bfloat16
+    assert isinstance(f32.model._embed, QuantWeight) and f32.model.dtype == "float32"
+    with pytest.raises(ModelOptionError, match="float32"):
+        load_model(str(path), dtype="bfloat16")
 
 
 def test_gguf_tokenizer_matches_tokenizer_json(gguf_case):
@@ -96,3 +94,34 @@ def test_gguf_tokenizer_matches_tokenizer_json(gguf_case):
     messages = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(messages) == "<|im_start|>user\nhi<|im_end|>\n" \
                                                  "<|im_start|>assistant\n"
+
+
+def test_cpu_serving_of_a_gguf_never_imports_torch(gguf_case):
+    """Loading, the engine (greedy and sampled) and the HTTP app run on numpy + the kernels;
+    torch costs seconds of start-up, so the CPU path must not pull it in."""
+    import subprocess
+    import sys
+
+    path, _, _ = gguf_case("llama")
+    script = f"""
+import asyncio, sys
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import Engine
+from freetoken.engine.request import SamplingParams
+from freetoken.models.loader import load_model
+import freetoken.server.app, freetoken.cli.main
+engine = Engine.from_loaded(load_model({str(path)!r}, device="auto"), EngineConfig()).start()
+async def run(params):
+    return [out async for out in engine.generate([1, 2, 3], params)]
+for params in (SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=5,
+                              ignore_eos=True)):
+    outs = asyncio.run(run(params))
+    print(sum(len(o.token_ids) for o in outs), outs[-1].finish_reason)
+engine.shutdown()
+print("torch loaded:", "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["5 length", "5 length", "torch loaded: False"]

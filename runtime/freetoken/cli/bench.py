@@ -82,9 +82,9 @@ def bench_command(model, device, prompt_len, prefill_len, gen_len, batch_sizes, 
     if not sizes or min(sizes) < 1:
         raise click.BadParameter("batch sizes must be >= 1", param_hint="--batch-sizes")
     if device == "auto":
-        import torch
+        from freetoken.engine.config import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device)
     result = run_bench(model, device, prompt_len, prefill_len, gen_len, sizes)
     if as_json:
         click.echo(json.dumps(result, indent=1))

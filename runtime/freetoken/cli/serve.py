@@ -100,8 +100,6 @@ def _import_in_background(*modules: str) -> threading.Thread:
 
 def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                server_config: ServerConfig) -> None:
-    import torch  # noqa: F401 - first, alone: importing it beside other modules is slower
-
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
     loaded, engine = load_engine(model_path, dtype, engine_config)

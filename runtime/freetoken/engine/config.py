@@ -63,12 +63,13 @@ def default_num_tokens(context_len: int) -> int:
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
+    """'auto' -> 'cuda' when a GPU is usable, else 'cpu' (without importing torch when the
+    machine has no GPU device files)."""
     if device != "auto":
         return device
-    import torch
+    from freetoken.arrays import gpu_available
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if gpu_available() else "cpu"
 
 
 def resolve_engine_config(config: EngineConfig, context_len: int) -> EngineConfig:

@@ -26,7 +26,7 @@ class DecodeGraphs:
         self.model, self.kv = model, kv
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
         self.max_blocks = max_blocks
-        n, dev = self.sizes[-1], model.device
+        n, dev = self.sizes[-1], model.arrays.torch_device
         # Static inputs (device tensors); views of their first rows feed each graph.
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)

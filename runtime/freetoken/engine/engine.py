@@ -9,8 +9,6 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from freetoken.engine.config import EngineConfig, resolve_engine_config
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.kv_pool import PagePool
@@ -36,8 +34,8 @@ class Engine:
     """Serves one model: paged KV pool, continuous batching, sampling, streamed outputs.
 
     Args:
-        model: has .config (ModelConfig), .device, .dtype and
-            .forward(ForwardBatch, KVCache) -> float32 logits [B, vocab].
+        model: has .config (ModelConfig), .arrays (HostArrays or TorchArrays: its device),
+            .dtype and .forward(ForwardBatch, KVCache) -> float32 logits [B, vocab].
         tokenizer: has decode(ids, skip_special_tokens=True) -> str.
         config: engine settings; "auto" values are resolved against the model's context.
         generation_defaults: the model's sampling defaults (used when
@@ -54,17 +52,14 @@ class Engine:
         self.generation_defaults = generation_defaults
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = PagePool(self.config.num_blocks, self.config.block_size)
+        self.arrays = model.arrays
         self.kv = KVCache(model.config, self.config.num_blocks, self.config.block_size,
-                          model.dtype, torch.device(model.device))
+                          model.dtype, self.arrays)
         self.scheduler = Scheduler(self.config, self.pool)
-        if torch.device(model.device).type == "cpu" and getattr(model, "matmuls_in_kernels", False):
-            # The kernels bring their own thread pool; torch's threads would only spin against
-            # it (each small parallel op then waits for a descheduled thread).
-            torch.set_num_threads(1)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
         self.graphs = None
-        if torch.device(model.device).type == "cuda" and self.config.cuda_graphs:
+        if not self.arrays.device.is_cpu and self.config.cuda_graphs:
             from freetoken.engine.cuda_graph import DecodeGraphs
 
             max_blocks = -(-self.max_request_tokens // self.config.block_size)
@@ -233,13 +228,13 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if plan:
                     return plan, prepare_forward_batch(plan, self.pool.block_size,
-                                                       self.model.device)
+                                                       self.arrays)
                 self._cond.wait(0.01)  # NOTE: nothing fits yet; not expected to happen
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
         try:
-            with torch.inference_mode():
+            with self.arrays.no_grad():
                 if self.graphs is not None and self.graphs.can_run(batch):
                     logits = self.graphs.run(batch)
                 else:
@@ -253,7 +248,7 @@ class Engine:
             if not self.scheduler.has_work:
                 self.pool.check_integrity(self.scheduler.owned_pages())
 
-    def _process(self, plan: list[ScheduledChunk], logits: torch.Tensor) -> None:
+    def _process(self, plan: list[ScheduledChunk], logits: Any) -> None:
         self._counters["steps"] += 1
         to_sample = [i for i, chunk in enumerate(plan)
                      if chunk.completes_sequence and not chunk.request.is_finished]
@@ -263,8 +258,8 @@ class Engine:
         if to_sample:
             requests = [plan[i].request for i in to_sample]
             if len(to_sample) < logits.shape[0]:
-                logits = logits.index_select(0, torch.tensor(to_sample, device=logits.device))
-            with torch.inference_mode():
+                logits = logits[to_sample]
+            with self.arrays.no_grad():
                 tokens = sample_tokens(logits, [r.params for r in requests],
                                        [r.generator for r in requests])
             for request, token in zip(requests, tokens):

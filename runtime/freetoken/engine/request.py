@@ -9,7 +9,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
     from freetoken.engine.detokenizer import IncrementalDetokenizer
     from freetoken.models.config import GenerationDefaults
@@ -129,7 +129,7 @@ class Request:
     prompt_len: int
     token_ids: list[int]
     params: SamplingParams                       # resolved: no None fields except seed
-    generator: torch.Generator
+    generator: np.random.Generator
     detokenizer: IncrementalDetokenizer
     sink: Callable[[RequestOutput], None]
     pages: list[int] = field(default_factory=list)

@@ -1,8 +1,9 @@
 """Next-token sampling over a batch: temperature, top-k, top-p, per-request seeded generators.
 
-Every row with temperature 0 is greedy (argmax). The others are filtered in one vectorized pass
-over sorted candidates and drawn by inverse CDF with one uniform number from the row's own
-torch.Generator, so a seeded request samples the same tokens whatever else is in the batch.
+Every row with temperature 0 is greedy (argmax). The others keep the top_k most likely tokens,
+then the smallest set whose probability reaches top_p, and draw by inverse CDF with one uniform
+number from the request's own generator, so a seeded request samples the same tokens whatever
+else is in the batch. CPU logits (numpy) are sampled here; GPU logits in ``sampling_torch``.
 """
 
 from __future__ import annotations
@@ -10,81 +11,85 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
+from freetoken.arrays import is_torch
 from freetoken.engine.request import SamplingParams
 
-# Above this k, a full sort is about as cheap as topk and simpler.
-TOPK_FAST_PATH_LIMIT = 1024
+# Nucleus sampling first looks at this many of the most likely tokens; only when they hold
+# less than top_p of the mass does it sort the whole vocabulary.
+NUCLEUS_CANDIDATES = 1024
 
 
-def create_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator: seeded when the request gives a seed, else from fresh entropy."""
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed if seed is not None else random.SystemRandom().getrandbits(63))
-    return generator
+def create_generator(seed: int | None) -> np.random.Generator:
+    """Seeded when the request gives a seed, else from fresh entropy."""
+    return np.random.default_rng(seed if seed is not None
+                                 else random.SystemRandom().getrandbits(63))
 
 
-def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator]) -> list[int]:
-    """One token id per row of `logits` [B, vocab] (float32, any device).
+def sample_tokens(logits, params: Sequence[SamplingParams],
+                  generators: Sequence[np.random.Generator]) -> list[int]:
+    """One token id per row of float32 `logits` [B, vocab] (numpy, or torch on a GPU).
 
-    params must be resolved (temperature, top_k, top_p set); generators are CPU generators.
+    params must be resolved (temperature, top_k, top_p set).
     """
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not rows:                    # all greedy: one argmax, no copies
-        return greedy_tokens(logits)
-    if len(rows) == len(params):    # none greedy: no argmax, no gather
-        return _sample_rows(logits.float(), list(params), list(generators)).tolist()
-    index = torch.tensor(rows, device=logits.device)
-    chosen = _sample_rows(logits.index_select(0, index).float(),
-                          [params[i] for i in rows], [generators[i] for i in rows])
-    tokens = greedy_tokens(logits)
-    for row, token in zip(rows, chosen.tolist()):
+    tokens = greedy_tokens(logits) if len(rows) < len(params) else [0] * len(params)
+    if not rows:
+        return tokens
+    uniforms = [generators[i].random() for i in rows]
+    chosen_params = [params[i] for i in rows]
+    if is_torch(logits):
+        from freetoken.engine.sampling_torch import sample_rows
+
+        picked = logits if len(rows) == len(params) else logits[rows]
+        chosen = sample_rows(picked.float(), chosen_params, uniforms).tolist()
+    else:
+        chosen = [sample_row(logits[i], p, u) for i, p, u in zip(rows, chosen_params, uniforms)]
+    for row, token in zip(rows, chosen):
         tokens[row] = token
     return tokens
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Argmax per row (the first index on ties, as torch.argmax)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        # numpy's vectorized argmax: ~20x faster than torch's on CPU (5 vs 100 us per row
-        # of a 49k vocabulary), which is per-step overhead of every batched decode.
-        return logits.numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+def greedy_tokens(logits) -> list[int]:
+    """Argmax per row (the first index on ties)."""
+    return logits.argmax(-1).tolist()
 
 
-def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor,
-                                                                            torch.Tensor | None]:
-    """(values, token ids) in descending order, only the top max(k) when every row sets k;
-    plain temperature sampling needs no order at all (ids None: position = token id)."""
-    top_ks = [p.top_k for p in params]
-    if all(k == 0 and p.top_p >= 1.0 for k, p in zip(top_ks, params)):
-        return logits, None
-    if all(0 < k <= TOPK_FAST_PATH_LIMIT for k in top_ks):
-        return torch.topk(logits, min(max(top_ks), logits.shape[-1]), dim=-1, sorted=True)
-    return torch.sort(logits, dim=-1, descending=True)
+def sample_row(logits: np.ndarray, p: SamplingParams, uniform: float) -> int:
+    """One token from one row of float32 logits."""
+    scaled = logits.astype(np.float64) / p.temperature
+    vocab = scaled.shape[0]
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    if k == vocab and p.top_p >= 1.0:       # plain temperature: no order needed
+        return _draw(np.arange(vocab), np.exp(scaled - scaled.max()), uniform)
+    ids = _top(scaled, k if p.top_p >= 1.0 else min(k, NUCLEUS_CANDIDATES))
+    weights = np.exp(scaled[ids] - scaled[ids[0]])
+    if p.top_p < 1.0:
+        # probabilities are normalised over the top-k tokens
+        total = weights.sum() if len(ids) == k else _top_mass(scaled, k, scaled[ids[0]])
+        if len(ids) < k and weights.sum() < p.top_p * total:
+            ids = _top(scaled, k)           # the nucleus reaches past the first candidates
+            weights = np.exp(scaled[ids] - scaled[ids[0]])
+        mass_before = (np.cumsum(weights) - weights) / total
+        weights = np.where(mass_before < p.top_p, weights, 0.0)   # the top token always stays
+    return _draw(ids, weights, uniform)
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> torch.Tensor:
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    values, ids = _candidates(logits / temps, params)
-    width = values.shape[-1]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else width for p in params], device=device)
-    rank = torch.arange(width, device=device)
-    values = values.masked_fill(rank >= ks.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(values, dim=-1)
-    # Nucleus: keep a token while the mass ranked before it is below top_p (the top one always).
-    top_ps = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
-    if ids is not None:
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_ps, 0.0)
-    cdf = probs.cumsum(dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)
-    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
-    picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=width - 1)
-    if ids is None:
-        return picks.squeeze(1)
-    return ids.gather(1, picks).squeeze(1)
+def _top(scaled: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest values, largest first."""
+    ids = (np.argpartition(-scaled, n - 1)[:n] if n < scaled.shape[0]
+           else np.arange(scaled.shape[0]))
+    return ids[np.argsort(-scaled[ids], kind="stable")]
+
+
+def _top_mass(scaled: np.ndarray, k: int, peak: float) -> float:
+    """Sum of exp(value - peak) over the k largest values."""
+    top = scaled if k >= scaled.shape[0] else np.partition(scaled, scaled.shape[0] - k)[-k:]
+    return float(np.exp(top - peak).sum())
+
+
+def _draw(ids: np.ndarray, weights: np.ndarray, uniform: float) -> int:
+    cdf = np.cumsum(weights)
+    pick = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+    return int(ids[min(pick, len(ids) - 1)])

@@ -11,14 +11,14 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from freetoken import __version__, env as ft_env
 from freetoken.csrc import build
 from freetoken.kernel import cache as kcache
 from freetoken.kernel.errors import KernelCacheError, KernelUnavailable
-from freetoken.kernel.targets import DeviceSpec, device_spec, jit_target, rank_targets
+from freetoken.kernel.targets import (DeviceSpec, device_parts, device_spec, jit_target,
+                                      rank_targets)
 
 log = logging.getLogger(__name__)
 _lock = threading.RLock()
@@ -43,18 +43,27 @@ def kernel_key_for(kernel: str, spec: DeviceSpec, variant: str = "default") -> s
     v = next((x for x in k.variants if x.name == variant), None)
     if v is None:
         raise KeyError(f"kernel {kernel!r} has no variant {variant!r}")
-    cuda_major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-    return build.kernel_key(k, v, spec.backend, cuda_major)
+    cuda = torch_cuda_version(spec)
+    return build.kernel_key(k, v, spec.backend, int(cuda.split(".")[0]) if cuda else None)
 
 
-def _cache_index(env: ft_env.Env) -> tuple[kcache.CacheIndex | None, str]:
+def torch_cuda_version(spec: DeviceSpec) -> str | None:
+    """torch's CUDA version where it matters (GPU kernels); CPU look-ups never import torch."""
+    if spec.backend == "cpu":
+        return None
+    import torch
+
+    return torch.version.cuda
+
+
+def _cache_index(env: ft_env.Env, spec: DeviceSpec) -> tuple[kcache.CacheIndex | None, str]:
     """The usable cache index, or None and the reason it is refused / absent."""
     root = kcache.locate_cache(env)
     if root is None:
         return None, ("the kernel cache is disabled" if env.disable_kernel_cache
                       else "no freetoken-kernel-cache wheel is installed")
     index = kcache.load_index(root)
-    problem = kcache.pairing_problem(index.version, __version__, torch.version.cuda)
+    problem = kcache.pairing_problem(index.version, __version__, torch_cuda_version(spec))
     return (None, problem) if problem else (index, "")
 
 
@@ -67,7 +76,7 @@ def resolve(kernel: str, spec: DeviceSpec, variant: str = "default",
     if spec.backend not in {build.registry.backend_of(t) for t in k.targets()}:
         return Resolution(kernel, key, "unavailable", str(spec),
                           reason=f"kernel {kernel} is not built for {spec.backend}")
-    index, why = _cache_index(env)
+    index, why = _cache_index(env, spec)
     if index is not None:
         for target in rank_targets(index.targets_for(key), spec):
             entry = index.entry(key, target)
@@ -104,7 +113,7 @@ def _unavailable_message(res: Resolution, env: ft_env.Env) -> str:
             "target, or unset FREETOKEN_DISABLE_JIT on a machine with a compiler.")
 
 
-def get_module(kernel: str, device: torch.device | str = "cpu", variant: str = "default"):
+def get_module(kernel: str, device: Any = "cpu", variant: str = "default"):
     """The loaded tvm-ffi module of `kernel` for `device` (loaded once per process)."""
     spec = device_spec(device)
     with _lock:
@@ -126,17 +135,17 @@ def get_module(kernel: str, device: torch.device | str = "cpu", variant: str = "
                                  build.registry.KERNELS_BY_NAME[kernel].sources_for(spec.backend),
                                  f"{res.target}/{res.key}.so")
             path = jit.jit_build(job, tc, env.jit_dir)
-        import tvm_ffi
+        from freetoken.arrays import import_tvm_ffi
 
-        module = tvm_ffi.load_module(str(Path(path).resolve()))
+        module = import_tvm_ffi().load_module(str(Path(path).resolve()))
         _modules[(kernel, variant, spec)] = module
         return module
 
 
-def get_function(kernel: str, function: str, device: torch.device | str = "cpu"):
-    """One exported function of a kernel, bound for `device` (memoized: cheap on hot paths)."""
-    device = torch.device(device)
-    memo = (kernel, function, device.type, device.index)
+def get_function(kernel: str, function: str, device: Any = "cpu"):
+    """One exported function of a kernel, bound for `device` ("cpu", "cuda:0", a freetoken
+    Device or a torch.device; memoized: cheap on hot paths)."""
+    memo = (kernel, function, *device_parts(device))
     fn = _functions.get(memo)
     if fn is None:
         fn = getattr(get_module(kernel, device), function)

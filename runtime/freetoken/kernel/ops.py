@@ -7,9 +7,12 @@ D = head dim, S = KV slots (pages * page size), B = sequences.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from freetoken.kernel.loader import get_function
+
+if TYPE_CHECKING:
+    import torch
 
 # GGML tensor type ids (gguf.GGMLQuantizationType) that the quantized kernels read.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
@@ -90,7 +93,7 @@ def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
 
 def cpu_isa() -> str:
     """The instruction set the CPU quantized kernels dispatch to: avx512, avx2 or scalar."""
-    return str(get_function("quant_gemm", "cpu_isa", torch.device("cpu"))())
+    return str(get_function("quant_gemm", "cpu_isa", "cpu")())
 
 
 def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,17 +28,30 @@ class DeviceSpec:
         return "cpu-x86_64"
 
 
-def device_spec(device: torch.device | str) -> DeviceSpec:
-    device = torch.device(device)
-    if device.type == "cpu":
+def device_parts(device: Any) -> tuple[str, int | None]:
+    """(type, index) of a device name, a freetoken Device or a torch.device."""
+    if isinstance(device, str):
+        from freetoken.arrays import parse_device
+
+        device = parse_device(device)
+    return device.type, device.index
+
+
+def device_spec(device: Any) -> DeviceSpec:
+    """What runs on `device` ("cpu", "cuda:0", a freetoken Device or a torch.device); only a GPU
+    device imports torch."""
+    kind, index = device_parts(device)
+    if kind == "cpu":
         return DeviceSpec("cpu")
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    if kind == "cuda":
+        import torch
+
+        index = index if index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         if getattr(torch.version, "hip", None):
             return DeviceSpec("rocm", gfx=props.gcnArchName.split(":")[0])
         return DeviceSpec("cuda", capability=(props.major, props.minor))
-    raise ValueError(f"no kernels for device type {device.type!r}")
+    raise ValueError(f"no kernels for device type {kind!r}")
 
 
 def _parse_cuda(target: str) -> tuple[str, int, int, str] | None:

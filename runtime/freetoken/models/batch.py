@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
+from freetoken.arrays import HostArrays, TorchArrays
 from freetoken.models.config import ModelConfig
+
+Array = Any  # numpy on the CPU, torch on a GPU
 
 
 @dataclass
 class ForwardBatch:
-    """One step over B sequences with T new tokens in total; every tensor on the model device.
+    """One step over B sequences with T new tokens in total; every array on the model device.
 
     Sequence b owns tokens query_start_loc[b]:query_start_loc[b+1] of the flat token axis;
     after the step it holds seq_lens[b] tokens; its pages are block_tables[b, :].
     """
 
-    input_ids: torch.Tensor        # int64 [T]
-    positions: torch.Tensor        # int64 [T]
-    slot_mapping: torch.Tensor     # int64 [T]  page * block_size + offset, per new token
-    block_tables: torch.Tensor     # int32 [B, max_blocks]
-    seq_lens: torch.Tensor         # int32 [B]
-    query_start_loc: torch.Tensor  # int32 [B+1]
-    logits_indices: torch.Tensor   # int64 [B]  rows of T whose logits are returned (last tokens)
+    input_ids: Array        # int64 [T]
+    positions: Array        # int64 [T]
+    slot_mapping: Array     # int64 [T]  page * block_size + offset, per new token
+    block_tables: Array     # int32 [B, max_blocks]
+    seq_lens: Array         # int32 [B]
+    query_start_loc: Array  # int32 [B+1]
+    logits_indices: Array   # int64 [B]  rows of T whose logits are returned (last tokens)
     max_query_len: int = 1         # host-side hint: 1 means a pure decode step
 
     @property
@@ -38,8 +40,8 @@ class ForwardBatch:
 class KVCache:
     """Per-layer K and V pools of `num_blocks * block_size` slots: [S, Hk, D] each."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: str,
+                 arrays: HostArrays | TorchArrays):
         slots = num_blocks * block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.num_blocks = num_blocks
@@ -47,15 +49,20 @@ class KVCache:
         # Attention reads only slots written earlier, so the CPU pool is left uninitialised:
         # the OS maps its pages on first write (fast start, RSS grows with use). CUDA graphs
         # may read padding slots, which must hold finite values: zero them there.
-        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
-        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        def alloc():
+            pool = arrays.empty(shape, dtype)
+            if not arrays.device.is_cpu:
+                pool.zero_()
+            return pool
+
+        self.k = [alloc() for _ in range(config.num_layers)]
+        self.v = [alloc() for _ in range(config.num_layers)]
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        item = torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(config: ModelConfig, dtype: str) -> int:
+        item = 4 if dtype == "float32" else 2
         return 2 * config.num_layers * config.kv_size * item

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class QuantWeight:
     """A GGUF-quantized matrix kept as its raw blocks: one weight row per `data` row."""
 
     qtype: int                 # GGML type id (Q4_0=2, Q4_1=3, Q8_0=8)
-    data: torch.Tensor         # uint8 [rows, row_bytes]
+    data: Any                  # numpy uint8 [rows, row_bytes]
     shape: tuple[int, int]     # logical [rows, cols] (out_features, in_features)
 
 

@@ -7,9 +7,8 @@ projection, fused residual-add + the next norm. Every step writes into prealloca
 
 from __future__ import annotations
 
-import torch
-
-from freetoken.models.batch import ForwardBatch, KVCache
+from freetoken.arrays import Device, HostArrays, TorchArrays
+from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.kernels import bind_op
 from freetoken.models.linear import QuantLinear, make_linear
@@ -21,7 +20,8 @@ from freetoken.models.workspace import Workspace, WorkViews
 class _Kernels:
     """The ops the forward calls, bound once for the device (no look-ups in the hot loop)."""
 
-    def __init__(self, device: torch.device, quantized_embedding: bool):
+    def __init__(self, arrays: HostArrays | TorchArrays, quantized_embedding: bool):
+        device = arrays.device
         for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv",
                      "paged_attention", "silu_and_mul"):
             setattr(self, name, bind_op(name, device))
@@ -29,13 +29,12 @@ class _Kernels:
         self.embed = bind_op(embed_op, device)
         # CUDA decode splits long contexts across blocks through this scratch (4 MiB covers
         # every decode batch); the CPU kernel takes none.
-        self.attn_extra = ((torch.empty(1 << 20, dtype=torch.float32, device=device),)
-                           if device.type == "cuda" else ())
+        self.attn_extra = (() if device.is_cpu else (arrays.empty(1 << 20, "float32"),))
 
 
 class _DecoderLayer:
-    def __init__(self, w: LayerWeights, next_norm: torch.Tensor, cfg: ModelConfig,
-                 rope: torch.Tensor, kernels: _Kernels):
+    def __init__(self, w: LayerWeights, next_norm: Array, cfg: ModelConfig,
+                 rope: Array, kernels: _Kernels):
         self.ops = kernels
         self.input_norm, self.post_norm, self.next_norm = w.input_norm, w.post_norm, next_norm
         self.q_norm, self.k_norm = w.q_norm, w.k_norm
@@ -49,8 +48,8 @@ class _DecoderLayer:
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
 
-    def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, block_size: int) -> None:
+    def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
+                block_size: int) -> None:
         """hidden holds this layer's normed input; on return, the next layer's normed input."""
         ops = self.ops
         self.qkv(w.qkv, w.hidden)
@@ -74,24 +73,26 @@ class _DecoderLayer:
 class DenseDecoder:
     """A dense decoder-only transformer over the paged KV cache.
 
-    Attributes: ``config``, ``device``, ``dtype`` (activations and KV cache).
+    Attributes: ``config``, ``arrays`` (how its buffers are made), ``device``, ``dtype``
+    (activations and KV cache: float32, bfloat16 or float16).
     """
 
-    def __init__(self, config: ModelConfig, weights: DecoderWeights, device: torch.device,
-                 dtype: torch.dtype):
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+    def __init__(self, config: ModelConfig, weights: DecoderWeights,
+                 arrays: HostArrays | TorchArrays, dtype: str):
+        self.config, self.arrays, self.dtype = config, arrays, dtype
+        self.device: Device = arrays.device
         quantized_embedding = isinstance(weights.embed, QuantWeight)
-        self._k = kernels = _Kernels(self.device, quantized_embedding)
-        self._rope = cos_sin_cache(config, self.device, weights.rope_freq_factors)
+        self._k = kernels = _Kernels(arrays, quantized_embedding)
+        self._rope = arrays.place(cos_sin_cache(config, weights.rope_freq_factors), "float32")
         norms = [lw.input_norm for lw in weights.layers[1:]] + [weights.final_norm]
         self.layers = [_DecoderLayer(lw, nxt, config, self._rope, kernels)
                        for lw, nxt in zip(weights.layers, norms)]
         self._first_norm = weights.layers[0].input_norm
         self._embed = weights.embed
         self._lm_head = make_linear(weights.lm_head)
-        self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == torch.float32
-        self._workspace = Workspace(config, dtype, self.device)
-        if self.device.type == "cpu":
+        self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == "float32"
+        self._workspace = Workspace(config, dtype, arrays)
+        if self.device.is_cpu:
             _apply_kernel_threads()
 
     @property
@@ -106,13 +107,13 @@ class DenseDecoder:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
         self._workspace.reserve(max_tokens)
 
-    def _embed_into(self, out: torch.Tensor, ids: torch.Tensor) -> None:
+    def _embed_into(self, out: Array, ids: Array) -> None:
         if isinstance(self._embed, QuantWeight):
             self._k.embed(out, ids, self._embed.data, self._embed.qtype)
         else:
             self._k.embed(out, ids, self._embed)
 
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> Array:
         """float32 logits [B, vocab] for the rows batch.logits_indices of this step."""
         w = self._workspace.views(batch.num_tokens)
         self._embed_into(w.residual, batch.input_ids)
@@ -122,15 +123,15 @@ class DenseDecoder:
             layer.forward(w, batch, k_cache, v_cache, block_size)
         # T == B: every token is its sequence's last (pure decode), so no gather is needed.
         rows = (w.hidden if batch.num_tokens == batch.num_seqs
-                else w.hidden.index_select(0, batch.logits_indices))
-        logits = torch.empty((rows.shape[0], self.config.vocab_size), dtype=torch.float32,
-                             device=self.device)
+                else w.hidden[batch.logits_indices])
+        logits = self.arrays.empty((rows.shape[0], self.config.vocab_size), "float32")
         if self._head_is_f32:
             self._lm_head(logits, rows)
             return logits
-        low = torch.empty(logits.shape, dtype=self.dtype, device=self.device)
+        low = self.arrays.empty(logits.shape, self.dtype)
         self._lm_head(low, rows)
-        return logits.copy_(low)
+        logits[...] = low
+        return logits
 
 
 def _apply_kernel_threads() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from freetoken.models.config import GenerationDefaults, ModelConfig, QuantWeight
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
@@ -48,11 +48,10 @@ def open_gguf(path: Path):
             f"or corrupt after {exc.where!r} ({exc}); download it again") from None
 
 
-def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
+def _unpermute_index(rows: int, n_head: int) -> np.ndarray:
     """Row order that undoes llama.cpp's interleaved-rope permutation of q/k rows."""
     half = rows // n_head // 2
-    index = torch.arange(rows).view(n_head, half, 2).transpose(1, 2).reshape(rows)
-    return index
+    return np.arange(rows).reshape(n_head, half, 2).transpose(0, 2, 1).reshape(rows)
 
 
 class GGUFTensors:
@@ -95,18 +94,18 @@ class GGUFTensors:
             raise UnsupportedModelError(
                 f"{self.source}: tensor {tensor.name!r} has type {type_name(qtype)}, which "
                 f"is not supported; supported: {SUPPORTED_TYPES} (re-quantize the model)")
-        data = torch.from_numpy(self._file.array(tensor))
+        data = self._file.array(tensor)
         if qtype in QUANT_TYPES:
-            return QuantWeight(qtype, data.view(shape[0], -1), (shape[0], shape[-1]))
-        if qtype == BF16:
-            return data.view(torch.bfloat16).view(shape)
-        return data.view(shape)
+            return QuantWeight(qtype, data.reshape(shape[0], -1), (shape[0], shape[-1]))
+        if qtype == BF16:   # numpy has no bfloat16: widen to float32 (exact)
+            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return data.reshape(shape)
 
 
-def _take_rows(weight: Weight, index: torch.Tensor) -> Weight:
+def _take_rows(weight: Weight, index: np.ndarray) -> Weight:
     if isinstance(weight, QuantWeight):
-        return QuantWeight(weight.qtype, weight.data.index_select(0, index), weight.shape)
-    return weight.index_select(0, index)
+        return QuantWeight(weight.qtype, weight.data[index], weight.shape)
+    return weight[index]
 
 
 def gguf_generation_defaults(meta: dict[str, Any]) -> GenerationDefaults:

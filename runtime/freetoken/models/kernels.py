@@ -7,12 +7,10 @@ on ``freetoken.kernel.ops`` (e.g. with the plain-torch reference) is used as giv
 
 from __future__ import annotations
 
-from typing import Callable
-
-import torch
+from typing import Any, Callable
 
 
-def bind_op(name: str, device: torch.device) -> Callable:
+def bind_op(name: str, device: Any) -> Callable:
     """The function behind ``ops.<name>`` for `device`, with the same arguments."""
     from freetoken.csrc.build import registry  # the one copy the loader uses
     from freetoken.kernel import loader, ops

@@ -1,43 +1,54 @@
 """Projections that write into caller-owned buffers: GGUF blocks through ``quant_matmul``,
-float weights through ``torch.mm(..., out=...)``. Built once at load; called in the hot loop."""
+float weights through a BLAS matmul (numpy on the CPU, torch on a GPU). Built once at load;
+called in the hot loop."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
+from freetoken.arrays import is_torch
 from freetoken.models.config import QuantWeight
-from freetoken.models.weights import Weight
+from freetoken.models.weights import Array, Weight
 
 
 class DenseLinear:
     """out[T, N] = x[T, K] @ W.T (+ bias) for a float weight W [N, K]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight_t = weight.t()      # a view: mm reads the transposed layout directly
+    def __init__(self, weight: Array, bias: Array | None = None):
+        self.weight_t = weight.T        # a view: the matmul reads the transposed layout directly
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        if is_torch(weight):
+            import torch
 
-    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        if self.bias is None:
-            torch.mm(x, self.weight_t, out=out)
+            self._mm, self._addmm = torch.mm, torch.addmm
         else:
-            torch.addmm(self.bias, x, self.weight_t, out=out)
+            self._mm, self._addmm = np.matmul, None
+
+    def __call__(self, out: Array, x: Array) -> None:
+        if self.bias is None:
+            self._mm(x, self.weight_t, out=out)
+        elif self._addmm is not None:
+            self._addmm(self.bias, x, self.weight_t, out=out)
+        else:
+            self._mm(x, self.weight_t, out=out)
+            out += self.bias
 
 
 class QuantLinear:
     """out[T, N] f32 = x[T, K] f32 @ dequant(W).T (+ bias) on GGUF blocks, never dequantized."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: QuantWeight, bias: Array | None = None):
         from freetoken.models.kernels import bind_op
 
-        self._matmul = bind_op("quant_matmul", weight.data.device)
+        self._matmul = bind_op("quant_matmul", "cpu")
         self.data, self.qtype, self.bias = weight.data, weight.qtype, bias
         self.out_features, self.in_features = weight.shape
 
-    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> None:
+    def __call__(self, out: Array, x: Array) -> None:
         self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:
-            out.add_(self.bias)
+            out += self.bias
 
 
 class PartsLinear:
@@ -46,25 +57,25 @@ class PartsLinear:
     # NOTE: allocates a scratch output per part and call; only unusual files take this path.
     """
 
-    def __init__(self, parts: list, bias: torch.Tensor | None = None):
+    def __init__(self, parts: list, bias: Array | None = None):
         self.parts = parts
         self.bias = bias
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 
-    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> None:
+    def __call__(self, out: Array, x: Array) -> None:
         col = 0
         for part in self.parts:
-            scratch = torch.empty((x.shape[0], part.out_features), dtype=out.dtype,
-                                  device=out.device)
+            columns = out[:, col:col + part.out_features]
+            scratch = columns.clone() if is_torch(columns) else columns.copy()
             part(scratch, x)
-            out[:, col:col + part.out_features].copy_(scratch)
+            out[:, col:col + part.out_features] = scratch
             col += part.out_features
         if self.bias is not None:
-            out.add_(self.bias)
+            out += self.bias
 
 
-def make_linear(weights: Weight | list[Weight], bias: torch.Tensor | None = None):
+def make_linear(weights: Weight | list[Weight], bias: Array | None = None):
     """The projection for one weight, or for row parts that the loader kept apart."""
     if isinstance(weights, list):
         if len(weights) == 1:

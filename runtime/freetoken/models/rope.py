@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
 from freetoken.models.config import ModelConfig
 from freetoken.models.errors import UnsupportedModelError
@@ -12,25 +12,25 @@ from freetoken.models.errors import UnsupportedModelError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     """Long wavelengths slow down by `factor`, short ones stay, the band between blends."""
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     context = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
     blend = (context / wavelen - low) / (high - low)
     smoothed = (1 - blend) * scaled / factor + blend * scaled
     medium = (wavelen >= context / high) & (wavelen <= context / low)
-    return torch.where(medium, smoothed, scaled)
+    return np.where(medium, smoothed, scaled)
 
 
-def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+def inverse_frequencies(config: ModelConfig, freq_factors: np.ndarray | None = None
+                        ) -> np.ndarray:
     """float32 [rot_dim / 2] rotation speeds, scaled as the model's rope_scaling says."""
     rot = config.rope_dim or config.head_dim
-    exponents = torch.arange(0, rot, 2, dtype=torch.int64).float() / rot
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    exponents = np.arange(0, rot, 2, dtype=np.int64).astype(np.float32) / np.float32(rot)
+    inv_freq = np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
@@ -41,14 +41,14 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
         raise UnsupportedModelError(
             f"rope scaling {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if freq_factors is not None:   # GGUF rope_freqs: per-frequency divisors
-        inv_freq = inv_freq / freq_factors.float()
-    return inv_freq
+        inv_freq = inv_freq / freq_factors.astype(np.float32)
+    return inv_freq.astype(np.float32)
 
 
-def cos_sin_cache(config: ModelConfig, device: torch.device,
-                  freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [max_position, rot_dim] = cat(cos, sin) per position, on `device`."""
+def cos_sin_cache(config: ModelConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """float32 [max_position, rot_dim] = cat(cos, sin) per position, in host memory."""
     inv_freq = inverse_frequencies(config, freq_factors)
-    positions = torch.arange(config.max_position, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous().to(device)
+    positions = np.arange(config.max_position, dtype=np.float32)
+    angles = np.outer(positions, inv_freq)
+    return np.ascontiguousarray(np.concatenate((np.cos(angles), np.sin(angles)), axis=-1),
+                                dtype=np.float32)

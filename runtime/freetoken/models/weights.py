@@ -8,14 +8,16 @@ Canonical names: ``embed``, ``final_norm``, ``lm_head``, ``rope_freqs`` and per 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
-import torch
+import numpy as np
 
+from freetoken.arrays import HostArrays, TorchArrays, is_torch
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.errors import MissingTensorError, ModelFormatError
 
-Weight = Union[torch.Tensor, QuantWeight]
+Array = Any  # a numpy array (CPU, and as read from GGUF) or a torch tensor
+Weight = Union[Array, QuantWeight]
 
 
 class TensorSource(Protocol):
@@ -32,25 +34,25 @@ class TensorSource(Protocol):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where weights live: GGUF blocks stay quantized only for float32 activations on CPU."""
+    """Where weights live and in which float dtype; GGUF blocks stay quantized on the CPU."""
 
-    device: torch.device
-    dtype: torch.dtype
+    arrays: HostArrays | TorchArrays
+    dtype: str                     # float32 | bfloat16 | float16
 
     @property
     def keeps_quantized(self) -> bool:
-        return self.device.type == "cpu" and self.dtype == torch.float32
+        return self.arrays.device.is_cpu
 
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: Array
     qkv: list[Weight]            # one fused matrix, or the parts when they cannot concatenate
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    qkv_bias: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
     o: Weight
-    post_norm: torch.Tensor
+    post_norm: Array
     gate_up: list[Weight]
     down: Weight
 
@@ -59,17 +61,17 @@ class LayerWeights:
 class DecoderWeights:
     embed: Weight
     layers: list[LayerWeights]
-    final_norm: torch.Tensor
+    final_norm: Array
     lm_head: Weight
-    rope_freq_factors: torch.Tensor | None = None
+    rope_freq_factors: Array | None = None
 
 
-def dequantize(weight: QuantWeight) -> torch.Tensor:
+def dequantize(weight: QuantWeight) -> np.ndarray:
     """float32 [rows, cols] values of GGUF blocks."""
     from gguf import GGMLQuantizationType, quants
 
-    values = quants.dequantize(weight.data.numpy(), GGMLQuantizationType(weight.qtype))
-    return torch.from_numpy(values.reshape(weight.shape))
+    values = quants.dequantize(np.asarray(weight.data), GGMLQuantizationType(weight.qtype))
+    return values.reshape(weight.shape)
 
 
 def _shape(weight: Weight) -> tuple[int, ...]:
@@ -81,21 +83,30 @@ def _place(weight: Weight, where: Placement) -> Weight:
         if where.keeps_quantized:
             return weight
         weight = dequantize(weight)
-    return weight.to(device=where.device, dtype=where.dtype).contiguous()
+    return where.arrays.place(weight, where.dtype)
 
 
 def _fuse_rows(parts: list[Weight]) -> list[Weight]:
     """One matrix when the parts concatenate (same float dtype, or same GGUF block type)."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return [torch.cat(parts, dim=0)]
+    if not any(isinstance(p, QuantWeight) for p in parts):
+        return [_concat(parts)]
     if all(isinstance(p, QuantWeight) for p in parts):
         qtypes = {p.qtype for p in parts}
         widths = {p.data.shape[1] for p in parts}
         if len(qtypes) == 1 and len(widths) == 1:
             rows = sum(p.shape[0] for p in parts)
-            data = torch.cat([p.data for p in parts], dim=0)
+            data = np.concatenate([p.data for p in parts], axis=0)
             return [QuantWeight(parts[0].qtype, data, (rows, parts[0].shape[1]))]
     return parts
+
+
+def _concat(parts: list[Array]) -> Array:
+    """Row concatenation of placed float arrays (all numpy, or all torch on one device)."""
+    if is_torch(parts[0]):
+        import torch
+
+        return torch.cat(parts, dim=0)
+    return np.concatenate(parts, axis=0)
 
 
 class _Reader:
@@ -142,8 +153,8 @@ def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
     qkv = read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))])
     bias = None
     if cfg.attention_bias:
-        bias = torch.cat([read.required(p + "q_bias", (qs,)), read.required(p + "k_bias", (kvs,)),
-                          read.required(p + "v_bias", (kvs,))])
+        bias = _concat([read.required(p + "q_bias", (qs,)), read.required(p + "k_bias", (kvs,)),
+                        read.required(p + "v_bias", (kvs,))])
     q_norm = k_norm = None
     if cfg.qk_norm:
         q_norm = read.required(p + "q_norm", (cfg.head_dim,))
@@ -175,5 +186,5 @@ def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
         layers=[_layer(read, cfg, i) for i in range(cfg.num_layers)],
         final_norm=read.required("final_norm", (cfg.hidden_size,)),
         lm_head=embed if head is None else head,
-        rope_freq_factors=None if freqs is None else freqs.float(),
+        rope_freq_factors=None if freqs is None else HostArrays().place(freqs, "float32"),
     )

@@ -3,8 +3,11 @@ grown on demand, and sliced into per-token-count views that are cached for reuse
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import numpy as np
+
+from freetoken.arrays import HostArrays, TorchArrays
 from freetoken.models.config import ModelConfig
 
 _CACHED_VIEW_SETS = 64     # distinct step sizes whose views are kept (decode batches repeat)
@@ -20,32 +23,38 @@ class WorkViews:
     same memory as [T, H, D]; gate_up [T, 2I]; act [T, I]; attn [T, Hq*D].
     """
 
-    def __init__(self, bufs: dict[str, torch.Tensor], cfg: ModelConfig, t: int, copy_qk: bool):
+    def __init__(self, bufs: dict[str, Any], cfg: ModelConfig, t: int, copy_qk: bool):
         qs, kvs, d = cfg.q_size, cfg.kv_size, cfg.head_dim
         self.hidden, self.residual = bufs["hidden"][:t], bufs["residual"][:t]
         self.qkv = bufs["qkv"][:t]
         self.gate_up, self.act = bufs["gate_up"][:t], bufs["act"][:t]
         self.attn = bufs["attn"][:t]
-        self.attn3 = self.attn.view(t, cfg.num_heads, d)
-        flat, width = self.qkv.view(-1), qs + 2 * kvs
-        self.q = flat.as_strided((t, qs), (width, 1), 0)
-        self.k = flat.as_strided((t, kvs), (width, 1), qs)
-        self.v = flat.as_strided((t, kvs), (width, 1), qs + kvs)
+        self.attn3 = view_as(self.attn, (t, cfg.num_heads, d))
+        self.q = self.qkv[:, :qs]
+        self.k = self.qkv[:, qs:qs + kvs]
+        self.v = self.qkv[:, qs + kvs:]
         self.split_qkv = _nothing
         if copy_qk:
             self._sources = (self.q, self.k)
             self.q, self.k = bufs["q"][:t], bufs["k"][:t]
             self.split_qkv = self._copy_qk
-        self.q3 = self.q.view(t, cfg.num_heads, d)
-        self.k3 = self.k.view(t, cfg.num_kv_heads, d)
-        self.v3 = self.v.view(t, cfg.num_kv_heads, d)
+        self.q3 = view_as(self.q, (t, cfg.num_heads, d))
+        self.k3 = view_as(self.k, (t, cfg.num_kv_heads, d))
+        self.v3 = view_as(self.v, (t, cfg.num_kv_heads, d))
         if copy_qk or t == 1:
-            self.q_heads = self.q.view(t * cfg.num_heads, d)
-            self.k_heads = self.k.view(t * cfg.num_kv_heads, d)
+            self.q_heads = view_as(self.q, (t * cfg.num_heads, d))
+            self.k_heads = view_as(self.k, (t * cfg.num_kv_heads, d))
 
     def _copy_qk(self) -> None:
-        self.q.copy_(self._sources[0])
-        self.k.copy_(self._sources[1])
+        self.q[...] = self._sources[0]
+        self.k[...] = self._sources[1]
+
+
+def view_as(array, shape: tuple[int, ...]):
+    """`array` with a new shape, always a view (kernels write through it), never a copy."""
+    if isinstance(array, np.ndarray):
+        return np.reshape(array, shape, copy=False)
+    return array.view(shape)
 
 
 def _nothing() -> None:
@@ -55,12 +64,12 @@ def _nothing() -> None:
 class Workspace:
     """Owns the buffers; ``views(t)`` is the only per-step call (one dict look-up)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
-        self.cfg, self.dtype, self.device = cfg, dtype, device
+    def __init__(self, cfg: ModelConfig, dtype: str, arrays: HostArrays | TorchArrays):
+        self.cfg, self.dtype, self.arrays = cfg, dtype, arrays
         # The per-head q/k norm needs flat [T*H, D] rows: contiguous copies unless T == 1.
         self.copy_qk = cfg.qk_norm
         self.capacity = 0
-        self._bufs: dict[str, torch.Tensor] = {}
+        self._bufs: dict[str, Any] = {}
         self._views: dict[int, WorkViews] = {}
 
     def reserve(self, tokens: int) -> None:
@@ -73,7 +82,7 @@ class Workspace:
                   "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
         if self.copy_qk:
             widths.update(q=c.q_size, k=c.kv_size)
-        self._bufs = {name: torch.empty((n, width), dtype=self.dtype, device=self.device)
+        self._bufs = {name: self.arrays.empty((n, width), self.dtype)
                       for name, width in widths.items()}
         self.capacity = n
         self._views.clear()
