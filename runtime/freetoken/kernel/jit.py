@@ -20,9 +20,9 @@ log = logging.getLogger(__name__)
 
 def toolchain_for(backend: str, env: Env) -> build.Toolchain:
     """Find the compiler for `backend` and run its checks; KernelUnavailable names the fix."""
-    import torch
-    import tvm_ffi.libinfo as libinfo
+    from freetoken.arrays import import_tvm_ffi
 
+    libinfo = import_tvm_ffi().libinfo
     tvm = dict(tvm_include=(libinfo.find_include_path(), libinfo.find_dlpack_include_path()),
                tvm_libdir=str(Path(libinfo.find_libtvm_ffi()).parent))
     if backend == "cpu":
@@ -37,10 +37,14 @@ def toolchain_for(backend: str, env: Env) -> build.Toolchain:
                                     "set CUDA_HOME to the toolkit folder, or install the "
                                     "freetoken-kernel-cache wheel")
         nvcc, _home = found
+        import torch
+
         problem = checks.check_cuda_match(nvcc, torch.version.cuda, env.allow_cuda_mismatch)
         if problem:
             raise KernelUnavailable(str(problem))
         return build.Toolchain(nvcc=nvcc.path, cuda_major=nvcc.major, **tvm)
+    import torch
+
     clang = checks.find_hip_clang()
     if problem := checks.check_hip_match(clang, getattr(torch.version, "hip", None)):
         raise KernelUnavailable(str(problem))

@@ -7,6 +7,8 @@ projection, fused residual-add + the next norm. Every step writes into prealloca
 
 from __future__ import annotations
 
+import dataclasses
+
 from freetoken.arrays import Device, HostArrays, TorchArrays
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.config import ModelConfig, QuantWeight
@@ -27,17 +29,21 @@ class _Kernels:
             setattr(self, name, bind_op(name, device))
         embed_op = "dequantize_rows" if quantized_embedding else "embedding"
         self.embed = bind_op(embed_op, device)
+        self.gather_rows = bind_op("embedding", device)
         # CUDA decode splits long contexts across blocks through this scratch (4 MiB covers
         # every decode batch); the CPU kernel takes none.
         self.attn_extra = (() if device.is_cpu else (arrays.empty(1 << 20, "float32"),))
+        self.arg = arrays.kernel_arg
 
 
 class _DecoderLayer:
     def __init__(self, w: LayerWeights, next_norm: Array, cfg: ModelConfig,
                  rope: Array, kernels: _Kernels):
         self.ops = kernels
-        self.input_norm, self.post_norm, self.next_norm = w.input_norm, w.post_norm, next_norm
-        self.q_norm, self.k_norm = w.q_norm, w.k_norm
+        arg = kernels.arg
+        self.post_norm, self.next_norm = arg(w.post_norm), arg(next_norm)
+        self.q_norm = None if w.q_norm is None else arg(w.q_norm)
+        self.k_norm = None if w.k_norm is None else arg(w.k_norm)
         self.qkv = make_linear(w.qkv, w.qkv_bias)
         self.o = make_linear(w.o)
         self.gate_up = make_linear(w.gate_up)
@@ -83,12 +89,15 @@ class DenseDecoder:
         self.device: Device = arrays.device
         quantized_embedding = isinstance(weights.embed, QuantWeight)
         self._k = kernels = _Kernels(arrays, quantized_embedding)
-        self._rope = arrays.place(cos_sin_cache(config, weights.rope_freq_factors), "float32")
+        self._rope = kernels.arg(arrays.place(cos_sin_cache(config, weights.rope_freq_factors),
+                                              "float32"))
         norms = [lw.input_norm for lw in weights.layers[1:]] + [weights.final_norm]
         self.layers = [_DecoderLayer(lw, nxt, config, self._rope, kernels)
                        for lw, nxt in zip(weights.layers, norms)]
-        self._first_norm = weights.layers[0].input_norm
+        self._first_norm = kernels.arg(weights.layers[0].input_norm)
         self._embed = weights.embed
+        self._embed_arg = kernels.arg(weights.embed.data if quantized_embedding else weights.embed)
+        self._kv_args: tuple = (None, [], [])
         self._lm_head = make_linear(weights.lm_head)
         self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == "float32"
         self._workspace = Workspace(config, dtype, arrays)
@@ -107,26 +116,39 @@ class DenseDecoder:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
         self._workspace.reserve(max_tokens)
 
-    def _embed_into(self, out: Array, ids: Array) -> None:
+    def _embed_into(self, out, ids) -> None:
         if isinstance(self._embed, QuantWeight):
-            self._k.embed(out, ids, self._embed.data, self._embed.qtype)
+            self._k.embed(out, ids, self._embed_arg, self._embed.qtype)
         else:
-            self._k.embed(out, ids, self._embed)
+            self._k.embed(out, ids, self._embed_arg)
+
+    def _kv_caches(self, kv: KVCache) -> tuple[list, list]:
+        """The pools as kernel arguments, converted once per KV cache."""
+        if self._kv_args[0] is not kv:
+            arg = self._k.arg
+            self._kv_args = (kv, [arg(k) for k in kv.k], [arg(v) for v in kv.v])
+        return self._kv_args[1], self._kv_args[2]
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> Array:
         """float32 logits [B, vocab] for the rows batch.logits_indices of this step."""
+        arg = self._k.arg
+        batch = dataclasses.replace(batch, **{f.name: arg(getattr(batch, f.name))
+                                              for f in dataclasses.fields(batch)
+                                              if f.name != "max_query_len"})
         w = self._workspace.views(batch.num_tokens)
         self._embed_into(w.residual, batch.input_ids)
         self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)
         block_size = kv.block_size
-        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
+        for layer, k_cache, v_cache in zip(self.layers, *self._kv_caches(kv)):
             layer.forward(w, batch, k_cache, v_cache, block_size)
-        # T == B: every token is its sequence's last (pure decode), so no gather is needed.
-        rows = (w.hidden if batch.num_tokens == batch.num_seqs
-                else w.hidden[batch.logits_indices])
-        logits = self.arrays.empty((rows.shape[0], self.config.vocab_size), "float32")
+        rows = w.hidden
+        if batch.num_tokens != batch.num_seqs:  # else every token is its sequence's last
+            rows = self.arrays.empty((batch.num_seqs, self.config.hidden_size), self.dtype)
+            self._k.gather_rows(arg(rows), batch.logits_indices, w.hidden)
+            rows = arg(rows)
+        logits = self.arrays.empty((batch.num_seqs, self.config.vocab_size), "float32")
         if self._head_is_f32:
-            self._lm_head(logits, rows)
+            self._lm_head(arg(logits), rows)
             return logits
         low = self.arrays.empty(logits.shape, self.dtype)
         self._lm_head(low, rows)

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.arrays import is_torch
+from freetoken.arrays import HostArrays, is_torch
 from freetoken.models.config import QuantWeight
 from freetoken.models.weights import Array, Weight
+
+
+def host_array(arg) -> Array:
+    """An array op's view of a kernel argument: torch tensors as they are, else numpy."""
+    return arg if is_torch(arg) else np.from_dlpack(arg)
 
 
 class DenseLinear:
@@ -18,20 +23,22 @@ class DenseLinear:
         self.weight_t = weight.T        # a view: the matmul reads the transposed layout directly
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self._torch = None
         if is_torch(weight):
             import torch
 
-            self._mm, self._addmm = torch.mm, torch.addmm
-        else:
-            self._mm, self._addmm = np.matmul, None
+            self._torch = torch
 
     def __call__(self, out: Array, x: Array) -> None:
-        if self.bias is None:
-            self._mm(x, self.weight_t, out=out)
-        elif self._addmm is not None:
-            self._addmm(self.bias, x, self.weight_t, out=out)
-        else:
-            self._mm(x, self.weight_t, out=out)
+        if self._torch is not None:
+            if self.bias is None:
+                self._torch.mm(x, self.weight_t, out=out)
+            else:
+                self._torch.addmm(self.bias, x, self.weight_t, out=out)
+            return
+        out = host_array(out)
+        np.matmul(host_array(x), self.weight_t, out=out)
+        if self.bias is not None:
             out += self.bias
 
 
@@ -42,13 +49,14 @@ class QuantLinear:
         from freetoken.models.kernels import bind_op
 
         self._matmul = bind_op("quant_matmul", "cpu")
-        self.data, self.qtype, self.bias = weight.data, weight.qtype, bias
+        self.data = HostArrays.kernel_arg(weight.data)
+        self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, out: Array, x: Array) -> None:
         self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:
-            out += self.bias
+            host_array(out)[...] += self.bias
 
 
 class PartsLinear:
@@ -64,6 +72,7 @@ class PartsLinear:
         self.in_features = parts[0].in_features
 
     def __call__(self, out: Array, x: Array) -> None:
+        out = host_array(out)
         col = 0
         for part in self.parts:
             columns = out[:, col:col + part.out_features]

@@ -21,9 +21,12 @@ class WorkViews:
     with a per-head q/k norm and T > 1, q and k are contiguous copies instead (made by
     ``split_qkv``) so that q_heads/k_heads [T*H, D] can view them. q3/k3/v3 and attn3 are the
     same memory as [T, H, D]; gate_up [T, 2I]; act [T, I]; attn [T, Hq*D].
+    Every public field is a kernel argument (``arrays.kernel_arg``); ``split_qkv`` copies
+    between the arrays it kept aside.
     """
 
-    def __init__(self, bufs: dict[str, Any], cfg: ModelConfig, t: int, copy_qk: bool):
+    def __init__(self, bufs: dict[str, Any], cfg: ModelConfig, t: int, copy_qk: bool,
+                 arrays: HostArrays | TorchArrays):
         qs, kvs, d = cfg.q_size, cfg.kv_size, cfg.head_dim
         self.hidden, self.residual = bufs["hidden"][:t], bufs["residual"][:t]
         self.qkv = bufs["qkv"][:t]
@@ -44,10 +47,14 @@ class WorkViews:
         if copy_qk or t == 1:
             self.q_heads = view_as(self.q, (t * cfg.num_heads, d))
             self.k_heads = view_as(self.k, (t * cfg.num_kv_heads, d))
+        self._copies = [(self.q, self._sources[0]), (self.k, self._sources[1])] if copy_qk else []
+        for name, value in list(vars(self).items()):
+            if name[0] != "_" and not callable(value):
+                setattr(self, name, arrays.kernel_arg(value))
 
     def _copy_qk(self) -> None:
-        self.q[...] = self._sources[0]
-        self.k[...] = self._sources[1]
+        for dst, src in self._copies:
+            dst[...] = src
 
 
 def view_as(array, shape: tuple[int, ...]):
@@ -91,7 +98,8 @@ class Workspace:
         views = self._views.get(tokens)
         if views is None:
             self.reserve(tokens)
-            views = WorkViews(self._bufs, self.cfg, tokens, self.copy_qk and tokens > 1)
+            views = WorkViews(self._bufs, self.cfg, tokens, self.copy_qk and tokens > 1,
+                              self.arrays)
             if len(self._views) < _CACHED_VIEW_SETS:
                 self._views[tokens] = views
         return views
