@@ -48,7 +48,7 @@ def test_gpu_logits_match_transformers(name, tmp_path):
     hf16 = type(hf)(hf.config).to("cuda", torch.bfloat16).eval()
     hf16.load_state_dict(hf32.state_dict())
     loaded = load_model(str(tmp_path), device="cuda")
-    assert loaded.model.dtype == torch.bfloat16
+    assert loaded.model.dtype == "bfloat16"
     runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
 
     gen = torch.Generator().manual_seed(1)
