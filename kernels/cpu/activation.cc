@@ -1,31 +1,56 @@
 // SiLU-and-multiply on the CPU: out = silu(x[:, :d]) * x[:, d:], f32/bf16/f16, math in f32.
+// The row loop is compiled twice: for AVX2+FMA (chosen at run time) and for baseline x86-64.
 #include "freetoken/cpu_common.h"
 
 namespace freetoken {
 namespace {
 
+#define FT_ALWAYS_INLINE inline __attribute__((always_inline))
+
 template <typename T>
-void silu_mul_row(T* out, const T* gate, const T* up, int64_t d) {
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    v8f g, u;
-    for (int l = 0; l < 8; ++l) {
-      g[l] = to_float(gate[i + l]);
-      u[l] = to_float(up[i + l]);
-    }
-    v8f y = g / (1.0f + exp8(-g)) * u;
-    for (int l = 0; l < 8; ++l) out[i + l] = from_float<T>(y[l]);
-  }
-  if (i < d) {  // tail: pad one vector so the same exp is used everywhere
-    v8f g = {}, u = {};
-    for (int64_t l = 0; i + l < d; ++l) {
-      g[l] = to_float(gate[i + l]);
-      u[l] = to_float(up[i + l]);
-    }
-    v8f y = g / (1.0f + exp8(-g)) * u;
-    for (int64_t l = 0; i + l < d; ++l) out[i + l] = from_float<T>(y[l]);
+FT_ALWAYS_INLINE v8f load_as_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return load8(p);
+  v8f v;
+  for (int l = 0; l < 8; ++l) v[l] = to_float(p[l]);
+  return v;
+}
+
+template <typename T>
+FT_ALWAYS_INLINE void store_from_float(T* p, const v8f& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    store8(p, v);
+  } else {
+    for (int l = 0; l < 8; ++l) p[l] = from_float<T>(v[l]);
   }
 }
+
+FT_ALWAYS_INLINE v8f silu_mul8(const v8f& g, const v8f& u) { return g / (1.0f + exp8(-g)) * u; }
+
+template <typename T>
+FT_ALWAYS_INLINE void silu_mul_row(T* out, const T* gate, const T* up, int64_t d) {
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) store_from_float(out + i, silu_mul8(load_as_float(gate + i), load_as_float(up + i)));
+  if (i < d) {  // tail: pad one vector so the same exp is used everywhere
+    T g[8] = {}, u[8] = {}, y[8];
+    for (int64_t l = 0; i + l < d; ++l) {
+      g[l] = gate[i + l];
+      u[l] = up[i + l];
+    }
+    store_from_float(y, silu_mul8(load_as_float(g), load_as_float(u)));
+    for (int64_t l = 0; i + l < d; ++l) out[i + l] = y[l];
+  }
+}
+
+template <typename T>
+FT_ALWAYS_INLINE void silu_mul_rows(T* op, const RowView& orow, const T* xp, const RowView& xr) {
+  const int64_t d = orow.width;
+  for (int64_t r = 0; r < xr.rows; ++r) {
+    const T* row = xp + xr.offset(r);
+    silu_mul_row(op + orow.offset(r), row, row + d, d);
+  }
+}
+
+FT_ISA_CLONES(silu_mul_rows)
 
 void silu_and_mul(TensorView out, TensorView x) {
   FloatType ft = float_type(x, "x");
@@ -36,12 +61,7 @@ void silu_and_mul(TensorView out, TensorView x) {
   TVM_FFI_ICHECK(orow.width == d && orow.rows == xr.rows && out.ndim() == x.ndim())
       << "out must be x's shape with the last dim halved (" << d << ")";
   FT_DISPATCH_FLOAT(ft, T, {
-    const T* xp = data_of<T>(x);
-    T* op = data_of<T>(out);
-    for (int64_t r = 0; r < xr.rows; ++r) {
-      const T* row = xp + xr.offset(r);
-      silu_mul_row(op + orow.offset(r), row, row + d, d);
-    }
+    silu_mul_rows_dispatch(data_of<T>(out), orow, data_of<const T>(x), xr);
   });
 }
 

@@ -22,9 +22,12 @@ namespace {
 using attention::ConvertRow;
 using attention::Problem;
 
-constexpr int64_t kChunk = 64;          // keys per softmax step
+constexpr int64_t kChunk = 32;          // keys per softmax step
 constexpr int64_t kTileRows = 32;       // query rows (tokens x heads) per task
 constexpr int64_t kMinSplitKeys = 128;  // a key range is split no finer than this
+// Below this many (query row, key) pairs in all (~4 ns each) a call runs on the calling thread:
+// handing a few microseconds of work to the pool costs more than it saves.
+constexpr int64_t kMinPoolWork = 1024;
 
 // Query tokens [t0, t1) (indices among the sequence's new tokens) of sequence `seq`, query heads
 // [h0, h1) of one KV head, keys at positions [key_lo, key_hi). partial < 0: write `out`.
@@ -322,6 +325,13 @@ void build_tasks(const Problem& p, int64_t threads, std::vector<Task>& tasks,
   }
 }
 
+// (query row, key) pairs over all tasks; a row sees at most the task's key range.
+int64_t total_work(const Problem& p, const std::vector<Task>& tasks) {
+  int64_t work = 0;
+  for (const Task& t : tasks) work += (t.t1 - t.t0) * (t.h1 - t.h0) * (t.key_hi - t.key_lo);
+  return work;
+}
+
 // out = sum_i acc_i e^(m_i - m) / sum_i l_i e^(m_i - m) over the splits of each row.
 void merge_partials(const Problem& p, const std::vector<Merge>& merges) {
   const int64_t d = p.head_dim;
@@ -367,13 +377,19 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
   partials.resize(n_partials * kTileRows * (p.head_dim + 2));
   p.partials = partials.data();
   const Task* list = tasks.data();
-  parallel_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t i0, int64_t i1) {
+  auto run = [&](int64_t i0, int64_t i1) {
     if (cpu.avx2) {
       run_tasks_avx2(p, list + i0, i1 - i0);
     } else {
       run_tasks_baseline(p, list + i0, i1 - i0);
     }
-  });
+  };
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  if (total_work(p, tasks) < kMinPoolWork) {
+    run(0, n_tasks);
+  } else {
+    parallel_for(n_tasks, 1, run);
+  }
   merge_partials(p, merges);
 }
 

@@ -6,27 +6,60 @@
 namespace freetoken {
 namespace {
 
+#define FT_ALWAYS_INLINE inline __attribute__((always_inline))
+
 template <typename T>
-float sum_squares(const T* x, int64_t n) {
-  float lanes[8] = {};  // independent partial sums: vectorizes without reassociating floats
+FT_ALWAYS_INLINE float sum_squares(const T* x, int64_t n) {
+  v8f lanes = {};  // independent partial sums: vectorizes without reassociating floats
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) {
-      float v = to_float(x[i + l]);
-      lanes[l] += v * v;
+    v8f v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = load8(x + i);
+    } else {
+      for (int l = 0; l < 8; ++l) v[l] = to_float(x[i + l]);
     }
+    lanes += v * v;
   }
   float s = 0.f;
   for (; i < n; ++i) s += to_float(x[i]) * to_float(x[i]);
-  for (float v : lanes) s += v;
-  return s;
+  return s + hsum8(lanes);
 }
 
 template <typename T>
-void norm_row(T* out, const T* x, const T* weight, int64_t d, float eps) {
-  float inv = 1.f / std::sqrt(sum_squares(x, d) / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = from_float<T>(to_float(x[i]) * inv * to_float(weight[i]));
+FT_ALWAYS_INLINE void norm_row(T* out, const T* x, const T* weight, int64_t d, float eps) {
+  const float inv = 1.f / std::sqrt(sum_squares(x, d) / static_cast<float>(d) + eps);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 8 <= d; i += 8) store8(out + i, load8(x + i) * inv * load8(weight + i));
+  }
+  for (; i < d; ++i) out[i] = from_float<T>(to_float(x[i]) * inv * to_float(weight[i]));
 }
+
+template <typename T>
+FT_ALWAYS_INLINE void norm_rows(T* op, const RowView& orow, const T* xp, const RowView& xr,
+                                const T* wp, float eps) {
+  for (int64_t r = 0; r < xr.rows; ++r) norm_row(op + orow.offset(r), xp + xr.offset(r), wp, xr.width, eps);
+}
+
+// The sum is rounded to the residual's dtype first; the norm reads the rounded value.
+template <typename T>
+FT_ALWAYS_INLINE void add_norm_rows(T* xp, const RowView& xr, T* rp, const RowView& rr,
+                                    const T* wp, float eps) {
+  for (int64_t r = 0; r < xr.rows; ++r) {
+    T* xrow = xp + xr.offset(r);
+    T* rrow = rp + rr.offset(r);
+    int64_t i = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      for (; i + 8 <= xr.width; i += 8) store8(rrow + i, load8(rrow + i) + load8(xrow + i));
+    }
+    for (; i < xr.width; ++i) rrow[i] = from_float<T>(to_float(rrow[i]) + to_float(xrow[i]));
+    norm_row(xrow, rrow, wp, xr.width, eps);
+  }
+}
+
+FT_ISA_CLONES(norm_rows)
+FT_ISA_CLONES(add_norm_rows)
 
 void check_weight(const TensorView& weight, const TensorView& x, int64_t d) {
   check_contiguous(weight, "weight");
@@ -48,12 +81,8 @@ void rms_norm(TensorView out, TensorView x, TensorView weight, double eps) {
   RowView xr = row_view(x, 1, "x"), orow = row_view(out, 1, "out");
   check_weight(weight, x, xr.width);
   FT_DISPATCH_FLOAT(ft, T, {
-    const T* xp = data_of<T>(x);
-    const T* wp = data_of<T>(weight);
-    T* op = data_of<T>(out);
-    for (int64_t r = 0; r < xr.rows; ++r) {
-      norm_row(op + orow.offset(r), xp + xr.offset(r), wp, xr.width, static_cast<float>(eps));
-    }
+    norm_rows_dispatch(data_of<T>(out), orow, data_of<const T>(x), xr, data_of<const T>(weight),
+                       static_cast<float>(eps));
   });
 }
 
@@ -64,18 +93,8 @@ void fused_add_rms_norm(TensorView x, TensorView residual, TensorView weight, do
   RowView xr = row_view(x, 1, "x"), rr = row_view(residual, 1, "residual");
   check_weight(weight, x, xr.width);
   FT_DISPATCH_FLOAT(ft, T, {
-    T* xp = data_of<T>(x);
-    T* rp = data_of<T>(residual);
-    const T* wp = data_of<T>(weight);
-    for (int64_t r = 0; r < xr.rows; ++r) {
-      T* xrow = xp + xr.offset(r);
-      T* rrow = rp + rr.offset(r);
-      // The sum is rounded to the residual's dtype first; the norm reads the rounded value.
-      for (int64_t i = 0; i < xr.width; ++i) {
-        rrow[i] = from_float<T>(to_float(rrow[i]) + to_float(xrow[i]));
-      }
-      norm_row(xrow, rrow, wp, xr.width, static_cast<float>(eps));
-    }
+    add_norm_rows_dispatch(data_of<T>(x), xr, data_of<T>(residual), rr, data_of<const T>(weight),
+                           static_cast<float>(eps));
   });
 }
 

@@ -5,27 +5,45 @@
 namespace freetoken {
 namespace {
 
+#define FT_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// Rotates one head in place; x1 = a[i * step], x2 = a[i * step + partner] for i < half.
 template <typename T>
-void rotate_rows(T* data, const RowView& view, int64_t head_dim, const int64_t* positions,
-                 const float* cos_sin, int64_t rot_dim, bool is_neox) {
+FT_ALWAYS_INLINE void rotate_head(T* x, const float* cos, const float* sin, int64_t half,
+                                  bool is_neox) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; is_neox && i + 8 <= half; i += 8) {  // halves are contiguous: 8 pairs at a time
+      const v8f x1 = load8(x + i), x2 = load8(x + half + i), c = load8(cos + i), s = load8(sin + i);
+      store8(x + i, x1 * c - x2 * s);
+      store8(x + half + i, x2 * c + x1 * s);
+    }
+  }
+  // neox pairs element i with i + half; interleaved pairs 2i with 2i + 1
+  const int64_t step = is_neox ? 1 : 2, partner = is_neox ? half : 1;
+  for (; i < half; ++i) {
+    T* a = x + i * step;
+    T* b = a + partner;
+    float x1 = to_float(*a), x2 = to_float(*b);
+    *a = from_float<T>(x1 * cos[i] - x2 * sin[i]);
+    *b = from_float<T>(x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+template <typename T>
+FT_ALWAYS_INLINE void rotate_rows(T* data, const RowView& view, int64_t head_dim,
+                                  const int64_t* positions, const float* cos_sin, int64_t rot_dim,
+                                  bool is_neox) {
   const int64_t half = rot_dim / 2, heads = view.width / head_dim;
   for (int64_t t = 0; t < view.rows; ++t) {
     const float* cos = cos_sin + positions[t] * rot_dim;
-    const float* sin = cos + half;
     for (int64_t h = 0; h < heads; ++h) {
-      T* x = data + view.offset(t) + h * head_dim;
-      // neox pairs element i with i + half; interleaved pairs 2i with 2i + 1
-      const int64_t step = is_neox ? 1 : 2, partner = is_neox ? half : 1;
-      for (int64_t i = 0; i < half; ++i) {
-        T* a = x + i * step;
-        T* b = a + partner;
-        float x1 = to_float(*a), x2 = to_float(*b);
-        *a = from_float<T>(x1 * cos[i] - x2 * sin[i]);
-        *b = from_float<T>(x2 * cos[i] + x1 * sin[i]);
-      }
+      rotate_head(data + view.offset(t) + h * head_dim, cos, cos + half, half, is_neox);
     }
   }
 }
+
+FT_ISA_CLONES(rotate_rows)
 
 // Checks one of q / k before anything is written, so a bad k leaves q untouched.
 RowView checked_view(const TensorView& t, const char* name, int64_t tokens, int64_t head_dim) {
@@ -41,7 +59,7 @@ RowView checked_view(const TensorView& t, const char* name, int64_t tokens, int6
 void rotate(TensorView t, const RowView& view, int64_t head_dim, const int64_t* positions,
             const float* cos_sin, int64_t rot_dim, bool is_neox) {
   FT_DISPATCH_FLOAT(float_type(t, "q/k"), T, {
-    rotate_rows(data_of<T>(t), view, head_dim, positions, cos_sin, rot_dim, is_neox);
+    rotate_rows_dispatch(data_of<T>(t), view, head_dim, positions, cos_sin, rot_dim, is_neox);
   });
 }
 

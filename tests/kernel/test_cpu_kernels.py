@@ -73,7 +73,7 @@ def test_fused_add_rms_norm(dtype, t, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("rot", [64, 32])
+@pytest.mark.parametrize("rot", [64, 32, 20, 6])  # half of 20 and 6: vector tails of 2 and 3
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_rotary_embedding(dtype, is_neox, rot, t):
     hq, hk, d, max_pos = 9, 3, 64, 100
@@ -94,7 +94,7 @@ def test_rotary_embedding(dtype, is_neox, rot, t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,d", [(1, 1536), (3, 100), (17, 64)])
+@pytest.mark.parametrize("t,d", [(1, 1536), (3, 100), (17, 64), (2, 5), (1, 1539)])
 def test_silu_and_mul(dtype, t, d):
     x = randn(t, 2 * d, dtype=dtype, seed=10, scale=4.0)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)  # saturating ends of exp
@@ -102,6 +102,45 @@ def test_silu_and_mul(dtype, t, d):
     ops.silu_and_mul(out, x)
     ref.silu_and_mul(want, x)
     torch.testing.assert_close(out, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_ops_on_strided_rows(dtype):
+    """Rows a fixed stride apart (slices of a wider buffer), widths with vector tails."""
+    wide = randn(4, 3 * 104, dtype=dtype, seed=11, scale=3.0)
+    x = wide[:, 13:13 + 2 * 45]                       # silu input: rows 312 apart, d = 45
+    out_wide = torch.zeros(4, 100, dtype=dtype)
+    out = out_wide[:, 7:52]                           # strided output rows
+    want = torch.empty(4, 45, dtype=dtype)
+    ops.silu_and_mul(out, x)
+    ref.silu_and_mul(want, x.contiguous())
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    assert not out_wide[:, :7].any() and not out_wide[:, 52:].any()
+    h, res = wide[:, 200:299], randn(4, 99, dtype=dtype, seed=12)  # d = 99, x rows strided
+    w = randn(99, dtype=dtype, seed=13)
+    h2, res2 = h.clone(), res.clone()
+    ops.fused_add_rms_norm(h, res, w, 1e-5)
+    ref.fused_add_rms_norm(h2, res2, w, 1e-5)
+    torch.testing.assert_close(res, res2, **TOL[dtype])
+    torch.testing.assert_close(h, h2, **TOL[dtype])
+    normed, want = torch.empty(4, 99, dtype=dtype), torch.empty(4, 99, dtype=dtype)
+    ops.rms_norm(normed, wide[:, 1:100], w, 1e-5)
+    ref.rms_norm(want, wide[:, 1:100].contiguous(), w, 1e-5)
+    torch.testing.assert_close(normed, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [5, 13])
+def test_norms_narrower_than_a_vector(dtype, d):
+    x, res, w = randn(3, d, dtype=dtype, seed=14), randn(3, d, dtype=dtype, seed=15), randn(d, dtype=dtype, seed=16)
+    out, want = torch.empty_like(x), torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-5)
+    ref.rms_norm(want, x, w, 1e-5)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    x2, res2 = x.clone(), res.clone()
+    ops.fused_add_rms_norm(x, res, w, 1e-5)
+    ref.fused_add_rms_norm(x2, res2, w, 1e-5)
+    torch.testing.assert_close(x, x2, **TOL[dtype])
 
 
 @pytest.mark.parametrize("src_dtype", DTYPES)
@@ -216,7 +255,8 @@ def test_paged_attention_strided_q_from_fused_projection():
 # ------------------------------------------------------------------ quantized matmul
 
 QTYPES = (ref.Q4_0, ref.Q4_1, ref.Q8_0)
-SHAPES = [(1, 32, 8), (1, 576, 67), (3, 96, 13), (5, 288, 9), (17, 1536, 40)]  # (M, K, N)
+# (M, K, N); (1, 64, 1030): decode chunks long enough to prefetch ahead, plus tail rows
+SHAPES = [(1, 32, 8), (1, 576, 67), (3, 96, 13), (5, 288, 9), (17, 1536, 40), (1, 64, 1030)]
 
 
 def quant_case(m, k, n, qtype, seed):

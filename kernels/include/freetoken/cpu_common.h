@@ -225,6 +225,37 @@ inline f16 from_float<f16>(float v) { return f16{float_to_f16(v)}; }
 
 // ---------------------------------------------------------------- vector math
 
+/*! \brief True when the CPU runs AVX2 and FMA (the ops' `target("avx2,fma")` clones). */
+inline bool cpu_has_avx2_fma() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+
+/*!
+ * \brief Defines NAME_avx2 (compiled for AVX2+FMA) and NAME_baseline forwarding to NAME, which
+ * must be always-inline so its body, v8f math included, is compiled for each ISA.
+ */
+#define FT_ISA_CLONES(NAME)                                                             \
+  template <typename... Args>                                                           \
+  __attribute__((target("avx2,fma"))) void NAME##_avx2(Args... args) {                  \
+    NAME(args...);                                                                      \
+  }                                                                                     \
+  template <typename... Args>                                                           \
+  void NAME##_baseline(Args... args) {                                                  \
+    NAME(args...);                                                                      \
+  }                                                                                     \
+  template <typename... Args>                                                           \
+  void NAME##_dispatch(Args... args) {                                                  \
+    if (::freetoken::cpu_has_avx2_fma()) {                                              \
+      NAME##_avx2(args...);                                                             \
+    } else {                                                                            \
+      NAME##_baseline(args...);                                                         \
+    }                                                                                   \
+  }
+
 #pragma GCC diagnostic ignored "-Wpsabi"  // v8f helpers are always inlined: no ABI crosses
 
 // GCC vector extensions: lowered to SSE2 in baseline code and to AVX2/AVX-512 when inlined into a

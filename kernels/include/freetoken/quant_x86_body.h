@@ -205,12 +205,25 @@ FT_QX_INLINE void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t n0,
   }
 }
 
+constexpr int64_t kPrefetchBytes = 2048;
+
 template <int64_t QT, int MR>
 FT_QX_FN void matmul_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
                           const QuantizedRows& xq, int64_t m0, float* out, int64_t ldo) {
   int64_t n = n0;
   if constexpr (MR == 1) {  // one activation row: four weight rows share each x block
-    for (; n + 4 <= n1; n += 4) dot_tile<QT, 4, 1>(w, row_bytes, n, xq, m0, out, ldo);
+    // Decode streams the weights once: ask for the lines ~kPrefetchBytes ahead while this tile
+    // is computed, so one core keeps more misses in flight than its hardware prefetcher does
+    // (measured: the Q8_0 head from DRAM on one core, 5.5 -> 3.0 ms).
+    const int64_t tile_bytes = 4 * row_bytes;
+    const int64_t ahead_rows = 4 * ((kPrefetchBytes + tile_bytes - 1) / tile_bytes);
+    for (; n + 4 <= n1; n += 4) {
+      if (n + ahead_rows + 4 <= n1) {
+        const char* ahead = reinterpret_cast<const char*>(w + (n + ahead_rows) * row_bytes);
+        for (int64_t b = 0; b < tile_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+      dot_tile<QT, 4, 1>(w, row_bytes, n, xq, m0, out, ldo);
+    }
   }
   for (; n < n1; ++n) dot_tile<QT, 1, MR>(w, row_bytes, n, xq, m0, out, ldo);
 }

@@ -21,7 +21,8 @@ from freetoken.server.config import ServerConfig
 @click.option("--device", default=EngineConfig.device, show_default=True,
               type=click.Choice(DEVICES))
 @click.option("--dtype", default="auto", show_default=True,
-              help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")
+              help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16 "
+                   "(the CPU computes in float32 only).")
 @click.option("--num-tokens", default=EngineConfig.num_tokens, show_default=True,
               type=click.IntRange(0),
               help="KV pool size in tokens; 0 = four contexts of up to 4096 tokens.")
