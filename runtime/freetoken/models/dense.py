@@ -13,7 +13,7 @@ from freetoken.arrays import Device, HostArrays, TorchArrays
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.kernels import bind_op
-from freetoken.models.linear import QuantLinear, make_linear
+from freetoken.models.linear import make_linear
 from freetoken.models.rope import cos_sin_cache
 from freetoken.models.weights import DecoderWeights, LayerWeights
 from freetoken.models.workspace import Workspace, WorkViews
@@ -104,14 +104,6 @@ class DenseDecoder:
         if self.device.is_cpu:
             _apply_kernel_threads()
 
-    @property
-    def matmuls_in_kernels(self) -> bool:
-        """True when every projection runs in the quantized kernels (none through torch.mm),
-        so torch's own CPU threads only serve small bookkeeping ops."""
-        linears = [self._lm_head] + [lin for layer in self.layers
-                                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return all(isinstance(lin, QuantLinear) for lin in linears)
-
     def reserve(self, max_tokens: int) -> None:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
         self._workspace.reserve(max_tokens)
@@ -143,9 +135,8 @@ class DenseDecoder:
             layer.forward(w, batch, k_cache, v_cache, block_size)
         rows = w.hidden
         if batch.num_tokens != batch.num_seqs:  # else every token is its sequence's last
-            rows = self.arrays.empty((batch.num_seqs, self.config.hidden_size), self.dtype)
-            self._k.gather_rows(arg(rows), batch.logits_indices, w.hidden)
-            rows = arg(rows)
+            rows = arg(self.arrays.empty((batch.num_seqs, self.config.hidden_size), self.dtype))
+            self._k.gather_rows(rows, batch.logits_indices, w.hidden)
         logits = self.arrays.empty((batch.num_seqs, self.config.vocab_size), "float32")
         if self._head_is_f32:
             self._lm_head(arg(logits), rows)
