@@ -87,7 +87,8 @@ def token_matmul_seconds(reps: int) -> tuple[float, float]:
                       for _ in range(uses)])
     layers = [args for layer in zip(*calls) for args in layer]
     _, k, n, qtype, _ = SHAPES[-1]
-    head = (ffi(torch.empty(1, n)), ffi(torch.randn(1, k)), ffi(ref.quantize(torch.randn(n, k), qtype)), qtype)
+    head_weight = ffi(ref.quantize(torch.randn(n, k), qtype))
+    head = (ffi(torch.empty(1, n)), ffi(torch.randn(1, k)), head_weight, qtype)
     best_layers = best_head = float("inf")
     for _ in range(reps):
         start = time.perf_counter()

@@ -29,7 +29,9 @@ FT_ALWAYS_INLINE v8f silu_mul8(const v8f& g, const v8f& u) { return g / (1.0f + 
 template <typename T>
 FT_ALWAYS_INLINE void silu_mul_row(T* out, const T* gate, const T* up, int64_t d) {
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) store_from_float(out + i, silu_mul8(load_as_float(gate + i), load_as_float(up + i)));
+  for (; i + 8 <= d; i += 8) {
+    store_from_float(out + i, silu_mul8(load_as_float(gate + i), load_as_float(up + i)));
+  }
   if (i < d) {  // tail: pad one vector so the same exp is used everywhere
     T g[8] = {}, u[8] = {}, y[8];
     for (int64_t l = 0; i + l < d; ++l) {

@@ -22,12 +22,14 @@ namespace {
 using attention::ConvertRow;
 using attention::Problem;
 
-constexpr int64_t kChunk = 32;          // keys per softmax step
+// Keys per softmax step: every query row of a task re-reads the chunk's K and V rows, and 32
+// keys of f32 head dim 64 (16 KB) stay in a 32 KB L1 where 64 keys did not (measured ~15% faster).
+constexpr int64_t kChunk = 32;
 constexpr int64_t kTileRows = 32;       // query rows (tokens x heads) per task
 constexpr int64_t kMinSplitKeys = 128;  // a key range is split no finer than this
 // Below this many (query row, key) pairs in all (~4 ns each) a call runs on the calling thread:
 // handing a few microseconds of work to the pool costs more than it saves.
-constexpr int64_t kMinPoolWork = 1024;
+constexpr int64_t kMinPoolWork = 384;
 
 // Query tokens [t0, t1) (indices among the sequence's new tokens) of sequence `seq`, query heads
 // [h0, h1) of one KV head, keys at positions [key_lo, key_hi). partial < 0: write `out`.

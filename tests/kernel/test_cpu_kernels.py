@@ -132,7 +132,8 @@ def test_elementwise_ops_on_strided_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [5, 13])
 def test_norms_narrower_than_a_vector(dtype, d):
-    x, res, w = randn(3, d, dtype=dtype, seed=14), randn(3, d, dtype=dtype, seed=15), randn(d, dtype=dtype, seed=16)
+    x, res = randn(3, d, dtype=dtype, seed=14), randn(3, d, dtype=dtype, seed=15)
+    w = randn(d, dtype=dtype, seed=16)
     out, want = torch.empty_like(x), torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-5)
     ref.rms_norm(want, x, w, 1e-5)

@@ -215,10 +215,12 @@ FT_QX_FN void matmul_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64
     // Decode streams the weights once: ask for the lines ~kPrefetchBytes ahead while this tile
     // is computed, so one core keeps more misses in flight than its hardware prefetcher does
     // (measured: the Q8_0 head from DRAM on one core, 5.5 -> 3.0 ms).
+    // It runs on past n1 into the next chunk (claimed next, by this or the other core), so a
+    // chunk does not start on a cold stream; out is [M, N], so ldo bounds it at the last row.
     const int64_t tile_bytes = 4 * row_bytes;
     const int64_t ahead_rows = 4 * ((kPrefetchBytes + tile_bytes - 1) / tile_bytes);
     for (; n + 4 <= n1; n += 4) {
-      if (n + ahead_rows + 4 <= n1) {
+      if (n + ahead_rows + 4 <= ldo) {
         const char* ahead = reinterpret_cast<const char*>(w + (n + ahead_rows) * row_bytes);
         for (int64_t b = 0; b < tile_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
       }
