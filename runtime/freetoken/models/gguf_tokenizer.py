@@ -1,14 +1,14 @@
-"""A `tokenizers` byte-level BPE rebuilt from GGUF vocabulary metadata (tokenizer.ggml.*)."""
+"""A `tokenizers` tokenizer rebuilt from GGUF vocabulary metadata (tokenizer.ggml.*): byte-level
+BPE with merges (`gpt2`) here, SentencePiece BPE (`llama`) in gguf_spm."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
+from freetoken.models.gguf_spm import (CONTROL, NORMAL, UNKNOWN, USER_DEFINED,
+                                       sentencepiece_backend, token_types)
 from freetoken.models.tokenizer import Tokenizer
-
-# GGML token types (llama.cpp): 3 = control (special), 4 = user-defined (matched whole).
-_CONTROL, _USER_DEFINED = 3, 4
 
 # Split patterns of the pre-tokenizer families, as their vocabularies were trained.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -48,20 +48,14 @@ def _field(meta: dict[str, Any], key: str, source: str) -> Any:
     return meta[key]
 
 
-def _backend(meta: dict[str, Any], source: str):
-    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, normalizers
-    from tokenizers import processors
+def _byte_level_backend(meta: dict[str, Any], tokens: list[str], source: str):
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers
 
-    kind = _field(meta, "tokenizer.ggml.model", source)
-    if kind != "gpt2":
-        raise UnsupportedModelError(
-            f"{source}: tokenizer.ggml.model {kind!r} is not supported (gpt2 byte-level BPE only)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_FAMILIES:
         raise UnsupportedModelError(f"{source}: tokenizer.ggml.pre {pre!r} is not supported; "
                                     f"supported: {', '.join(sorted(_PRE_FAMILIES))}")
     family, ignore_merges = _PRE_FAMILIES[pre]
-    tokens = _field(meta, "tokenizer.ggml.tokens", source)
     merges = [tuple(m.split(" ", 1)) for m in _field(meta, "tokenizer.ggml.merges", source)]
     vocab = {token: i for i, token in enumerate(tokens)}
     backend = Backend(models.BPE(vocab, merges, ignore_merges=ignore_merges))
@@ -69,16 +63,65 @@ def _backend(meta: dict[str, Any], source: str):
     backend.decoder = decoders.ByteLevel()
     if family == "qwen2":
         backend.normalizer = normalizers.NFC()
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    return backend
+
+
+def _add_vocabulary_tokens(backend, meta: dict[str, Any], tokens: list[str], source: str) -> None:
+    """Control and unknown tokens become special added tokens, user-defined ones plain added
+    tokens (both are matched whole in the text, never split)."""
+    from tokenizers import AddedToken
+
+    types = token_types(meta, tokens, source)
+    if types is None:   # no types in the file: at least keep its named tokens whole
+        named = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown")}
+        types = [CONTROL if i in named else NORMAL for i in range(len(tokens))]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, types) if k == _CONTROL])
+                                for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(tokens, types) if k == _USER_DEFINED])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)])
+                        for t, k in zip(tokens, types) if k == USER_DEFINED])
+
+
+def _framing(meta: dict[str, Any], tokens: list[str], add_bos_default: bool):
+    """The post-processor adding BOS/EOS around encoded text, or None when neither is added."""
+    from tokenizers import processors
+
+    def named(key: str, flag: str, default: bool) -> tuple[str, int] | None:
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if not meta.get(f"tokenizer.ggml.{flag}", default) or index is None \
+                or not 0 <= index < len(tokens):
+            return None
+        return tokens[index], index
+
+    bos = named("bos", "add_bos_token", add_bos_default)
+    eos = named("eos", "add_eos_token", False)
+    if bos is None and eos is None:
+        return None
+
+    def framed(segment: str, type_id: int) -> str:
+        parts = ([bos[0]] if bos else []) + [segment] + ([eos[0]] if eos else [])
+        return " ".join(f"{part}:{type_id}" for part in parts)
+
+    return processors.TemplateProcessing(
+        single=framed("$A", 0), pair=f"{framed('$A', 0)} {framed('$B', 1)}",
+        special_tokens=[t for t in (bos, eos) if t is not None])
+
+
+def _backend(meta: dict[str, Any], source: str):
+    kind = _field(meta, "tokenizer.ggml.model", source)
+    if kind not in ("gpt2", "llama"):
+        raise UnsupportedModelError(
+            f"{source}: tokenizer.ggml.model {kind!r} is not supported; supported: gpt2 "
+            f"(byte-level BPE), llama (SentencePiece BPE)")
+    tokens = _field(meta, "tokenizer.ggml.tokens", source)
+    if kind == "gpt2":
+        backend = _byte_level_backend(meta, tokens, source)
+    else:
+        backend = sentencepiece_backend(meta, tokens, source)
+    _add_vocabulary_tokens(backend, meta, tokens, source)
+    # llama.cpp adds a BOS to SentencePiece text unless the file says otherwise.
+    framing = _framing(meta, tokens, add_bos_default=kind == "llama")
+    if framing is not None:
+        backend.post_processor = framing
     return backend, tokens
 
 
