@@ -217,7 +217,7 @@ def prompts_for(model: Path, lengths: tuple[int, ...]) -> dict[str, list[int]]:
 
 def import_torch_seconds(repeats: int) -> float:
     """Median seconds from spawning Python until `import torch` returns (exit not counted):
-    the floor of FreeToken's start->ready."""
+    what the CPU path saves by never importing torch (transformers' floor)."""
     def once() -> float:
         spawned = time.time()
         out = subprocess.run([sys.executable, "-c", "import time, torch; print(time.time())"],
@@ -344,7 +344,7 @@ def main(argv: list[str]) -> None:
     results = run_all(peers, spec, args.start_repeats)
     floor = import_torch_seconds(max(1, args.start_repeats))
     print(f"load average after: {os.getloadavg()[0]:.1f}; spawning Python + `import torch` alone "
-          f"takes {floor:.2f} s (median), the floor of FreeToken's start->ready")
+          f"takes {floor:.2f} s (median); FreeToken's CPU path never imports it")
     print_table(results, spec)
     print_ratios(results)
     print(REFERENCE)
