@@ -73,17 +73,19 @@ def is_torch(value: Any) -> bool:
 
 
 class HostArrays:
-    """numpy arrays in host memory; float32 is the only compute dtype on the CPU."""
+    """numpy arrays in host memory (float32 and float16; numpy has no bfloat16)."""
 
     device = Device("cpu")
     no_grad = staticmethod(contextlib.nullcontext)
+    _DTYPES = {"float32": np.float32, "float16": np.float16}
 
     @staticmethod
     def dtype(name: str):
-        if name != "float32":
-            raise DeviceError(f"the CPU computes in float32, not {name}: pass --dtype float32 "
-                              f"(or auto); GGUF weights stay quantized either way")
-        return np.float32
+        name = canonical_dtype(name)
+        if name not in HostArrays._DTYPES:
+            raise DeviceError(f"{name} arrays are not available on the CPU; use float32 or "
+                              f"float16")
+        return HostArrays._DTYPES[name]
 
     def empty(self, shape, dtype: str = "float32") -> np.ndarray:
         return np.empty(shape, dtype=self.dtype(dtype))
@@ -109,13 +111,12 @@ class HostArrays:
         return np.from_dlpack(arg)
 
     def place(self, weight, dtype: str) -> np.ndarray:
-        """A weight from a checkpoint (numpy or torch) as a contiguous float32 array."""
-        self.dtype(dtype)
+        """A weight from a checkpoint (numpy or torch) as a contiguous array of `dtype`."""
         if is_torch(weight):
             import torch
 
             weight = weight.to(torch.float32).numpy()
-        return np.ascontiguousarray(weight, dtype=np.float32)
+        return np.ascontiguousarray(weight, dtype=self.dtype(dtype))
 
 
 class TorchArrays:

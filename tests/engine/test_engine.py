@@ -2,6 +2,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from freetoken.engine.config import EngineConfig
@@ -171,3 +172,23 @@ def test_shutdown_aborts_in_flight_requests(make_engine):
         return [o async for o in stream]
 
     assert asyncio.run(main())[-1].finish_reason == "abort"
+
+
+def test_kv_dtype_resolution():
+    from freetoken.engine.config import EngineConfigError, resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", True, "float32") == "float16"
+    assert resolve_kv_dtype("auto", False, "bfloat16") == "bfloat16"
+    assert resolve_kv_dtype("float32", True, "float32") == "float32"
+    with pytest.raises(EngineConfigError, match="CPU"):
+        resolve_kv_dtype("bfloat16", True, "float32")
+    with pytest.raises(EngineConfigError, match="activation dtype"):
+        resolve_kv_dtype("float16", False, "bfloat16")
+    with pytest.raises(EngineConfigError, match="kv_dtype"):
+        EngineConfig(kv_dtype="int8")
+
+
+def test_cpu_engine_pools_are_float16_by_default(make_engine):
+    engine = make_engine()
+    assert engine.kv_dtype == "float16" and engine.stats()["kv_dtype"] == "float16"
+    assert all(pool.dtype == np.float16 for pool in engine.kv.k + engine.kv.v)

@@ -77,9 +77,11 @@ def tiny_hf_model(arch: str, directory: Path, seed: int = 0, **overrides):
 class PagedRunner:
     """Drives a model over a KV pool with scattered pages, like the engine does."""
 
-    def __init__(self, model, num_blocks: int = 32, block_size: int = 16, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 32, block_size: int = 16, seed: int = 0,
+                 kv_dtype: str | None = None):
         self.model, self.block_size = model, block_size
-        self.kv = KVCache(model.config, num_blocks, block_size, model.dtype, model.arrays)
+        self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype,
+                          model.arrays)
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free = order.tolist()
         self.pages: dict[int, list[int]] = {}

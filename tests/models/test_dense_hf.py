@@ -30,9 +30,9 @@ def prompts(vocab: int) -> tuple[list[int], list[int]]:
     return a, b
 
 
-def run_and_compare(model, hf, atol: float) -> list[int]:
+def run_and_compare(model, hf, atol: float, kv_dtype: str | None = None) -> list[int]:
     """Drive two sequences through prefill + decode; return sequence a's greedy tokens."""
-    runner = PagedRunner(model)
+    runner = PagedRunner(model, kv_dtype=kv_dtype)
     a, b = prompts(model.config.vocab_size)
     full_a = list(a)
     logits = runner.step([(0, a[:10]), (1, b)])          # a: first chunk; b: whole prompt
@@ -91,3 +91,12 @@ def test_tied_embeddings(tmp_path):
     a, _ = prompts(loaded.config.vocab_size)
     torch.testing.assert_close(runner.step([(0, a)])[0], hf_last_logits(hf, a),
                                atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float16_kv_pool_stays_close_to_transformers(arch, tiny_checkpoint):
+    """The CPU's default KV pool holds float16 (activations stay float32): every step's logits
+    within 1e-2 of transformers' float32 forward, greedy tokens equal."""
+    directory, hf = tiny_checkpoint(arch)
+    loaded = load_model(str(directory), device="cpu")
+    run_and_compare(loaded.model, hf, atol=1e-2, kv_dtype="float16")

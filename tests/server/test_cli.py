@@ -9,6 +9,7 @@ import sys
 
 import httpx
 import openai
+import pytest
 from click.testing import CliRunner
 
 from freetoken.cli.main import main
@@ -105,3 +106,15 @@ def test_serve_reports_a_bad_model_path(tmp_path):
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path / "missing"),
                                        "--device", "cpu"])
     assert result.exit_code != 0 and "no such file or directory" in result.output
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--kv-dtype", "bfloat16"], "kv_dtype bfloat16 is not available on the CPU"),
+    (["--dtype", "float16"], "the CPU computes in float32"),
+    (["--kv-dtype", "int4"], "Invalid value for '--kv-dtype'"),
+])
+def test_serve_refuses_dtypes_the_cpu_cannot_hold(tiny_model_dir, flags, fragment):
+    result = CliRunner().invoke(main, ["serve", "--model", str(tiny_model_dir), "--device", "cpu",
+                                       "--port", "0", *flags])
+    assert result.exit_code != 0
+    assert fragment in result.output

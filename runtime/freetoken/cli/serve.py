@@ -7,7 +7,7 @@ import threading
 
 import click
 
-from freetoken.engine.config import DEVICES, SAMPLING_DEFAULT_MODES, EngineConfig
+from freetoken.engine.config import DEVICES, KV_DTYPES, SAMPLING_DEFAULT_MODES, EngineConfig
 from freetoken.server.config import ServerConfig
 
 
@@ -43,9 +43,12 @@ from freetoken.server.config import ServerConfig
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs,
               show_default=True, help="Capture decode steps as CUDA graphs (GPU only).")
+@click.option("--kv-dtype", default=EngineConfig.kv_dtype, show_default=True,
+              type=click.Choice(KV_DTYPES),
+              help="KV pool dtype: auto = float16 on the CPU, the activation dtype on a GPU.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
-                  log_level, cuda_graphs) -> None:
+                  log_level, cuda_graphs, kv_dtype) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics)."""
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
@@ -53,13 +56,13 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
-                                 cuda_graphs=cuda_graphs)
+                                 cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
     run_server(model_path, dtype, engine_config, server_config)
 
 
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig):
     """(loaded model, started and warmed-up engine); errors become ClickExceptions."""
-    from freetoken.engine.config import resolve_device
+    from freetoken.engine.config import EngineConfigError, resolve_device
     from freetoken.engine.engine import Engine
     from freetoken.models.errors import ModelError
 
@@ -72,7 +75,10 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig)
         loaded = load_model(model_path, device=device, dtype=dtype)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from None
-    engine = Engine.from_loaded(loaded, engine_config).start()
+    try:
+        engine = Engine.from_loaded(loaded, engine_config).start()
+    except EngineConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo("freetoken: warming up (the first run may compile kernels) ...", err=True)
     try:
         engine.warm_up()

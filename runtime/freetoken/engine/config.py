@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 SAMPLING_DEFAULT_MODES = ("model", "none")
 DEVICES = ("auto", "cpu", "cuda")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class EngineConfigError(ValueError):
@@ -24,6 +25,8 @@ class EngineConfig:
         "none" ignores it (neutral defaults: temperature 1, top_k off, top_p 1).
     device: "auto" (cuda when available), "cpu" or "cuda[:N]".
     cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start.
+    kv_dtype: KV pool dtype; "auto" = float16 on the CPU (half the memory and bandwidth of
+        its float32 activations), the activation dtype on a GPU.
     """
 
     num_tokens: int = 0
@@ -33,6 +36,7 @@ class EngineConfig:
     sampling_defaults: str = "model"
     device: str = "auto"
     cuda_graphs: bool = True
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         checks = (
@@ -43,6 +47,7 @@ class EngineConfig:
             (self.sampling_defaults in SAMPLING_DEFAULT_MODES,
              f"sampling_defaults must be one of {SAMPLING_DEFAULT_MODES}"),
             (self.device.split(":")[0] in DEVICES, f"device must be one of {DEVICES} (or cuda:N)"),
+            (self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}"),
         )
         for ok, message in checks:
             if not ok:
@@ -70,6 +75,21 @@ def resolve_device(device: str) -> str:
     from freetoken.arrays import gpu_available
 
     return "cuda" if gpu_available() else "cpu"
+
+
+def resolve_kv_dtype(kv_dtype: str, on_cpu: bool, activation_dtype: str) -> str:
+    """The KV pool dtype: auto -> float16 on the CPU, the activation dtype on a GPU (where the
+    attention kernels read the pool in the activation dtype)."""
+    if kv_dtype == "auto":
+        return "float16" if on_cpu else activation_dtype
+    if on_cpu and kv_dtype == "bfloat16":
+        raise EngineConfigError("kv_dtype bfloat16 is not available on the CPU; use float16 "
+                                "or float32")
+    if not on_cpu and kv_dtype != activation_dtype:
+        raise EngineConfigError(f"on a GPU the KV pool uses the activation dtype "
+                                f"({activation_dtype}); got kv_dtype {kv_dtype}: pass --kv-dtype "
+                                f"auto or --dtype {kv_dtype}")
+    return kv_dtype
 
 
 def resolve_engine_config(config: EngineConfig, context_len: int) -> EngineConfig:

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from freetoken.engine.config import EngineConfig, resolve_engine_config
+from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.prepare import prepare_forward_batch
@@ -53,8 +53,10 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = PagePool(self.config.num_blocks, self.config.block_size)
         self.arrays = model.arrays
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.arrays.device.is_cpu,
+                                         model.dtype)
         self.kv = KVCache(model.config, self.config.num_blocks, self.config.block_size,
-                          model.dtype, self.arrays)
+                          self.kv_dtype, self.arrays)
         self.scheduler = Scheduler(self.config, self.pool)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
@@ -190,6 +192,7 @@ class Engine:
             max_prefill_tokens=self.config.max_prefill_tokens,
             max_request_tokens=self.max_request_tokens,
             device=str(self.model.device),
+            kv_dtype=self.kv_dtype,
             cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None)
         return stats
 

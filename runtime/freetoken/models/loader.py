@@ -6,8 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from freetoken.arrays import (Device, DeviceError, HostArrays, arrays_for,
-                              canonical_dtype, parse_device)
+from freetoken.arrays import Device, DeviceError, arrays_for, canonical_dtype, parse_device
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.dense import DenseDecoder
 from freetoken.models.errors import ModelFormatError, ModelOptionError
@@ -40,10 +39,11 @@ def resolve_dtype(dtype: str, device: Device) -> str:
         return "float32" if device.is_cpu else "bfloat16"
     try:
         name = canonical_dtype(dtype)
-        if device.is_cpu:
-            HostArrays.dtype(name)
     except DeviceError as exc:
         raise ModelOptionError(str(exc)) from None
+    if device.is_cpu and name != "float32":
+        raise ModelOptionError(f"the CPU computes in float32, not {name}: pass --dtype float32 "
+                               f"(or auto); GGUF weights stay quantized either way")
     return name
 
 
