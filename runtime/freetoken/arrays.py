@@ -44,8 +44,8 @@ def parse_device(name: str) -> Device:
     name = str(name).strip().lower()
     if name == "auto":
         return Device("cuda") if gpu_available() else Device("cpu")
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+    kind, colon, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and not index.isdigit()) or (kind == "cpu" and colon):
         raise DeviceError(f"device {name!r} is not supported; use cpu, cuda, cuda:N or auto")
     return Device(kind, int(index) if index else None)
 
@@ -53,7 +53,9 @@ def parse_device(name: str) -> Device:
 def gpu_available() -> bool:
     """True when torch sees a GPU. Machines without GPU device files answer without importing
     torch, so CPU-only serving starts fast."""
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")):
+    # NVIDIA, WSL2's GPU bridge, AMD ROCm
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg",
+                                           "/dev/kfd")):
         return False
     import torch
 
