@@ -105,7 +105,8 @@ def _sliding_window(cfg: dict[str, Any], spec: ArchSpec, source: str) -> int:
     return int(window)
 
 
-def _rope_from_hf(cfg: dict[str, Any], head_dim: int) -> tuple[float, int, dict | None]:
+def _rope_from_hf(cfg: dict[str, Any], head_dim: int, source: str
+                  ) -> tuple[float, int, dict | None]:
     """(theta, rotated dims, scaling dict or None) from transformers 5 or 4 style keys."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
@@ -115,9 +116,28 @@ def _rope_from_hf(cfg: dict[str, Any], head_dim: int) -> tuple[float, int, dict 
                if k not in ("rope_theta", "partial_rotary_factor")}
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        scaling = None
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return theta, int(head_dim * factor), None
+    # transformers prefers a top-level pretraining length over the one in the scaling dict
+    if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if kind == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if scaling.get(key) is None:
+                raise ModelFormatError(
+                    f"{source}: yarn rope scaling is missing {key!r} (add it to rope_parameters "
+                    f"or rope_scaling; the model card gives the value)")
     return theta, int(head_dim * factor), scaling
+
+
+def _serving_context(max_position: int, scaling: dict | None) -> int:
+    """Positions the cos/sin table covers: YaRN stretches the original context by `factor`,
+    which config.json's max_position_embeddings often leaves out (Qwen2.5's model cards)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return max_position
+    stretched = float(scaling["factor"]) * int(scaling["original_max_position_embeddings"])
+    return max(max_position, int(stretched))
 
 
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
@@ -131,7 +151,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     hidden = int(_require(cfg, "hidden_size", source))
     heads = int(_require(cfg, "num_attention_heads", source))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    theta, rope_dim, scaling = _rope_from_hf(cfg, head_dim)
+    theta, rope_dim, scaling = _rope_from_hf(cfg, head_dim, source)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return ModelConfig(
@@ -145,7 +165,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        max_position=_serving_context(int(cfg.get("max_position_embeddings", 4096)), scaling),
         rope_dim=rope_dim,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -157,14 +177,36 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     )
 
 
+# GGUF yarn keys (after "{arch}.rope.scaling.") -> the config.json names llama.cpp read them from
+_GGUF_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                   "yarn_attn_factor": "attention_factor"}
+
+
 def _gguf_rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict | None:
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    """The scaling dict config.json would give (see ``_rope_from_hf``), or None."""
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type", "none")
     if kind in ("none", None):
         return None
-    if kind != "linear":
+    if kind not in ("linear", "yarn"):
         raise UnsupportedModelError(f"{source}: GGUF rope scaling {kind!r} is not supported "
-                                    f"(key {arch}.rope.scaling.type; supported: none, linear)")
-    return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+                                    f"(key {prefix}type; supported: none, linear, yarn)")
+    scaling = {"rope_type": kind, "factor": float(_require(meta, prefix + "factor", source))}
+    if kind == "linear":
+        return scaling
+    scaling["original_max_position_embeddings"] = int(
+        _require(meta, prefix + "original_context_length", source))
+    for gguf_name, hf_name in _GGUF_YARN_KEYS.items():
+        if meta.get(prefix + gguf_name) is not None:
+            scaling[hf_name] = float(meta[prefix + gguf_name])
+    # settings transformers' YaRN cannot express; llama.cpp reads ext factor -1 as 1
+    for gguf_name, plain in (("yarn_ext_factor", (1.0, -1.0)), ("yarn_log_multiplier", (0.0,))):
+        value = meta.get(prefix + gguf_name)
+        if value is not None and float(value) not in plain:
+            raise UnsupportedModelError(
+                f"{source}: {prefix}{gguf_name} = {value} is not supported with yarn "
+                f"(supported: {plain[0]} or absent)")
+    return scaling
 
 
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str) -> ModelConfig:
@@ -179,6 +221,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str) -> Mode
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if meta.get(k) is not None]
+    scaling = _gguf_rope_scaling(meta, arch, source)
     return ModelConfig(
         architecture=spec.name,
         vocab_size=int(meta.get(f"{arch}.vocab_size") or vocab_size),
@@ -190,9 +233,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str) -> Mode
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position=int(meta.get(f"{arch}.context_length", 4096)),
+        max_position=_serving_context(int(meta.get(f"{arch}.context_length", 4096)), scaling),
         rope_dim=int(meta.get(f"{arch}.rope.dimension_count") or head_dim),
-        rope_scaling=_gguf_rope_scaling(meta, arch, source),
+        rope_scaling=scaling,
         attention_bias=spec.attention_bias,
         qk_norm=spec.qk_norm,
         sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0),
