@@ -6,7 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from freetoken.arrays import (Device, DeviceError, HostArrays, canonical_dtype, parse_device)
+from freetoken.arrays import (Device, DeviceError, HostArrays, array_view, canonical_dtype,
+                              parse_device)
 
 
 @pytest.mark.parametrize("name,expected", [("cpu", Device("cpu")), ("cuda", Device("cuda")),
@@ -35,7 +36,7 @@ def test_kernel_arguments_share_memory_with_their_arrays():
     column_block = base[:, 2:5]                       # strided rows, as the q/k/v views are
     arg = HostArrays.kernel_arg(column_block)
     assert tuple(arg.shape) == (4, 3)
-    view = HostArrays.array_of(arg)
+    view = array_view(arg)
     view[...] = -1
     assert (base[:, 2:5] == -1).all() and (base[:, :2] >= 0).all() and (base[:, 5] >= 0).all()
 

@@ -98,19 +98,10 @@ class HostArrays:
         return values
 
     @staticmethod
-    def to_numpy(array) -> np.ndarray:
-        return array
-
-    @staticmethod
     def kernel_arg(array):
         """A tvm_ffi.Tensor over the same memory: a kernel call takes it as is, while a numpy
         array is converted on every call (~0.5 us each, ~40 per layer of a decode step)."""
         return import_tvm_ffi().from_dlpack(array)
-
-    @staticmethod
-    def array_of(arg) -> np.ndarray:
-        """The numpy view of a kernel argument (for the few steps done with array ops)."""
-        return np.from_dlpack(arg)
 
     def place(self, weight, dtype: str) -> np.ndarray:
         """A weight from a checkpoint (numpy or torch) as a contiguous array of `dtype`."""
@@ -142,20 +133,18 @@ class TorchArrays:
         return self.torch.from_numpy(values).to(self.torch_device, non_blocking=True)
 
     @staticmethod
-    def to_numpy(array) -> np.ndarray:
-        return array.cpu().numpy()
-
-    @staticmethod
     def kernel_arg(array):
         return array     # torch tensors reach the kernels without a per-call conversion cost
-
-    @staticmethod
-    def array_of(arg):
-        return arg
 
     def place(self, weight, dtype: str):
         data = weight if is_torch(weight) else self.torch.from_numpy(np.ascontiguousarray(weight))
         return data.to(device=self.torch_device, dtype=self.dtype(dtype)).contiguous()
+
+
+def array_view(arg):
+    """Where array ops must run on a kernel argument: torch tensors as they are, anything else
+    (a tvm_ffi.Tensor made by ``kernel_arg``, a numpy array) as a numpy view of its memory."""
+    return arg if is_torch(arg) else np.from_dlpack(arg)
 
 
 def arrays_for(device: Device | str) -> HostArrays | TorchArrays:

@@ -6,14 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.arrays import HostArrays, is_torch
+from freetoken.arrays import HostArrays, array_view, is_torch
 from freetoken.models.config import QuantWeight
 from freetoken.models.weights import Array, Weight
-
-
-def host_array(arg) -> Array:
-    """An array op's view of a kernel argument: torch tensors as they are, else numpy."""
-    return arg if is_torch(arg) else np.from_dlpack(arg)
 
 
 class DenseLinear:
@@ -36,8 +31,8 @@ class DenseLinear:
             else:
                 self._torch.addmm(self.bias, x, self.weight_t, out=out)
             return
-        out = host_array(out)
-        np.matmul(host_array(x), self.weight_t, out=out)
+        out = array_view(out)
+        np.matmul(array_view(x), self.weight_t, out=out)
         if self.bias is not None:
             out += self.bias
 
@@ -56,7 +51,7 @@ class QuantLinear:
     def __call__(self, out: Array, x: Array) -> None:
         self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:
-            host_array(out)[...] += self.bias
+            array_view(out)[...] += self.bias
 
 
 class PartsLinear:
@@ -72,7 +67,7 @@ class PartsLinear:
         self.in_features = parts[0].in_features
 
     def __call__(self, out: Array, x: Array) -> None:
-        out = host_array(out)
+        out = array_view(out)
         col = 0
         for part in self.parts:
             columns = out[:, col:col + part.out_features]
