@@ -109,6 +109,19 @@ def test_seeded_sampling_is_reproducible(client, server):
     assert runs[0] == runs[1]
 
 
+def test_penalties_reach_the_sampler(client, server):
+    """The OpenAI client sends presence/frequency penalties; strong ones change a greedy reply
+    that repeats itself (the tiny model loops), and the extension repetition_penalty too."""
+    def text(**kw):
+        return client.completions.create(model=server.loaded.name, prompt="ab ab ab",
+                                         max_tokens=40, temperature=0, **kw).choices[0].text
+
+    plain = text()
+    assert text(presence_penalty=0.0, frequency_penalty=0.0) == plain
+    assert text(presence_penalty=2.0, frequency_penalty=2.0) != plain
+    assert text(extra_body={"repetition_penalty": 5.0}) != plain
+
+
 # ---- bad input: every error is a 400/401/404 with an OpenAI error body; serving goes on ----
 
 def post(server, path, body, **kw):
@@ -140,7 +153,10 @@ def test_unknown_field_is_400_naming_it(server, client):
 @pytest.mark.parametrize("body,param", [
     ({"temperature": 3.5}, "temperature"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"), ({"stop": ["x"] * 17}, "stop"), ({"messages": []}, "messages")])
+    ({"n": 2}, "n"), ({"stop": ["x"] * 17}, "stop"), ({"messages": []}, "messages"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.1},
+                                                       "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty")])
 def test_bad_values_are_400(server, body, param):
     error = assert_error(post(server, "/chat/completions", {"messages": MESSAGES, **body}), 400)
     assert error["param"] == param

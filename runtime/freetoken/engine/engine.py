@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
                                       SamplingParams, Usage)
@@ -263,6 +264,7 @@ class Engine:
             if len(to_sample) < logits.shape[0]:
                 logits = logits[to_sample]
             with self.arrays.no_grad():
+                apply_penalties(logits, requests)
                 tokens = sample_tokens(logits, [r.params for r in requests],
                                        [r.generator for r in requests])
             for request, token in zip(requests, tokens):

@@ -42,6 +42,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0     # OpenAI: subtracted once from every generated token
+    frequency_penalty: float = 0.0    # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # CTRL/HF: logits of prompt and output tokens divided by it
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +72,13 @@ class SamplingParams:
                 f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidSamplingParams("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise InvalidSamplingParams(f"{name} must be in [-2, 2]; got {value}")
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 < r <= 10):
+            raise InvalidSamplingParams(f"repetition_penalty must be in (0, 10] (1 = off); got {r}")
 
     def resolve(self, defaults: GenerationDefaults | None, max_tokens_cap: int) -> SamplingParams:
         """Every unset field filled: from `defaults` when given, else neutral values.

@@ -47,8 +47,9 @@ class OpenAISampling(Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension; 1 = off")
     user: str | None = None
     ignore_eos: bool = False
 
@@ -56,9 +57,6 @@ class OpenAISampling(Strict):
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: this server returns one choice "
                                 "per request (n=1)", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise APIError(400, f"{name} is not supported; send 0 or leave it out", name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
@@ -68,7 +66,9 @@ class OpenAISampling(Strict):
         return build_sampling_params(
             temperature=self.temperature, top_p=self.top_p,
             top_k=None if self.top_k is None else max(self.top_k, 0), max_tokens=max_tokens,
-            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty)
 
     @property
     def include_usage(self) -> bool:
