@@ -12,7 +12,6 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import Engine
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.request import InvalidSamplingParams, SamplingParams
-from tests.engine.tiny_llama import write_tiny_llama
 
 NEW_TOKENS = 24
 
@@ -52,19 +51,6 @@ def test_penalties_follow_the_formula(kind):
 def test_out_of_range_penalties_are_refused(kw):
     with pytest.raises(InvalidSamplingParams, match=next(iter(kw))):
         SamplingParams(**kw)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from freetoken.models.loader import load_model
-    from transformers import LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("tiny-llama-penalties")
-    write_tiny_llama(directory)
-    hf = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    loaded = load_model(str(directory), device="cpu")
-    prompts = [loaded.tokenizer.encode(f"Story {i}: the fox and the dog " * 2) for i in range(3)]
-    return hf, loaded, prompts
 
 
 def hf_greedy_with_openai_penalties(hf, prompt, presence, frequency) -> list[int]:

@@ -122,6 +122,39 @@ def test_penalties_reach_the_sampler(client, server):
     assert text(extra_body={"repetition_penalty": 5.0}) != plain
 
 
+def test_chat_logprobs_stream_and_not(client, server):
+    reply = greedy_chat(client, server.loaded.name, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].token == item.token           # greedy took the top one
+        assert abs(item.top_logprobs[0].logprob - item.logprob) < 1e-6
+        assert [t.logprob for t in item.top_logprobs] == sorted(
+            (t.logprob for t in item.top_logprobs), reverse=True)
+        assert bytes(item.bytes).decode("utf-8") == item.token
+    streamed = [item for chunk in greedy_chat(client, server.loaded.name, logprobs=True,
+                                              top_logprobs=3, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    assert [(i.token, round(i.logprob, 5)) for i in streamed] == [
+        (i.token, round(i.logprob, 5)) for i in content]
+    assert greedy_chat(client, server.loaded.name).choices[0].logprobs is None
+
+
+def test_completion_logprobs(client, server):
+    reply = client.completions.create(model=server.loaded.name, prompt="abc", max_tokens=6,
+                                      temperature=0, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    distinct = [(logprob, top) for logprob, top in zip(lp.token_logprobs, lp.top_logprobs)
+                if len(top) == 2]   # two tokens of one text (partial UTF-8) share a dict key
+    assert distinct
+    for logprob, top in distinct:
+        assert max(top.values()) == pytest.approx(logprob)
+
+
 # ---- bad input: every error is a 400/401/404 with an OpenAI error body; serving goes on ----
 
 def post(server, path, body, **kw):
@@ -156,7 +189,8 @@ def test_unknown_field_is_400_naming_it(server, client):
     ({"n": 2}, "n"), ({"stop": ["x"] * 17}, "stop"), ({"messages": []}, "messages"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.1},
                                                        "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty")])
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")])
 def test_bad_values_are_400(server, body, param):
     error = assert_error(post(server, "/chat/completions", {"messages": MESSAGES, **body}), 400)
     assert error["param"] == param

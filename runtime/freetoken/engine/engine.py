@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.logprobs import log_softmax_rows, token_logprob
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
@@ -263,36 +264,47 @@ class Engine:
             requests = [plan[i].request for i in to_sample]
             if len(to_sample) < logits.shape[0]:
                 logits = logits[to_sample]
+            asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
             with self.arrays.no_grad():
+                log_probs = log_softmax_rows(logits, asking) if asking else None
                 apply_penalties(logits, requests)
                 tokens = sample_tokens(logits, [r.params for r in requests],
                                        [r.generator for r in requests])
-            for request, token in zip(requests, tokens):
-                self._append_token(request, token)
+            entries: list = [None] * len(requests)
+            for slot, i in enumerate(asking):
+                entries[i] = token_logprob(log_probs[slot], tokens[i], requests[i].params.logprobs)
+            for request, token, entry in zip(requests, tokens, entries):
+                self._append_token(request, token, entry)
 
-    def _append_token(self, request: Request, token: int) -> None:
+    def _append_token(self, request: Request, token: int, entry=None) -> None:
         request.token_ids.append(token)
         self._counters["tokens_generated"] += 1
+        logprobs = None if entry is None else [entry]
         if token in self.eos_token_ids and not request.params.ignore_eos:
-            self._end(request, "stop", request.detokenizer.finish(), token, stop_reason=token)
+            self._end(request, "stop", request.detokenizer.finish(), token, stop_reason=token,
+                      logprobs=logprobs)
             return
         text = request.detokenizer.push(token)
         if request.detokenizer.matched_stop is not None:
-            self._end(request, "stop", text, token, stop_reason=request.detokenizer.matched_stop)
+            self._end(request, "stop", text, token, stop_reason=request.detokenizer.matched_stop,
+                      logprobs=logprobs)
         elif request.num_output >= request.params.max_tokens:
-            self._end(request, "length", text + request.detokenizer.finish(), token)
+            self._end(request, "length", text + request.detokenizer.finish(), token,
+                      logprobs=logprobs)
         else:
-            request.sink(RequestOutput(request.request_id, [token], text, None, request.usage()))
+            request.sink(RequestOutput(request.request_id, [token], text, None, request.usage(),
+                                       logprobs=logprobs))
 
     def _end(self, request: Request, reason: str, text: str, token: int | None = None,
-             stop_reason: str | int | None = None, error: str | None = None) -> None:
+             stop_reason: str | int | None = None, error: str | None = None,
+             logprobs: list | None = None) -> None:
         """Terminal output + free pages; called with the lock held."""
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self._counters["requests_finished"] += 1
         request.sink(RequestOutput(request.request_id, [] if token is None else [token], text,
                                    reason, Usage(request.prompt_len, request.num_output),
-                                   stop_reason, error))
+                                   stop_reason, error, logprobs))
 
     def _fail(self, plan: list[ScheduledChunk], message: str) -> None:
         with self._cond:

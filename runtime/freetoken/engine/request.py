@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from freetoken.models.config import GenerationDefaults
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -45,6 +46,8 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI: subtracted once from every generated token
     frequency_penalty: float = 0.0    # OpenAI: subtracted per occurrence in the output
     repetition_penalty: float = 1.0   # CTRL/HF: logits of prompt and output tokens divided by it
+    logprobs: int | None = None       # None = off; else report each token's log-probability
+                                      # and this many most likely alternatives
 
     @property
     def has_penalties(self) -> bool:
@@ -76,6 +79,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2 <= value <= 2):
                 raise InvalidSamplingParams(f"{name} must be in [-2, 2]; got {value}")
+        n = self.logprobs
+        if n is not None and (not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise InvalidSamplingParams(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] "
+                                        f"(alternatives per token); got {n!r}")
         r = self.repetition_penalty
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 < r <= 10):
             raise InvalidSamplingParams(f"repetition_penalty must be in (0, 10] (1 = off); got {r}")
@@ -109,6 +116,16 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (before temperature and penalties)
+    and the `top` most likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request. The last output has finish_reason set.
@@ -124,6 +141,7 @@ class RequestOutput:
     usage: Usage
     stop_reason: str | int | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when asked for
 
     @property
     def finished(self) -> bool:

@@ -54,7 +54,7 @@ async def messages(request: Request):
                                                len(prompt)))
         response.background = BackgroundTask(stream.abort)
         return response
-    text, last = await collect(request, stream, timer)
+    text, last, _ = await collect(request, stream, timer)
     stop_reason, stop_sequence = stop_fields(last)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": ctx.model_name,

@@ -41,6 +41,9 @@ class ServerContext:
             raise APIError(400, f"the chat template failed: {exc}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def text_prompt_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
@@ -58,15 +61,17 @@ class ServerContext:
 
 
 async def collect(request: Request, stream: RequestStream,
-                  timer: RequestTimer) -> tuple[str, RequestOutput]:
-    """All text of a non-streamed request and its last output; a client that goes away
-    aborts the request so its KV pages are freed."""
-    async def gather() -> tuple[str, RequestOutput]:
-        pieces = []
+                  timer: RequestTimer) -> tuple[str, RequestOutput, list]:
+    """All text of a non-streamed request, its last output and every token's logprob entry
+    (empty unless asked for); a client that goes away aborts the request so its KV pages are
+    freed."""
+    async def gather() -> tuple[str, RequestOutput, list]:
+        pieces, entries = [], []
         async for output in stream:
             timer.on_output(output)
             pieces.append(output.text)
-        return "".join(pieces), output
+            entries.extend(output.logprobs or ())
+        return "".join(pieces), output, entries
 
     task = asyncio.ensure_future(gather())
     watcher = asyncio.ensure_future(wait_for_disconnect(request))
@@ -79,12 +84,12 @@ async def collect(request: Request, stream: RequestStream,
             stream.abort()
     if not task.done() or task.cancelled():
         raise APIError(499, "the client closed the connection")
-    text, last = task.result()
+    text, last, entries = task.result()
     if last.finish_reason == "error":
         raise APIError(500, f"generation failed: {last.error}")
     if last.finish_reason == "abort":
         raise APIError(503, "the request was aborted (the server is shutting down)")
-    return text, last
+    return text, last, entries
 
 
 async def wait_for_disconnect(request: Request) -> None:

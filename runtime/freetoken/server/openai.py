@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from freetoken.engine.request import Usage
+from freetoken.engine.request import TokenLogprob, Usage
 from freetoken.engine.stream import RequestStream
 from freetoken.server.context import ServerContext, collect
 from freetoken.server.errors import APIError
@@ -91,41 +91,76 @@ async def respond(request: Request, ctx: ServerContext, body: OpenAISampling, pr
     stream = ctx.submit(prompt, params, timer)
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
+    format_logprobs = LogprobFormat(ctx, chat, params.logprobs is not None)
     if body.stream:
         make_chunk = chat_chunk if chat else completion_chunk
         header = dict(id=request_id, object=kind + (".chunk" if chat else ""), created=created,
                       model=ctx.model_name)
-        events = stream_events(stream, timer, header, make_chunk, chat, body.include_usage)
+        events = stream_events(stream, timer, header, make_chunk, chat, body.include_usage,
+                               format_logprobs)
         response = sse_response(events)
         response.background = BackgroundTask(stream.abort)  # also when the body never started
         return response
-    text, last = await collect(request, stream, timer)
+    text, last, entries = await collect(request, stream, timer)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
               else {"index": 0, "text": text})
-    choice.update(logprobs=None, finish_reason=last.finish_reason)
+    choice.update(logprobs=format_logprobs(entries), finish_reason=last.finish_reason)
     return JSONResponse({"id": request_id, "object": kind, "created": created,
                          "model": ctx.model_name, "choices": [choice],
                          "usage": usage_dict(last.usage)})
 
 
-def chat_chunk(delta: dict, finish_reason: str | None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+class LogprobFormat:
+    """Token logprob entries as OpenAI spells them: chat `{"content": [...]}`, completions
+    `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; None when not asked for."""
+
+    def __init__(self, ctx: ServerContext, chat: bool, wanted: bool):
+        self.ctx, self.chat, self.wanted = ctx, chat, wanted
+        self.offset = 0     # completions: where the next token starts in the generated text
+
+    def __call__(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.wanted:
+            return None
+        text = self.ctx.token_text
+        if self.chat:
+            return {"content": [{**self._token(e.token_id, e.logprob),
+                                 "top_logprobs": [self._token(i, lp) for i, lp in e.top]}
+                                for e in entries]}
+        tokens = [text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(i): lp for i, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        token = self.ctx.token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def completion_chunk(delta: dict, finish_reason: str | None) -> dict:
-    return {"index": 0, "text": delta.get("content", ""), "logprobs": None,
+def chat_chunk(delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(delta: dict, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    return {"index": 0, "text": delta.get("content", ""), "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
 async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict,
-                        make_chunk: Callable[[dict, str | None], dict], chat: bool,
-                        include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI SSE: a role chunk (chat), content chunks, a finish_reason chunk, an optional
-    usage chunk with no choices, then [DONE]. Leaving early aborts the request."""
+                        make_chunk: Callable[..., dict], chat: bool, include_usage: bool,
+                        format_logprobs: LogprobFormat) -> AsyncIterator[str]:
+    """OpenAI SSE: a role chunk (chat), content chunks (with their tokens' logprobs when asked
+    for), a finish_reason chunk, an optional usage chunk with no choices, then [DONE]. Leaving
+    early aborts the request."""
     extra = {"usage": None} if include_usage else {}
 
-    def event(delta: dict, finish_reason: str | None = None) -> str:
-        return sse_data({**header, "choices": [make_chunk(delta, finish_reason)], **extra})
+    def event(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return sse_data({**header, "choices": [make_chunk(delta, finish_reason, logprobs)],
+                         **extra})
 
     try:
         if chat:
@@ -136,8 +171,9 @@ async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict
                 yield sse_data({"error": {"message": f"generation failed: {output.error}",
                                           "type": "server_error", "param": None, "code": None}})
                 break
-            if output.text:
-                yield event({"content": output.text})
+            if output.text or output.logprobs:
+                yield event({"content": output.text}, logprobs=format_logprobs(
+                    output.logprobs or []))
             if output.finished:
                 yield event({}, output.finish_reason)
                 if include_usage:

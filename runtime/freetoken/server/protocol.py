@@ -61,6 +61,10 @@ class OpenAISampling(Strict):
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
 
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs)."""
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return build_sampling_params(
@@ -68,7 +72,7 @@ class OpenAISampling(Strict):
             top_k=None if self.top_k is None else max(self.top_k, 0), max_tokens=max_tokens,
             seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty)
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs_wanted())
 
     @property
     def include_usage(self) -> bool:
@@ -80,11 +84,15 @@ class ChatCompletionRequest(OpenAISampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise APIError(400, "logprobs is not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(OpenAISampling):
@@ -92,13 +100,16 @@ class CompletionRequest(OpenAISampling):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
         for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1)),
-                         ("logprobs", self.logprobs is None), ("suffix", not self.suffix)):
+                         ("suffix", not self.suffix)):
             if not ok:
                 raise APIError(400, f"{name} is not supported by this server", name)
 

@@ -1,0 +1,61 @@
+"""Token log-probabilities through the engine, against transformers' log_softmax on the same
+weights and tokens."""
+
+import asyncio
+
+import numpy as np
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import Engine
+from freetoken.engine.logprobs import log_softmax_rows, token_logprob
+from freetoken.engine.request import SamplingParams
+
+NEW_TOKENS = 8
+TOP = 4
+
+
+def test_log_softmax_and_top_entries_on_both_array_kinds():
+    logits = np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32) * 4
+    expected = torch.log_softmax(torch.from_numpy(logits[[2, 0]]), dim=-1).numpy()
+    for kind in (logits, torch.from_numpy(logits)):
+        rows = log_softmax_rows(kind, [2, 0])
+        np.testing.assert_allclose(rows, expected, atol=1e-5)
+    entry = token_logprob(expected[0], 7, TOP)
+    order = np.argsort(-expected[0], kind="stable")[:TOP]
+    assert entry.token_id == 7 and abs(entry.logprob - expected[0, 7]) < 1e-6
+    assert [i for i, _ in entry.top] == order.tolist()
+    assert token_logprob(expected[0], 7, 0).top == ()
+
+
+def test_engine_logprobs_match_transformers(tiny):
+    hf, loaded, prompts = tiny
+    engine = Engine.from_loaded(loaded, EngineConfig(device="cpu", kv_dtype="float32")).start()
+
+    async def run(prompt, logprobs):
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                logprobs=logprobs, presence_penalty=1.0)
+        return [out async for out in engine.generate(prompt, params)]
+
+    async def main():
+        return await asyncio.gather(*(run(p, TOP) for p in prompts), run(prompts[0], None))
+
+    try:
+        *asked, plain = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert all(out.logprobs is None for out in plain)
+    for prompt, outputs in zip(prompts, asked):
+        tokens = [t for out in outputs for t in out.token_ids]
+        entries = [e for out in outputs for e in out.logprobs]
+        assert [e.token_id for e in entries] == tokens and len(tokens) == NEW_TOKENS
+        with torch.no_grad():
+            full = hf(torch.tensor([prompt + tokens])).logits[0].float()
+        expected = torch.log_softmax(full[len(prompt) - 1:-1], dim=-1)
+        for step, entry in enumerate(entries):
+            # the raw model distribution: the presence penalty changes the choice, not these
+            assert abs(entry.logprob - float(expected[step, entry.token_id])) < 1e-4
+            top_ids = [i for i, _ in entry.top]
+            assert top_ids == expected[step].topk(TOP).indices.tolist()
+            assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top),
+                                                         reverse=True)
