@@ -4,6 +4,7 @@ weights and tokens."""
 import asyncio
 
 import numpy as np
+import pytest
 import torch
 
 from freetoken.engine.config import EngineConfig
@@ -18,7 +19,10 @@ TOP = 4
 def test_log_softmax_and_top_entries_on_both_array_kinds():
     logits = np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32) * 4
     expected = torch.log_softmax(torch.from_numpy(logits[[2, 0]]), dim=-1).numpy()
-    for kind in (logits, torch.from_numpy(logits)):
+    kinds = [logits, torch.from_numpy(logits)]
+    if torch.cuda.is_available():
+        kinds.append(torch.from_numpy(logits).cuda())
+    for kind in kinds:
         rows = log_softmax_rows(kind, [2, 0])
         np.testing.assert_allclose(rows, expected, atol=1e-5)
     entry = token_logprob(expected[0], 7, TOP)
@@ -59,3 +63,32 @@ def test_engine_logprobs_match_transformers(tiny):
             assert top_ids == expected[step].topk(TOP).indices.tolist()
             assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top),
                                                          reverse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_reports_logprobs_and_applies_penalties(tiny):
+    """The GPU path (bf16, CUDA graphs): logprob entries follow the tokens, greedy picks the top
+    entry, and penalties change the greedy text."""
+    from freetoken.models.loader import load_model
+
+    _, loaded, prompts = tiny
+    gpu = load_model(loaded.source, device="cuda")
+    engine = Engine.from_loaded(gpu, EngineConfig(device="cuda")).start()
+
+    async def run(prompt, **kw):
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3, **kw)
+        return [out async for out in engine.generate(prompt, params)]
+
+    try:
+        plain = asyncio.run(run(prompts[2]))
+        penalised = asyncio.run(run(prompts[2], repetition_penalty=4.0, presence_penalty=2.0,
+                                    frequency_penalty=2.0))
+    finally:
+        engine.shutdown()
+    tokens = [t for out in plain for t in out.token_ids]
+    entries = [e for out in plain for e in out.logprobs]
+    assert [e.token_id for e in entries] == tokens
+    for entry in entries:
+        assert entry.logprob <= 0 and entry.top[0][0] == entry.token_id
+    assert tokens != [t for out in penalised for t in out.token_ids]

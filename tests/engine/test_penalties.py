@@ -27,7 +27,11 @@ def reference(row: np.ndarray, token_ids, prompt_len, p) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", CUDA])
 def test_penalties_follow_the_formula(kind):
     gen = np.random.default_rng(0)
     logits = gen.normal(size=(3, 50)).astype(np.float32) * 3
@@ -38,9 +42,10 @@ def test_penalties_follow_the_formula(kind):
                 for p in params]
     expected = [reference(logits[i], r.token_ids, r.prompt_len, r.params)
                 for i, r in enumerate(requests)]
-    work = logits.copy() if kind == "numpy" else torch.from_numpy(logits.copy())
+    work = logits.copy() if kind == "numpy" else torch.from_numpy(logits.copy()).to(
+        "cuda" if kind == "cuda" else "cpu")
     apply_penalties(work, requests)
-    got = np.asarray(work)
+    got = work if kind == "numpy" else work.cpu().numpy()
     for i in range(3):
         np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[1], logits[1])
