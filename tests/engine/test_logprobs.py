@@ -67,13 +67,16 @@ def test_engine_logprobs_match_transformers(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_engine_reports_logprobs_and_applies_penalties(tiny):
+def test_gpu_engine_reports_logprobs_and_applies_penalties(tmp_path):
     """The GPU path (bf16, CUDA graphs): logprob entries follow the tokens, greedy picks the top
     entry, and penalties change the greedy text."""
     from freetoken.models.loader import load_model
+    from tests.models.helpers import tiny_hf_model
 
-    _, loaded, prompts = tiny
-    gpu = load_model(loaded.source, device="cuda")
+    tiny_hf_model("llama", tmp_path, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
+                  hidden_size=128)   # the CUDA attention kernel takes head dims 64/128/256
+    gpu = load_model(str(tmp_path), device="cuda")
+    prompts = [gpu.tokenizer.encode(f"Story {i}: the fox and the dog " * 2) for i in range(3)]
     engine = Engine.from_loaded(gpu, EngineConfig(device="cuda")).start()
 
     async def run(prompt, **kw):
