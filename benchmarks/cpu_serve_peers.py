@@ -114,32 +114,12 @@ def setup_transformers(spec: dict):
 
 
 def _transformers_model(path: Path):
-    """float32 model from the GGUF's dequantized tensors (from_pretrained(gguf_file=) needs
-    `accelerate`); its parser runs over a plain array view of the file, as in the tests."""
-    import gguf
-    import numpy as np
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """float32 model from the GGUF's tensors as transformers dequantizes them (the tests'
+    reference loader)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.models.helpers import transformers_from_gguf
 
-    class Reader(gguf.GGUFReader):
-        @property
-        def data(self):
-            return self._array
-
-        @data.setter
-        def data(self, value):
-            self._array = value.view(np.ndarray)
-
-    gguf.GGUFReader = Reader
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    return model
+    return transformers_from_gguf(path)[0]
 
 
 SETUPS = {"freetoken": setup_freetoken, "llama_cpp": setup_llama_cpp,

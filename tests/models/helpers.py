@@ -74,6 +74,46 @@ def tiny_hf_model(arch: str, directory: Path, seed: int = 0, **overrides):
     return model
 
 
+def transformers_from_gguf(path: Path, with_tokenizer: bool = False):
+    """(float32 transformers model, tokenizer or None) of a GGUF file, dequantized by
+    transformers' own GGUF loader; the tied head is tied. ValueError if tensors do not fit.
+
+    `from_pretrained(gguf_file=)` needs `accelerate`, so the model is built from its config and
+    loaded from transformers' dequantized state dict. gguf's reader gets a plain ndarray view of
+    the file meanwhile (its memmap subclass makes every tensor slice slow)."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    class PlainArrayReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._array
+
+        @data.setter
+        def data(self, value):
+            self._array = value.view(np.ndarray)
+
+    original, gguf.GGUFReader = gguf.GGUFReader, PlainArrayReader
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        state = load_gguf_checkpoint(str(path), return_tensors=True,
+                                     model_to_load=model)["tensors"]
+        tokenizer = (AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                     if with_tokenizer else None)
+    finally:
+        gguf.GGUFReader = original
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if not set(missing) <= {"lm_head.weight"} or unexpected:
+        raise ValueError(f"{path}: transformers' tensors do not fit its model: missing "
+                         f"{sorted(missing)}, unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    return model, tokenizer
+
+
 class PagedRunner:
     """Drives a model over a KV pool with scattered pages, like the engine does."""
 

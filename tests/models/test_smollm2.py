@@ -38,44 +38,13 @@ def ours():
     return load_model(None)
 
 
-def plain_array_reader():
-    import gguf
-    import numpy as np
-
-    class Reader(gguf.GGUFReader):
-        @property
-        def data(self):
-            return self._array
-
-        @data.setter
-        def data(self, value):
-            self._array = value.view(np.ndarray)
-
-    return Reader
-
-
 @pytest.fixture(scope="module")
 def reference(ours):
     from pathlib import Path
 
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from tests.models.helpers import transformers_from_gguf
 
-    path = Path(ours.source)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", plain_array_reader())
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        state = load_gguf_checkpoint(str(path), return_tensors=True,
-                                     model_to_load=model)["tensors"]
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected   # the head is tied
-    model.tie_weights()
-    return model, tokenizer
+    return transformers_from_gguf(Path(ours.source), with_tokenizer=True)
 
 
 def chat_prompt(tokenizer, messages=None) -> list[int]:
@@ -127,3 +96,26 @@ def test_greedy_answer_names_paris(ours):
         logits = runner.step([(0, [token])])
     text = tok.decode(reply)
     assert "Paris" in text, text
+
+
+def test_greedy_tokens_match_llama_cpp_with_a_float16_kv_pool(ours):
+    """With the CPU's default float16 KV pool, greedy decoding of the README question gives
+    llama.cpp's tokens (llama.cpp keeps its KV cache in float16 too)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    tok = ours.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]),
+        add_special_tokens=False)
+    runner = PagedRunner(ours.model, num_blocks=16, kv_dtype="float16")
+    logits, ours_tokens = runner.step([(0, prompt)]), []
+    for _ in range(30):
+        ours_tokens.append(int(logits[0].argmax()))
+        logits = runner.step([(0, ours_tokens[-1:])])
+    llm = llama_cpp.Llama(model_path=ours.source, n_ctx=512, verbose=False,
+                          use_extra_bufts=False)
+    theirs = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        theirs.append(token)
+        if len(theirs) == 30:
+            break
+    assert ours_tokens == theirs, (tok.decode(ours_tokens), tok.decode(theirs))

@@ -118,3 +118,10 @@ def test_serve_refuses_dtypes_the_cpu_cannot_hold(tiny_model_dir, flags, fragmen
                                        "--port", "0", *flags])
     assert result.exit_code != 0
     assert fragment in result.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_serve_on_cuda_without_a_gpu_says_so(tiny_model_dir):
+    result = CliRunner().invoke(main, ["serve", "--model", str(tiny_model_dir), "--device", "cuda",
+                                       "--port", "0"])
+    assert result.exit_code != 0 and "sees 0 CUDA GPU(s)" in result.output

@@ -28,9 +28,19 @@ class LoadedModel:
 def resolve_device(device: str) -> Device:
     """cpu, cuda, cuda:N, or auto (cuda when available)."""
     try:
-        return parse_device(device)
+        resolved = parse_device(device)
     except DeviceError as exc:
         raise ModelOptionError(str(exc)) from None
+    if not resolved.is_cpu:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise ModelOptionError(
+                f"device {resolved} was asked for but torch {torch.__version__} sees "
+                f"{count} CUDA GPU(s); use --device cpu (or auto), or install a CUDA build of "
+                f"torch on a machine with an NVIDIA GPU and driver")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: Device) -> str:
