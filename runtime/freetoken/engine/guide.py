@@ -1,0 +1,137 @@
+"""Per-request decoding rules applied to the logits before sampling: a grammar and a thinking
+budget.
+
+A request's Guide restricts which tokens may come next. Its grammar mask for step n+1 is
+computed on a worker thread right after step n's token is known, so it overlaps the forward
+pass of step n+1 instead of adding to it; the sampler waits for it only when it is not ready.
+
+Thinking: while the model reasons (after `<think>`, or from the start when the prompt opened
+the block), the grammar is off; when the reasoning reaches the budget, the guide forces the
+tokens that close the block, so the answer follows within max_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from freetoken.arrays import is_torch
+
+BEFORE, THINKING, ANSWER = "before", "thinking", "answer"
+
+_executor: ThreadPoolExecutor | None = None
+
+
+def mask_executor() -> ThreadPoolExecutor:
+    """One worker for every mask: matchers are advanced in token order, off the engine
+    thread."""
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-mask")
+    return _executor
+
+
+class TokenMatcher(Protocol):
+    def consume(self, token_id: int) -> bool: ...
+
+    def allowed(self) -> np.ndarray | None: ...
+
+
+@dataclass(frozen=True)
+class ThinkRule:
+    """open_id: the token that opens reasoning (None: the model never opens it itself);
+    close_ids: what closes it (forced when the budget is spent, ending with the close token);
+    budget: most reasoning tokens (None: unlimited); in_thinking: the prompt opened it."""
+
+    open_id: int | None
+    close_ids: tuple[int, ...]
+    budget: int | None = None
+    in_thinking: bool = False
+
+
+class Guide:
+    """What one request may sample next. Call `start()` once, `restrict(row)` before each
+    sampling step, `accept(token)` after it."""
+
+    def __init__(self, matcher: TokenMatcher | None = None, think: ThinkRule | None = None):
+        self.matcher = matcher
+        self.think = think
+        self.phase = ANSWER
+        if think is not None:
+            self.phase = THINKING if think.in_thinking else (BEFORE if think.open_id is not None
+                                                             else ANSWER)
+        self.reasoning_tokens = 0
+        self.forced: list[int] = []
+        self._pending: Future | None = None
+
+    def start(self) -> Guide:
+        if self.matcher is not None:
+            self._pending = mask_executor().submit(self.matcher.allowed)
+        return self
+
+    def allowed(self, vocab: int) -> np.ndarray | None:
+        """bool [vocab] of the tokens allowed next, or None when anything goes."""
+        if self.forced:
+            only = np.zeros(vocab, dtype=bool)
+            only[self.forced[0]] = True
+            return only
+        if self.matcher is None or self.phase == THINKING:
+            return None
+        grammar = self._pending.result() if self._pending is not None else None
+        if grammar is None:
+            return None
+        allowed = np.zeros(vocab, dtype=bool)
+        allowed[:min(vocab, grammar.shape[0])] = grammar[:vocab]
+        if self.phase == BEFORE:
+            allowed[self.think.open_id] = True
+        return allowed
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled token; the next grammar mask starts computing now."""
+        if self.forced and token == self.forced[0]:
+            self.forced.pop(0)
+        if self.phase == BEFORE:
+            self.phase = THINKING if token == self.think.open_id else ANSWER
+            if self.phase == THINKING:
+                return
+        elif self.phase == THINKING:
+            self._think_step(token)
+            return
+        if self.matcher is not None:
+            matcher = self.matcher
+            self._pending = mask_executor().submit(
+                lambda: matcher.allowed() if matcher.consume(token) else None)
+
+    def _think_step(self, token: int) -> None:
+        rule = self.think
+        if token == rule.close_ids[-1]:
+            self.phase, self.forced = ANSWER, []
+            if self.matcher is not None:
+                self._pending = mask_executor().submit(self.matcher.allowed)
+            return
+        self.reasoning_tokens += 1
+        if rule.budget is not None and self.reasoning_tokens >= rule.budget and not self.forced:
+            self.forced = list(rule.close_ids)
+
+
+def apply_guides(logits, guides: Sequence[Guide | None]) -> None:
+    """In place on float32 logits [B, V] (numpy, or torch on a GPU): tokens a guide forbids get
+    -inf, so every sampler (greedy, top-k, top-p) picks among the allowed ones."""
+    vocab = logits.shape[-1]
+    for row, guide in enumerate(guides):
+        if guide is None:
+            continue
+        allowed = guide.allowed(vocab)
+        if allowed is None or not allowed.any():
+            continue
+        if is_torch(logits):
+            import torch
+
+            keep = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
+            logits[row].masked_fill_(~keep, float("-inf"))
+        else:
+            logits[row, ~allowed] = -np.inf
