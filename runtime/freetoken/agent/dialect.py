@@ -34,8 +34,9 @@ class Dialect:
 
     @property
     def json_first(self) -> bool:
-        """A call may be a bare JSON object at the start of the answer."""
-        return self.name in (LLAMA3, JSON)
+        """A call may be bare JSON at the start of the answer (Mistral's marker is a special
+        token, which decoding drops)."""
+        return self.name in (LLAMA3, JSON, MISTRAL)
 
 
 def detect_dialect(template: str | None, vocab: Iterable[str]) -> Dialect:

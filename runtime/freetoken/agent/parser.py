@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from freetoken.agent.dialect import MISTRAL, Dialect
+from freetoken.agent.dialect import Dialect
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class OutputParser:
         self.tool_names = tool_names
         self.state = THINK if in_thinking and dialect.think_close else START
         self.buffer = ""
+        self.opened = ""        # the call marker that started the buffered tail, if any
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[Event]:
@@ -110,6 +111,7 @@ class OutputParser:
         if at >= 0:
             text = self._take(at)
             self.buffer = self.buffer[len(opener):]
+            self.opened = opener
             self.state = CALL if self.dialect.call_close else TAIL
             return [Content(text)]
         keep = 0 if final or not opener else _partial_suffix(self.buffer, (opener,))
@@ -122,7 +124,7 @@ class OutputParser:
             return []
         body = self.buffer if at < 0 else self.buffer[:at]
         self.buffer = "" if at < 0 else self.buffer[at + len(closer):]
-        self.state = TEXT
+        self.state = ANSWER_START    # the whitespace between calls is not content
         calls = self._calls_from(body)
         if calls is None:   # not a call after all: show what the model wrote
             return [Content(self.dialect.call_open + body + ("" if at < 0 else closer))]
@@ -135,8 +137,7 @@ class OutputParser:
         self.state = TEXT
         calls = self._calls_from(body)
         if calls is None:
-            prefix = self.dialect.call_open if self.dialect.name == MISTRAL else ""
-            return [Content(prefix + body)]
+            return [Content(self.opened + body)]
         return calls
 
     # ---- helpers ---------------------------------------------------------------------------

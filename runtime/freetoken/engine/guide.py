@@ -92,28 +92,29 @@ class Guide:
 
     def accept(self, token: int) -> None:
         """Advance past the sampled token; the next grammar mask starts computing now."""
-        if self.forced and token == self.forced[0]:
+        forced = bool(self.forced) and token == self.forced[0]
+        if forced:
             self.forced.pop(0)
         if self.phase == BEFORE:
             self.phase = THINKING if token == self.think.open_id else ANSWER
             if self.phase == THINKING:
                 return
         elif self.phase == THINKING:
-            self._think_step(token)
+            self._think_step(token, forced)
             return
         if self.matcher is not None:
             matcher = self.matcher
             self._pending = mask_executor().submit(
                 lambda: matcher.allowed() if matcher.consume(token) else None)
 
-    def _think_step(self, token: int) -> None:
+    def _think_step(self, token: int, forced: bool) -> None:
         rule = self.think
         if token == rule.close_ids[-1]:
             self.phase, self.forced = ANSWER, []
             if self.matcher is not None:
                 self._pending = mask_executor().submit(self.matcher.allowed)
             return
-        self.reasoning_tokens += 1
+        self.reasoning_tokens += 0 if forced else 1
         if rule.budget is not None and self.reasoning_tokens >= rule.budget and not self.forced:
             self.forced = list(rule.close_ids)
 
