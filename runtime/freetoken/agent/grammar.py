@@ -43,8 +43,8 @@ def constraint_grammar(constraint: Constraint, dialect: Dialect,
                        marker_ids: dict[str, int]) -> str:
     """The llguidance grammar (serialized) of a json or tool constraint.
 
-    marker_ids: ids of the dialect's markers that are single special tokens (these are written
-    as token references, since their text never appears in decoded output)."""
+    marker_ids: ids of the dialect's markers that are single tokens (written as token
+    references; other markers as text)."""
     llguidance = import_llguidance()
     if constraint.kind == "json":
         schema = dict(constraint.schema or {"type": "object"})

@@ -36,10 +36,10 @@ class AgentSupport:
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True) if hasattr(
             tokenizer, "backend") else {}
         self.dialect: Dialect = detect_dialect(tokenizer.chat_template, vocab)
+        # NOTE: llguidance treats every added token as special (its text never matches a
+        # string literal), so a marker that is one token is referenced by id in grammars.
         markers = (self.dialect.call_open, self.dialect.call_close)
-        specials = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values()
-                    if t.special} if hasattr(tokenizer, "backend") else set()
-        self.marker_ids = {m: vocab[m] for m in markers if m in specials and m in vocab}
+        self.marker_ids = {m: vocab[m] for m in markers if m in vocab}
 
     @functools.cached_property
     def ll_tokenizer(self):
