@@ -31,6 +31,8 @@ class ToolUseBlock(Strict):
     name: str
     input: dict
     cache_control: dict | None = None
+    caller: dict | None = None          # echoed back by clients that replay a reply's blocks
+    toolset_name: str | None = None
 
 
 class ThinkingBlock(Strict):
