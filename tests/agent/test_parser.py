@@ -92,6 +92,12 @@ def test_hermes_two_calls_after_reasoning(pieces):
     assert calls == [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {"tz": "CET"})]
 
 
+def test_parallel_calls_off_keeps_the_first_call():
+    parser = OutputParser(dialect_of(QWEN_TEMPLATE), TOOLS, max_calls=1)
+    events = parser.feed("".join(QWEN3_TWO_CALLS)) + parser.finish()
+    assert summary(events)[2] == [(0, "get_weather", {"city": "Paris"})]
+
+
 @pytest.mark.parametrize("pieces", feeds(QWEN3_TEXT))
 def test_hermes_text_answer_after_reasoning(pieces):
     reasoning, content, calls = summary(run(dialect_of(QWEN_TEMPLATE), pieces))

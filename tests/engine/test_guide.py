@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 import numpy as np
+import pytest
 
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import Engine
@@ -99,3 +100,45 @@ def test_grammar_waits_until_reasoning_ends():
     assert tokens[2] == close[0]
     assert matcher.consumed == tokens[3:]            # reasoning never reached the grammar
     assert all(t % 2 == 0 for t in tokens[3:])
+
+
+class FixedMask:
+    def __init__(self, allowed):
+        self.mask = allowed
+
+    def consume(self, token_id: int) -> bool:
+        return True
+
+    def allowed(self):
+        return self.mask
+
+
+def _apply_on(device):
+    import torch
+
+    from freetoken.engine.guide import apply_guides
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32)
+    allowed = rng.random(50) < 0.3
+    guide = Guide(FixedMask(allowed)).start()
+    expected = logits.copy()
+    expected[1, ~allowed] = -np.inf
+    on_device = torch.from_numpy(logits.copy()).to(device)
+    apply_guides(logits, [None, guide, None])
+    apply_guides(on_device, [None, guide, None])
+    np.testing.assert_array_equal(logits, expected)
+    np.testing.assert_array_equal(on_device.cpu().numpy(), expected)
+
+
+def test_masks_apply_alike_to_numpy_and_torch_logits():
+    _apply_on("cpu")
+
+
+@pytest.mark.gpu
+def test_masks_apply_to_cuda_logits():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    _apply_on("cuda")

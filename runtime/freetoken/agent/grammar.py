@@ -114,5 +114,6 @@ class GrammarMatcher:
         if self.matcher.is_error():
             return None
         fill_next_token_bitmask(self.matcher, self._words, 0)
-        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
-        return bits[:self.vocab_size].astype(bool)
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little",
+                             count=self.vocab_size)
+        return bits.view(bool)

@@ -40,13 +40,15 @@ class OutputParser:
     """Feed text deltas with `feed`, end with `finish`; both return the events now final.
 
     tool_names: the tools the request offered (None: no tools, so calls are never parsed);
-    in_thinking: the prompt already opened the think block.
+    in_thinking: the prompt already opened the think block; max_calls: calls past this many
+    are dropped (parallel_tool_calls false).
     """
 
     def __init__(self, dialect: Dialect, tool_names: set[str] | None = None,
-                 in_thinking: bool = False):
+                 in_thinking: bool = False, max_calls: int | None = None):
         self.dialect = dialect
         self.tool_names = tool_names
+        self.max_calls = max_calls
         self.state = THINK if in_thinking and dialect.think_close else START
         self.buffer = ""
         self.opened = ""        # the call marker that started the buffered tail, if any
@@ -154,6 +156,8 @@ class OutputParser:
             return None
         calls = []
         for name, arguments in found:
+            if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                break
             calls.append(ToolCall(len(self.calls), name, arguments))
             self.calls.append(calls[-1])
         return calls

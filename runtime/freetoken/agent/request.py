@@ -43,6 +43,7 @@ class AgentRequest:
     messages: list[dict]
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"
+    parallel_calls: bool = True
     constraint: Constraint = field(default_factory=Constraint)
     thinking: bool | None = None            # None: the template's default
     thinking_budget: int | None = None

@@ -70,25 +70,31 @@ class Guide:
 
     def start(self) -> Guide:
         if self.matcher is not None:
-            self._pending = mask_executor().submit(self.matcher.allowed)
+            self._pending = mask_executor().submit(self._bias, self.phase == BEFORE)
         return self
 
-    def allowed(self, vocab: int) -> np.ndarray | None:
-        """bool [vocab] of the tokens allowed next, or None when anything goes."""
+    def bias(self, vocab: int) -> np.ndarray | None:
+        """float32 [vocab] to add to the logits (0 = allowed, -inf = not), or None when
+        anything goes."""
         if self.forced:
-            only = np.zeros(vocab, dtype=bool)
-            only[self.forced[0]] = True
+            only = np.full(vocab, -np.inf, dtype=np.float32)
+            only[self.forced[0]] = 0.0
             return only
-        if self.matcher is None or self.phase == THINKING:
+        if self.matcher is None or self.phase == THINKING or self._pending is None:
             return None
-        grammar = self._pending.result() if self._pending is not None else None
-        if grammar is None:
+        bias = self._pending.result()
+        return None if bias is None or bias.shape[0] != vocab else bias
+
+    def _bias(self, open_allowed: bool) -> np.ndarray | None:
+        """Runs on the mask worker: the grammar's mask as an additive bias, so the engine
+        thread only adds it."""
+        allowed = self.matcher.allowed()
+        if allowed is None or not allowed.any():
             return None
-        allowed = np.zeros(vocab, dtype=bool)
-        allowed[:min(vocab, grammar.shape[0])] = grammar[:vocab]
-        if self.phase == BEFORE:
-            allowed[self.think.open_id] = True
-        return allowed
+        bias = np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+        if open_allowed:
+            bias[self.think.open_id] = 0.0
+        return bias
 
     def accept(self, token: int) -> None:
         """Advance past the sampled token; the next grammar mask starts computing now."""
@@ -103,16 +109,17 @@ class Guide:
             self._think_step(token, forced)
             return
         if self.matcher is not None:
-            matcher = self.matcher
-            self._pending = mask_executor().submit(
-                lambda: matcher.allowed() if matcher.consume(token) else None)
+            self._pending = mask_executor().submit(self._advance, token)
+
+    def _advance(self, token: int) -> np.ndarray | None:
+        return self._bias(False) if self.matcher.consume(token) else None
 
     def _think_step(self, token: int, forced: bool) -> None:
         rule = self.think
         if token == rule.close_ids[-1]:
             self.phase, self.forced = ANSWER, []
             if self.matcher is not None:
-                self._pending = mask_executor().submit(self.matcher.allowed)
+                self._pending = mask_executor().submit(self._bias, False)
             return
         self.reasoning_tokens += 0 if forced else 1
         if rule.budget is not None and self.reasoning_tokens >= rule.budget and not self.forced:
@@ -124,15 +131,12 @@ def apply_guides(logits, guides: Sequence[Guide | None]) -> None:
     -inf, so every sampler (greedy, top-k, top-p) picks among the allowed ones."""
     vocab = logits.shape[-1]
     for row, guide in enumerate(guides):
-        if guide is None:
-            continue
-        allowed = guide.allowed(vocab)
-        if allowed is None or not allowed.any():
+        bias = guide.bias(vocab) if guide is not None else None
+        if bias is None:
             continue
         if is_torch(logits):
             import torch
 
-            keep = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
-            logits[row].masked_fill_(~keep, float("-inf"))
+            logits[row] += torch.from_numpy(bias).to(logits.device, non_blocking=True)
         else:
-            logits[row, ~allowed] = -np.inf
+            logits[row] += bias

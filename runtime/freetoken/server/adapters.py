@@ -29,6 +29,7 @@ def openai_agent_request(body: ChatCompletionRequest) -> AgentRequest:
     kwargs = dict(body.chat_template_kwargs or {})
     thinking = kwargs.pop("enable_thinking", None)
     return AgentRequest(messages=messages, tools=tools, tool_choice=choice,
+                        parallel_calls=body.parallel_tool_calls,
                         constraint=openai_constraint(body, tools, choice),
                         thinking=None if thinking is None else bool(thinking),
                         template_kwargs=kwargs)
@@ -107,6 +108,7 @@ def anthropic_agent_request(body: CountTokensRequest, max_tokens: int | None) ->
     elif choice not in ("auto", "none"):
         constraint = Constraint("tool", tools=tuple(t for t in tools if t.name == choice))
     return AgentRequest(messages=messages, tools=tools, tool_choice=choice,
+                        parallel_calls=not (picked and picked.disable_parallel_tool_use),
                         constraint=constraint, thinking=thinking, thinking_budget=budget)
 
 

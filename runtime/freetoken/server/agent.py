@@ -66,7 +66,8 @@ class AgentSupport:
         parser = None
         if self.dialect.think_open or request.tools_active:
             names = {t.name for t in request.tools} if request.tools_active else None
-            parser = OutputParser(self.dialect, names, in_thinking)
+            parser = OutputParser(self.dialect, names, in_thinking,
+                                  None if request.parallel_calls else 1)
         matcher = None
         if request.constraint.kind != "none":
             where = "tool_choice" if request.constraint.kind == "tool" else "response_format"
