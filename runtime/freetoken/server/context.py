@@ -53,15 +53,6 @@ class ServerContext:
             raise APIError(404, f"The model '{requested}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        from freetoken.models.errors import ChatTemplateError
-
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ChatTemplateError as exc:
-            raise APIError(400, f"the chat template failed: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
