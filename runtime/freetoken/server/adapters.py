@@ -19,7 +19,8 @@ def text_of(content: str | list | None) -> str:
 
 def openai_agent_request(body: ChatCompletionRequest) -> AgentRequest:
     tools = tuple(make_tool(t.function.name, t.function.description, t.function.parameters,
-                            f"tools.{i}.function.parameters") for i, t in enumerate(body.tools or ()))
+                            f"tools.{i}.function.parameters")
+                  for i, t in enumerate(body.tools or ()))
     choice = body.tool_choice or "auto"
     if not isinstance(choice, str):
         choice = choice.function.name
