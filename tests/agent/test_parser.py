@@ -1,8 +1,9 @@
 """The streaming output parser against recorded token streams of each dialect.
 
-Each stream is a model's reply split where its tokenizer splits it (recorded from the models'
-own outputs for these prompts); fed token by token, character by character and whole, the
-parser must give the same reasoning, content and calls, and never leak a marker.
+Each stream is a reply in a family's published output format, split into tokens as that
+family's tokenizer splits it (markers are single tokens); fed token by token, character by
+character and whole, the parser must give the same reasoning, content and calls, and never
+leak a marker.
 """
 
 import json

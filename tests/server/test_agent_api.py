@@ -193,3 +193,8 @@ def test_anthropic_named_tool_streams_input_json(qwen3):
         "max_tokens": 5, "tools": tools, "tool_choice": {"type": "tool", "name": "nope"},
         "messages": ASK})
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+    orphan = ASK + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "18 C", "is_error": True}]}]
+    r = httpx.post(url + "/v1/messages", timeout=60,
+                   json={"max_tokens": 5, "tools": tools, "messages": orphan})
+    assert r.status_code == 400 and "toolu_x" in r.json()["error"]["message"]
