@@ -7,10 +7,13 @@ Grammars are compiled against an llguidance tokenizer built once per model from 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from freetoken.agent.dialect import HERMES, MISTRAL, Dialect
 from freetoken.agent.request import AgentRequestError, Constraint, Tool
+
+logger = logging.getLogger("freetoken.agent")
 
 # Compact separators: tiny models otherwise loop on the whitespace a flexible grammar allows.
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -83,11 +86,6 @@ def check_grammar(grammar: str, ll_tokenizer: Any, where: str) -> None:
                                 f"{detail}", where)
 
 
-def create_matcher(grammar: str, ll_tokenizer: Any):
-    llguidance = import_llguidance()
-    return llguidance.LLMatcher(ll_tokenizer, grammar)
-
-
 class GrammarMatcher:
     """An llguidance matcher behind the engine's TokenMatcher interface: consume the sampled
     token, then say which tokens may come next (a boolean row as wide as the logits)."""
@@ -96,7 +94,8 @@ class GrammarMatcher:
         import numpy as np
 
         llguidance = import_llguidance()
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        # log_level 0: a failure is reported once through our logger, not on stderr
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
         self.vocab_size = vocab_size
         self._words = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
 
@@ -104,7 +103,11 @@ class GrammarMatcher:
         """False when the token breaks the grammar (the matcher then stops constraining)."""
         if self.matcher.is_stopped() or self.matcher.is_error():
             return False
-        return bool(self.matcher.consume_token(token_id))
+        if self.matcher.consume_token(token_id):
+            return True
+        logger.warning("the grammar stopped constraining this request: %s",
+                       self.matcher.get_error())
+        return False
 
     def allowed(self):
         """bool [vocab_size], or None when the grammar no longer constrains (done or failed)."""
