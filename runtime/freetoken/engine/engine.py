@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
+from freetoken.engine.guide import Guide, apply_guides
 from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.logprobs import log_softmax_rows, token_logprob
 from freetoken.engine.penalties import apply_penalties
@@ -126,8 +127,9 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, guide: Guide | None = None) -> RequestStream:
         """Queue a request; call inside a running event loop and iterate the returned stream.
+        `guide` restricts the tokens it may sample (a grammar, a thinking budget).
 
         Raises RequestRejected (prompt empty, out of vocabulary, or too long with max_tokens)
         before anything is queued, and EngineDead when the engine is not running.
@@ -140,7 +142,7 @@ class Engine:
             request_id=request_id, prompt_len=len(prompt), token_ids=prompt, params=resolved,
             generator=create_generator(resolved.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, resolved.stop),
-            sink=stream.put)
+            sink=stream.put, guide=guide.start() if guide is not None else None)
         with self._cond:
             if not self.is_alive:
                 raise EngineDead("the engine is not running; restart the server")
@@ -268,6 +270,8 @@ class Engine:
             with self.arrays.no_grad():
                 log_probs = log_softmax_rows(logits, asking) if asking else None
                 apply_penalties(logits, requests)
+                if any(r.guide is not None for r in requests):
+                    apply_guides(logits, [r.guide for r in requests])
                 tokens = sample_tokens(logits, [r.params for r in requests],
                                        [r.generator for r in requests])
             entries: list = [None] * len(requests)
@@ -278,6 +282,8 @@ class Engine:
 
     def _append_token(self, request: Request, token: int, entry=None) -> None:
         request.token_ids.append(token)
+        if request.guide is not None:
+            request.guide.accept(token)
         self._counters["tokens_generated"] += 1
         logprobs = None if entry is None else [entry]
         if token in self.eos_token_ids and not request.params.ignore_eos:

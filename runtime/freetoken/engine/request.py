@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from freetoken.engine.detokenizer import IncrementalDetokenizer
+    from freetoken.engine.guide import Guide
     from freetoken.models.config import GenerationDefaults
 
 MAX_STOP_STRINGS = 16
@@ -169,6 +170,7 @@ class Request:
     num_computed: int = 0
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
+    guide: Guide | None = None                   # grammar / thinking budget, when asked for
 
     @property
     def num_output(self) -> int:

@@ -1,4 +1,4 @@
 """HTTP serving: OpenAI and Anthropic routes, health, stats and metrics over one engine."""
 
-__all__ = ["anthropic", "app", "config", "context", "errors", "launch", "metrics", "openai",
-           "protocol", "sse"]
+__all__ = ["adapters", "agent", "anthropic", "anthropic_protocol", "app", "chat_output", "config",
+           "context", "errors", "launch", "metrics", "openai", "openapi", "protocol", "sse"]

@@ -17,23 +17,42 @@ from freetoken.server.metrics import Metrics
 logger = logging.getLogger("freetoken.server")
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/stats",
-          "/health", "/metrics")
+          "/health", "/metrics", "/openapi.json", "/docs")
 
 
-def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None = None) -> FastAPI:
-    """An app serving `engine` as `model_name`; with api_key, /v1/* needs that key."""
+def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None = None,
+               max_output_tokens: int | None = None,
+               cors_origins: tuple[str, ...] = ()) -> FastAPI:
+    """An app serving `engine` as `model_name`; with api_key, /v1/* needs that key;
+    max_output_tokens is the default and cap of max_tokens; cors_origins may call it from a
+    browser. /openapi.json and /docs describe it."""
+    from freetoken import __version__
     from freetoken.server import anthropic, openai
+    from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
     from freetoken.server.metrics import create_admin_router
+    from freetoken.server.openapi import install_openapi
+    from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
 
-    app = FastAPI(title="FreeToken", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="FreeToken", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     metrics = Metrics(engine.stats)
     app.state.ctx = ServerContext(engine=engine, tokenizer=tokenizer, model_name=model_name,
-                                  metrics=metrics, api_key=api_key or None)
+                                  metrics=metrics, api_key=api_key or None,
+                                  max_output_tokens=max_output_tokens)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(create_admin_router())
+    install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/completions": CompletionRequest,
+                          "/v1/messages": MessagesRequest,
+                          "/v1/messages/count_tokens": CountTokensRequest})
     install_error_handlers(app)
     app.add_middleware(GatewayMiddleware, api_key=api_key or None, metrics=metrics)
+    if cors_origins:   # outermost, so preflight requests never meet the API-key check
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     return app
 
 

@@ -11,13 +11,16 @@ DEFAULT_PORT = 1919
 @dataclass(frozen=True)
 class ServerConfig:
     """host/port to bind (port 0 = any free port), an optional API key required on /v1/*,
-    and the model id clients see (None = the loaded model's name)."""
+    the model id clients see (None = the loaded model's name), the default and cap of a
+    request's max_tokens (None = up to the context) and the origins browsers may call from."""
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
+    max_output_tokens: int | None = None
+    cors_origins: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,22 +26,32 @@ class ServerContext:
     model_name: str
     metrics: Metrics
     api_key: str | None = None
+    max_output_tokens: int | None = None    # default and cap of a request's max_tokens
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def agent(self):
+        """Tool calls, thinking and constrained decoding for the served model."""
+        from freetoken.server.agent import AgentSupport
+
+        return AgentSupport(self.tokenizer, self.engine.model.config.vocab_size)
+
+    def output_limit(self, requested: int | None, param: str) -> int | None:
+        """max_tokens to use: the request's, capped by --max-output-tokens (its default when
+        unset); more than one request may hold is a 400 naming `param`."""
+        limit = self.engine.max_request_tokens
+        if requested is not None and requested >= limit:
+            raise APIError(400, f"{param}={requested} is more than this server's context "
+                                f"allows ({limit} tokens per request, prompt included)", param)
+        if self.max_output_tokens is None:
+            return requested
+        return min(requested or self.max_output_tokens, self.max_output_tokens)
 
     def check_model(self, requested: str | None) -> None:
         """None means the served model; any other name is a 404."""
         if requested is not None and requested != self.model_name:
             raise APIError(404, f"The model '{requested}' does not exist; this server serves "
                                 f"'{self.model_name}'", "model", "model_not_found")
-
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        from freetoken.models.errors import ChatTemplateError
-
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ChatTemplateError as exc:
-            raise APIError(400, f"the chat template failed: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -48,9 +60,9 @@ class ServerContext:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               timer: RequestTimer) -> RequestStream:
+               timer: RequestTimer, guide=None) -> RequestStream:
         try:
-            stream = self.engine.submit(prompt_ids, params)
+            stream = self.engine.submit(prompt_ids, params, guide=guide)
         except RequestRejected as exc:
             code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
             raise APIError(400, str(exc), None, code) from None
@@ -58,6 +70,17 @@ class ServerContext:
             raise APIError(503, str(exc)) from None
         timer.prompt_tokens = len(prompt_ids)
         return stream
+
+
+@contextlib.contextmanager
+def agent_errors():
+    """AgentRequestError (bad tools, schemas, tool history) as a 400 naming the field."""
+    from freetoken.agent.request import AgentRequestError
+
+    try:
+        yield
+    except AgentRequestError as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 async def collect(request: Request, stream: RequestStream,

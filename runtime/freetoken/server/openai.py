@@ -11,11 +11,13 @@ from starlette.background import BackgroundTask
 
 from freetoken.engine.request import TokenLogprob, Usage
 from freetoken.engine.stream import RequestStream
-from freetoken.server.context import ServerContext, collect
+from freetoken.server.adapters import openai_agent_request
+from freetoken.server.chat_output import ChatShaper
+from freetoken.server.context import ServerContext, agent_errors, collect
 from freetoken.server.errors import APIError
 from freetoken.server.metrics import RequestTimer
-from freetoken.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       OpenAISampling, parse_body)
+from freetoken.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling,
+                                       parse_body)
 from freetoken.server.sse import new_id, sse_data, sse_response
 
 router = APIRouter()
@@ -24,13 +26,6 @@ router = APIRouter()
 def usage_dict(usage: Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens}
-
-
-def message_dict(message: ChatMessage) -> dict:
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    return {"role": message.role, "content": content or ""}
 
 
 @router.get("/v1/models")
@@ -57,9 +52,14 @@ async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     body.check_supported()
-    params = body.sampling_params(body.max_completion_tokens or body.max_tokens)
-    prompt = ctx.chat_prompt_ids([message_dict(m) for m in body.messages])
-    return await respond(request, ctx, body, prompt, params, new_id("chatcmpl-"), chat=True)
+    max_tokens = ctx.output_limit(body.max_completion_tokens or body.max_tokens,
+                                  "max_completion_tokens" if body.max_completion_tokens
+                                  else "max_tokens")
+    params = body.sampling_params(max_tokens)
+    with agent_errors():
+        prepared = ctx.agent.prepare(openai_agent_request(body), max_tokens)
+    return await respond(request, ctx, body, prepared.prompt_ids, params, new_id("chatcmpl-"),
+                         chat=True, shaper=ChatShaper(prepared.parser), guide=prepared.guide)
 
 
 @router.post("/v1/completions")
@@ -68,7 +68,7 @@ async def completions(request: Request):
     body = await parse_body(request, CompletionRequest)
     ctx.check_model(body.model)
     body.check_supported()
-    params = body.sampling_params(body.max_tokens)
+    params = body.sampling_params(ctx.output_limit(body.max_tokens, "max_tokens"))
     return await respond(request, ctx, body, completion_prompt_ids(ctx, body.prompt), params,
                          new_id("cmpl-"), chat=False)
 
@@ -86,9 +86,11 @@ def completion_prompt_ids(ctx: ServerContext, prompt) -> list[int]:
 
 
 async def respond(request: Request, ctx: ServerContext, body: OpenAISampling, prompt: list[int],
-                  params, request_id: str, chat: bool):
+                  params, request_id: str, chat: bool, shaper: ChatShaper | None = None,
+                  guide=None):
     timer = ctx.metrics.timer()
-    stream = ctx.submit(prompt, params, timer)
+    stream = ctx.submit(prompt, params, timer, guide)
+    shaper = shaper or ChatShaper(None)
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     format_logprobs = LogprobFormat(ctx, chat, params.logprobs is not None)
@@ -97,14 +99,15 @@ async def respond(request: Request, ctx: ServerContext, body: OpenAISampling, pr
         header = dict(id=request_id, object=kind + (".chunk" if chat else ""), created=created,
                       model=ctx.model_name)
         events = stream_events(stream, timer, header, make_chunk, chat, body.include_usage,
-                               format_logprobs)
+                               format_logprobs, shaper)
         response = sse_response(events)
         response.background = BackgroundTask(stream.abort)  # also when the body never started
         return response
     text, last, entries = await collect(request, stream, timer)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+    choice = ({"index": 0, "message": shaper.message(text)} if chat
               else {"index": 0, "text": text})
-    choice.update(logprobs=format_logprobs(entries), finish_reason=last.finish_reason)
+    choice.update(logprobs=format_logprobs(entries),
+                  finish_reason=shaper.finish_reason(last.finish_reason))
     return JSONResponse({"id": request_id, "object": kind, "created": created,
                          "model": ctx.model_name, "choices": [choice],
                          "usage": usage_dict(last.usage)})
@@ -152,7 +155,8 @@ def completion_chunk(delta: dict, finish_reason: str | None,
 
 async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict,
                         make_chunk: Callable[..., dict], chat: bool, include_usage: bool,
-                        format_logprobs: LogprobFormat) -> AsyncIterator[str]:
+                        format_logprobs: LogprobFormat,
+                        shaper: ChatShaper) -> AsyncIterator[str]:
     """OpenAI SSE: a role chunk (chat), content chunks (with their tokens' logprobs when asked
     for), a finish_reason chunk, an optional usage chunk with no choices, then [DONE]. Leaving
     early aborts the request."""
@@ -171,11 +175,14 @@ async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict
                 yield sse_data({"error": {"message": f"generation failed: {output.error}",
                                           "type": "server_error", "param": None, "code": None}})
                 break
-            if output.text or output.logprobs:
-                yield event({"content": output.text}, logprobs=format_logprobs(
-                    output.logprobs or []))
+            logprobs = format_logprobs(output.logprobs or []) if output.logprobs else None
+            deltas = shaper.deltas(output.text, output.finished)
+            if logprobs is not None and not deltas:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield event(delta, logprobs=logprobs if i == 0 else None)
             if output.finished:
-                yield event({}, output.finish_reason)
+                yield event({}, shaper.finish_reason(output.finish_reason))
                 if include_usage:
                     yield sse_data({**header, "choices": [], "usage": usage_dict(output.usage)})
         yield sse_data("[DONE]")

@@ -25,10 +25,60 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str = Field(description="the arguments object as a JSON string")
+
+
+class ToolCallItem(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = Field(None, description="an earlier reply's reasoning; "
+                                          "reaches the template (preserve_thinking)")
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="JSON Schema of the arguments object")
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JSONSchemaFormat(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(Strict):
@@ -85,6 +135,12 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict | None = Field(None, description="extra chat template variables, "
+                                              "e.g. enable_thinking, preserve_thinking")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -112,37 +168,6 @@ class CompletionRequest(OpenAISampling):
                          ("suffix", not self.suffix)):
             if not ok:
                 raise APIError(400, f"{name} is not supported by this server", name)
-
-
-# ---- Anthropic --------------------------------------------------------------------------------
-
-class AnthropicText(Strict):
-    type: Literal["text"]
-    text: str
-    cache_control: dict | None = None   # accepted and ignored: there is no prompt cache
-
-
-class AnthropicMessage(Strict):
-    role: Literal["user", "assistant"]
-    content: str | list[AnthropicText]
-
-
-class MessagesRequest(Strict):
-    model: str | None = None
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    system: str | list[AnthropicText] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    stream: bool = False
-    metadata: dict | None = None
-
-    def sampling_params(self) -> SamplingParams:
-        return build_sampling_params(temperature=self.temperature, top_p=self.top_p,
-                                     top_k=self.top_k, max_tokens=self.max_tokens,
-                                     stop=self.stop_sequences or [])
 
 
 # ---- helpers ----------------------------------------------------------------------------------
