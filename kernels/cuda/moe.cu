@@ -177,7 +177,8 @@ struct TileTable {
   int* rows;    // [max_tiles] pairs in the tile (1..tile_m)
 };
 
-// One block of kAlignThreads: thread e owns expert e through the scan.
+// One block of n >= E threads (a multiple of 32, at most kAlignThreads; n grows with the pairs
+// so a prefill batch is read in few passes): thread e owns expert e through the scan.
 __global__ void __launch_bounds__(kAlignThreads)
 align_kernel(TileTable tt, int* __restrict__ sorted, const int* __restrict__ topk_ids,
              const int* __restrict__ expert_map, int pairs, int experts, int slots, int tile_m,
@@ -185,10 +186,10 @@ align_kernel(TileTable tt, int* __restrict__ sorted, const int* __restrict__ top
   __shared__ int s_count[kAlignThreads];
   __shared__ int s_pairs[kAlignThreads];
   __shared__ int s_tiles[kAlignThreads];
-  int tid = threadIdx.x;
+  int tid = threadIdx.x, n = blockDim.x;
   s_count[tid] = 0;
   __syncthreads();
-  for (int p = tid; p < pairs; p += kAlignThreads) {
+  for (int p = tid; p < pairs; p += n) {
     int e = topk_ids[p];
     if (slot_of(e, expert_map, experts, slots) >= 0) shared_atomic_add(&s_count[e], 1);
   }
@@ -198,7 +199,7 @@ align_kernel(TileTable tt, int* __restrict__ sorted, const int* __restrict__ top
   s_pairs[tid] = count;
   s_tiles[tid] = ntiles;
   __syncthreads();
-  for (int off = 1; off < kAlignThreads; off <<= 1) {  // inclusive Hillis-Steele scan
+  for (int off = 1; off < n; off <<= 1) {  // inclusive Hillis-Steele scan
     int a = tid >= off ? s_pairs[tid - off] : 0;
     int b = tid >= off ? s_tiles[tid - off] : 0;
     __syncthreads();
@@ -207,17 +208,17 @@ align_kernel(TileTable tt, int* __restrict__ sorted, const int* __restrict__ top
     __syncthreads();
   }
   int pair_base = s_pairs[tid] - count, tile_base = s_tiles[tid] - ntiles;
-  int total_tiles = s_tiles[kAlignThreads - 1];
+  int total_tiles = s_tiles[n - 1];
   for (int j = 0; j < ntiles; ++j) {
     tt.expert[tile_base + j] = tid;
     tt.start[tile_base + j] = pair_base + j * tile_m;
     int left = count - j * tile_m;
     tt.rows[tile_base + j] = left < tile_m ? left : tile_m;
   }
-  for (int i = total_tiles + tid; i < max_tiles; i += kAlignThreads) tt.expert[i] = -1;
+  for (int i = total_tiles + tid; i < max_tiles; i += n) tt.expert[i] = -1;
   s_count[tid] = pair_base;  // now the scatter cursor
   __syncthreads();
-  for (int p = tid; p < pairs; p += kAlignThreads) {
+  for (int p = tid; p < pairs; p += n) {
     int e = topk_ids[p];
     if (slot_of(e, expert_map, experts, slots) >= 0) sorted[shared_atomic_add(&s_count[e], 1)] = p;
   }
@@ -583,7 +584,9 @@ void launch_tiled(const ExpertArgs<T>& a, const Plan& plan, bool vec_h, bool vec
 template <typename T>
 void run_experts(ExpertArgs<T> a, const Plan& plan, bool vec_h, bool vec_i, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  align_kernel<<<1, kAlignThreads, 0, stream>>>(a.tt, const_cast<int*>(a.sorted), a.topk_ids,
+  int64_t want = plan.pairs > a.experts ? plan.pairs : a.experts;
+  int threads = static_cast<int>(want < kAlignThreads ? ceil_div(want, kWarp) * kWarp : kAlignThreads);
+  align_kernel<<<1, threads, 0, stream>>>(a.tt, const_cast<int*>(a.sorted), a.topk_ids,
                                                 a.expert_map, static_cast<int>(plan.pairs),
                                                 a.experts, a.slots, plan.tile_m,
                                                 static_cast<int>(plan.max_tiles));

@@ -256,6 +256,20 @@ def test_routing_and_experts_replay_in_a_cuda_graph(T):
 
 
 @gpu
+@pytest.mark.parametrize("T,K,E,inter,dtype", [(4, 2, 8, 32, torch.bfloat16),
+                                                (300, 8, 64, 40, torch.float16),
+                                                (70, 4, 16, 600, torch.float32)])
+def test_workspace_bytes_match_the_kernel_exactly(T, K, E, inter, dtype):
+    x, w13, w2, ids, weights, emap = make_case(T, E, K, 64, inter, dtype)
+    out = torch.empty_like(x)
+    need = ops.moe_workspace_bytes(T, K, E, inter, dtype)
+    ws = torch.empty(need, dtype=torch.uint8, device=_dev())
+    ops.moe_experts(out, x, w13, w2, ids, weights, emap, ws)
+    with pytest.raises(Exception, match=f"workspace must hold at least {need} bytes"):
+        ops.moe_experts(out, x, w13, w2, ids, weights, emap, ws[: need - 1])
+
+
+@gpu
 def test_bad_arguments_name_the_argument():
     x, w13, w2, ids, weights, emap = make_case(4, 8, 2, 64, 32, torch.bfloat16)
     out = torch.empty_like(x)
