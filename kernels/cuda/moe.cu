@@ -16,16 +16,20 @@
 //     f32 and the HIP build take a CUDA-core FMA tile with the same staging.
 // Results are deterministic: a pair's row never depends on which other pairs share its tile.
 //
-// NOTE: one source file per registry kernel (a shared header would re-key other kernels' cache
-// entries), hence the length.
+// The tile GEMM core both prefill kernels share lives in freetoken/moe_tile.cuh.
+// NOTE: over 500 lines because the routing, the alignment, both expert paths and their host
+// dispatch share one workspace plan and argument block, which must stay in one translation unit.
 #include "freetoken/cuda_common.cuh"
-
-#if !defined(__HIP_PLATFORM_AMD__)
-#include <mma.h>
-#endif
+#include "freetoken/moe_tile.cuh"
 
 namespace freetoken {
 namespace {
+
+using moe_tile::kTileThreads;
+using moe_tile::kTM;
+using moe_tile::SmemBuf;
+using moe_tile::TileLayout;
+using moe_tile::tile_gemm;
 
 constexpr int kMaxTopK = 16;
 constexpr int kRouteMaxExperts = 16 * kWarp;  // 16 logits per lane in registers
@@ -34,7 +38,6 @@ constexpr int kAlignThreads = 1024;
 constexpr int kGemvRows = 8;                  // pairs per decode tile (registers per lane)
 constexpr int kGemvWarps = 8;
 constexpr int kGemvMaxPairs = 256;
-constexpr int kTM = 64, kTK = 32, kTileThreads = 128;
 constexpr float kNegInf = -__builtin_huge_valf();
 
 // ---------------------------------------------------------------- workspace plan
@@ -77,14 +80,6 @@ __device__ __forceinline__ int shared_atomic_add(int* p, int v) {
 }
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
-
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> zero_vec() {
-  Vec<T, N> z;
-#pragma unroll
-  for (int e = 0; e < N; ++e) z.v[e] = from_float<T>(0.f);
-  return z;
-}
 
 template <typename T, int N>
 __device__ __forceinline__ float dot_vec(const Vec<T, N>& a, const Vec<T, N>& b) {
@@ -283,7 +278,9 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_gate_up_kernel(Expert
   for (int r = 0; r < kGemvRows; ++r) {
     if (r < rows) {
       float gs = warp_sum(g[r]), us = warp_sum(u[r]);
-      if (lane == 0) a.act[static_cast<int64_t>(s_pair[r]) * a.inter + j] = from_float<T>(silu_mul(gs, us));
+      if (lane == 0) {
+        a.act[static_cast<int64_t>(s_pair[r]) * a.inter + j] = from_float<T>(silu_mul(gs, us));
+      }
     }
   }
 }
@@ -323,134 +320,6 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp) gemv_down_kernel(ExpertArg
 }
 
 // ---------------------------------------------------------------- prefill (tiled) path
-
-// Shared memory of one tile block: the staged A [kTM][kTK] and B [BN][kTK] k-slices, then,
-// reusing the same bytes, the f32 accumulator tile C [kTM][BN] for the epilogue.
-template <typename T, int BN>
-struct TileLayout {
-  static constexpr int kLd = kTK + 16 / static_cast<int>(sizeof(T));  // pad: fewer bank conflicts
-  static constexpr int kLdc = BN + 4;
-  static constexpr int kStage = (kTM + BN) * kLd * static_cast<int>(sizeof(T));
-  static constexpr int kC = kTM * kLdc * 4;
-  static constexpr int kBytes = kStage > kC ? kStage : kC;
-};
-
-template <int N>
-struct alignas(128) SmemBuf {  // wmma wants 32-byte aligned fragment pointers
-  unsigned char bytes[N];
-};
-
-// C[r][n] = sum_k A[arow[r] + k] * B[brow[n] + k] over k < kdim; a row offset < 0 reads zeros.
-template <typename T, int BN, bool TC, int VEC>
-__device__ __forceinline__ void tile_gemm(unsigned char* smem, const T* __restrict__ A,
-                                          const int64_t* s_arow, const T* __restrict__ B,
-                                          const int64_t* s_brow, int64_t kdim) {
-  using L = TileLayout<T, BN>;
-  constexpr int kCols = kTK / VEC;
-  constexpr int kNA = kTM * kCols / kTileThreads, kNB = BN * kCols / kTileThreads;
-  T* As = reinterpret_cast<T*>(smem);
-  T* Bs = As + kTM * L::kLd;
-  float* C = reinterpret_cast<float*>(smem);
-  int tid = threadIdx.x;
-  Vec<T, VEC> ra[kNA], rb[kNB];
-  auto fetch = [&](int64_t k0) {
-#pragma unroll
-    for (int i = 0; i < kNA; ++i) {
-      int idx = tid + i * kTileThreads, r = idx / kCols, c = (idx % kCols) * VEC;
-      int64_t off = s_arow[r];
-      ra[i] = off >= 0 && k0 + c < kdim ? load_vec<T, VEC>(A + off + k0 + c) : zero_vec<T, VEC>();
-    }
-#pragma unroll
-    for (int i = 0; i < kNB; ++i) {
-      int idx = tid + i * kTileThreads, r = idx / kCols, c = (idx % kCols) * VEC;
-      int64_t off = s_brow[r];
-      rb[i] = off >= 0 && k0 + c < kdim ? load_vec<T, VEC>(B + off + k0 + c) : zero_vec<T, VEC>();
-    }
-  };
-  auto stage = [&]() {
-#pragma unroll
-    for (int i = 0; i < kNA; ++i) {
-      int idx = tid + i * kTileThreads;
-      store_vec<T, VEC>(As + (idx / kCols) * L::kLd + (idx % kCols) * VEC, ra[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < kNB; ++i) {
-      int idx = tid + i * kTileThreads;
-      store_vec<T, VEC>(Bs + (idx / kCols) * L::kLd + (idx % kCols) * VEC, rb[i]);
-    }
-  };
-#if !defined(__HIP_PLATFORM_AMD__)
-  if constexpr (TC) {
-    // 4 warps as 2 x 2: each owns 32 rows x BN/2 columns of 16x16 fragments.
-    namespace wmma = nvcuda::wmma;
-    constexpr int kFN = BN / 32;
-    int warp = tid / kWarp, wm = warp / 2, wn = warp % 2;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][kFN];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < kFN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-    fetch(0);
-    for (int64_t k0 = 0; k0 < kdim; k0 += kTK) {
-      stage();
-      __syncthreads();
-      if (k0 + kTK < kdim) fetch(k0 + kTK);  // next slice in flight during the math
-#pragma unroll
-      for (int kk = 0; kk < kTK; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb[kFN];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          wmma::load_matrix_sync(fa[i], As + (wm * 32 + i * 16) * L::kLd + kk, L::kLd);
-#pragma unroll
-        for (int j = 0; j < kFN; ++j)
-          wmma::load_matrix_sync(fb[j], Bs + (wn * (BN / 2) + j * 16) * L::kLd + kk, L::kLd);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < kFN; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-      }
-      __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < kFN; ++j)
-        wmma::store_matrix_sync(C + (wm * 32 + i * 16) * L::kLdc + wn * (BN / 2) + j * 16,
-                                acc[i][j], L::kLdc, wmma::mem_row_major);
-    __syncthreads();
-    return;
-  }
-#endif
-  // CUDA-core tile: thread (ty, tx) of 8 x 16 owns rows ty + 8i and columns tx + 16j.
-  constexpr int kJ = BN / 16;
-  int tx = tid % 16, ty = tid / 16;
-  float acc[8][kJ] = {};
-  fetch(0);
-  for (int64_t k0 = 0; k0 < kdim; k0 += kTK) {
-    stage();
-    __syncthreads();
-    if (k0 + kTK < kdim) fetch(k0 + kTK);
-#pragma unroll 4
-    for (int kk = 0; kk < kTK; ++kk) {
-      float av[8], bv[kJ];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) av[i] = to_float(As[(ty + 8 * i) * L::kLd + kk]);
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) bv[j] = to_float(Bs[(tx + 16 * j) * L::kLd + kk]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < kJ; ++j) acc[i][j] += av[i] * bv[j];
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) C[(ty + 8 * i) * L::kLdc + tx + 16 * j] = acc[i][j];
-  __syncthreads();
-}
 
 // Block (tile, 64 columns of I): C = x rows @ [gate rows | up rows]^T, act = silu(gate) * up.
 template <typename T, bool TC, int VEC>
@@ -541,14 +410,16 @@ __global__ void combine_kernel(ExpertArgs<T> a, int64_t c0, int64_t cw) {
 
 template <typename T, int VEC>
 void launch_gemv(const ExpertArgs<T>& a, const Plan& plan, cudaStream_t stream) {
-  dim3 gu(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(ceil_div(a.inter, kGemvWarps)));
+  dim3 gu(static_cast<unsigned>(plan.max_tiles),
+          static_cast<unsigned>(ceil_div(a.inter, kGemvWarps)));
   gemv_gate_up_kernel<T, VEC><<<gu, kGemvWarps * kWarp, 0, stream>>>(a);
   check_launch("moe gate/up (gemv)");
 }
 
 template <typename T, int VEC>
 void launch_gemv_down(const ExpertArgs<T>& a, cudaStream_t stream) {
-  dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(ceil_div(a.hidden, kGemvWarps)));
+  dim3 grid(static_cast<unsigned>(a.tokens),
+            static_cast<unsigned>(ceil_div(a.hidden, kGemvWarps)));
   gemv_down_kernel<T, VEC><<<grid, kGemvWarps * kWarp, 0, stream>>>(a);
   check_launch("moe down (gemv)");
 }
@@ -585,7 +456,8 @@ template <typename T>
 void run_experts(ExpertArgs<T> a, const Plan& plan, bool vec_h, bool vec_i, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
   int64_t want = plan.pairs > a.experts ? plan.pairs : a.experts;
-  int threads = static_cast<int>(want < kAlignThreads ? ceil_div(want, kWarp) * kWarp : kAlignThreads);
+  int threads = static_cast<int>(want < kAlignThreads ? ceil_div(want, kWarp) * kWarp
+                                                      : kAlignThreads);
   align_kernel<<<1, threads, 0, stream>>>(a.tt, const_cast<int*>(a.sorted), a.topk_ids,
                                                 a.expert_map, static_cast<int>(plan.pairs),
                                                 a.experts, a.slots, plan.tile_m,

@@ -43,7 +43,7 @@ def reference_experts(x, w13, w2, ids, weights, expert_map):
     u = UNIT[x.dtype]
     x64 = x.double()
     ref = torch.zeros(T, H, dtype=torch.float64, device=x.device)
-    round_bound, acc_bound, walk = torch.zeros_like(ref), torch.zeros_like(ref), torch.zeros_like(ref)
+    round_bound, acc_bound, walk = (torch.zeros_like(ref) for _ in range(3))
     slots = expert_map.long()[ids.long()]  # [T, K]
     for s in slots.unique().tolist():  # reference only: a loop over the experts in use
         t_idx, k_idx = (slots == s).nonzero(as_tuple=True)

@@ -162,7 +162,8 @@ def moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, intermedi
     tile = _MOE_GEMV_ROWS if gemv else _MOE_TILE_ROWS
     max_tiles = -(-pairs // tile) + min(num_experts, pairs)
     y_cols = max(-(-intermediate // 64) * 64, 512)
-    total = _align256(12 * max_tiles) + _align256(4 * pairs) + _align256(size * pairs * intermediate)
+    total = (_align256(12 * max_tiles) + _align256(4 * pairs)
+             + _align256(size * pairs * intermediate))
     return total + (0 if gemv else _align256(4 * pairs * y_cols))
 
 
