@@ -7,7 +7,8 @@ size (relative RMS error, and the max error over the reference's RMS). Then time
 by replaying a CUDA graph of N calls (no host launch cost) and prints, per batch size: routing
 and experts time, the expert weight bytes touched (distinct experts x 3*H*I*itemsize) over the
 experts time as GB/s beside a device-to-device copy's bandwidth measured in the same run, and
-TFLOP/s (2 * T * K * 3 * H * I flops).
+TFLOP/s (2 * T * K * 3 * H * I flops). Beside it, for scale, the per-expert torch loop that
+eager HF transformers runs (F.linear per expert hit, host-synchronous), timed eagerly.
 """
 
 from __future__ import annotations
@@ -65,6 +66,30 @@ def reference(x, w13, w2, ids, weights):
     return out
 
 
+def torch_loop(x, w13, w2, ids, weights):
+    """The per-expert loop of eager HF MoE blocks, in the model dtype (host syncs included)."""
+    out = torch.zeros_like(x)
+    for s in ids.unique().tolist():
+        t_idx, k_idx = (ids == s).nonzero(as_tuple=True)
+        gate, up = F.linear(x[t_idx], w13[s]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[s]) * weights[t_idx, k_idx, None].to(x.dtype)
+        out.index_add_(0, t_idx, y)
+    return out
+
+
+def eager_time_us(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
 def bench(T, E, K, H, inter, dtype, w13, w2, copy_gbs) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
@@ -95,6 +120,8 @@ def bench(T, E, K, H, inter, dtype, w13, w2, copy_gbs) -> dict:
     row["pct_copy"] = 100 * row["gbs"] / copy_gbs
     row["tflops"] = 2 * T * K * 3 * H * inter / row["experts_us"] / 1e6
     row["experts_hit"] = distinct
+    long_ids = ids.long()
+    row["torch_us"] = eager_time_us(lambda: torch_loop(x, w13, w2, long_ids, weights))
     return row
 
 
@@ -118,13 +145,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  E={E} K={K} H={H} I={inter} {args.dtype}  "
           f"D2D copy {copy_gbs:,.0f} GB/s")
     head = (f"{'T':>5} {'route us':>9} {'experts us':>11} {'experts':>8} {'GB/s':>7} "
-            f"{'% copy':>7} {'TFLOP/s':>8} {'rel RMS err':>12} {'max/RMS':>8} {'route err':>10}")
+            f"{'% copy':>7} {'TFLOP/s':>8} {'torch loop us':>14} {'rel RMS err':>12} {'max/RMS':>8} "
+            f"{'route err':>10}")
     print(head)
     print("-" * len(head))
     for T in args.tokens:
         r = bench(T, E, K, H, inter, dtype, w13, w2, copy_gbs)
         print(f"{T:>5} {r['route_us']:>9.2f} {r['experts_us']:>11.2f} {r['experts_hit']:>8} "
               f"{r['gbs']:>7.0f} {r['pct_copy']:>6.1f}% {r['tflops']:>8.1f} "
+              f"{r['torch_us']:>14.1f} "
               f"{r['rel_rms']:>12.2e} {r['max_over_rms']:>8.2e} {r['route_err']:>10.1e}")
 
 
