@@ -134,6 +134,14 @@ KERNELS: tuple[Kernel, ...] = (
         cuda=("cuda/sampling.cu",),
         doc="temperature / top-k / top-p sampling on the GPU",
     ),
+    Kernel(
+        name="moe",
+        functions=("moe_topk_softmax", "moe_experts"),
+        cpu_functions=("moe_experts_quant",),
+        cuda=("cuda/moe.cu",),
+        rocm=True,
+        doc="MoE routing (softmax top-k) and routed expert MLPs (SwiGLU)",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

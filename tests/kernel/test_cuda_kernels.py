@@ -343,7 +343,7 @@ def test_cuda_kernels_compile_for_sm90a(tmp_path):
         nvcc=found[0].path, cuda_major=found[0].major)
     jobs = build.jobs_for(("sm_90a",), tc.cuda_major)
     assert {j.kernel for j in jobs} >= {"norm", "rotary", "activation", "kv_cache", "embedding",
-                                         "attention", "sampling"}
+                                         "attention", "sampling", "moe"}
 
     def compile_one(job):
         out = tmp_path / f"{job.kernel}.so"

@@ -15,7 +15,7 @@ import pytest
 
 from freetoken.csrc import build
 
-ROCM_KERNELS = ("norm", "rotary", "activation", "kv_cache", "embedding")
+ROCM_KERNELS = ("norm", "rotary", "activation", "kv_cache", "embedding", "moe")
 
 
 def _tool(name: str) -> str | None:

@@ -109,3 +109,75 @@ def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torc
     """
     get_function("sampling", "sample_tokens", logits.device)(
         out_ids, logits, temperature, top_k, top_p, seed, offset)
+
+
+def moe_topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor, logits: torch.Tensor,
+                     renormalize: bool) -> None:
+    """MoE routing: softmax over the router logits [T, E] in f32, then the K most likely experts
+    in descending order (ties: lower id) into topk_weights f32 [T, K] and topk_ids int32 [T, K];
+    renormalize divides the K weights by their sum. GPU logits may be bf16/f16/f32; E <= 512,
+    K <= 16."""
+    get_function("moe", "moe_topk_softmax", logits.device)(
+        topk_weights, topk_ids, logits, bool(renormalize))
+
+
+def moe_experts(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                workspace: torch.Tensor) -> None:
+    """The routed experts' SwiGLU MLPs, combined (out is overwritten):
+
+        out[t] = sum_k topk_weights[t, k] * w2[s] @ (silu(w13[s, :I] @ x[t]) * (w13[s, I:] @ x[t]))
+
+    with s = expert_map[topk_ids[t, k]]. x, out [T, H]; w13 [S, 2I, H] (gate rows, then up
+    rows); w2 [S, H, I]; topk_ids int32 [T, K]; topk_weights f32 [T, K]; expert_map int32 [E]
+    (0 <= slot < S; on the GPU a pair whose id or slot is out of range contributes nothing, since
+    raising would need a device sync). workspace: contiguous uint8 [>= moe_workspace_bytes(...)]
+    on x's device. No host sync and no allocation: capturable in a CUDA graph.
+    """
+    get_function("moe", "moe_experts", x.device)(
+        out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)
+
+
+# The GPU experts kernel's plan (kernels/cuda/moe.cu make_plan): keep the two in step.
+_MOE_GEMV_MAX_PAIRS, _MOE_GEMV_ROWS, _MOE_TILE_ROWS = 256, 8, 64
+_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def _align256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def moe_workspace_bytes(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
+                        itemsize) -> int:
+    """Bytes of `workspace` that moe_experts needs for these sizes (any backend honours it).
+
+    itemsize: bytes per element of x (2 or 4), a dtype name ("bfloat16") or a torch dtype.
+    Layout: tile table (3 int32 per tile), pair ids sorted by expert (int32 per pair), the
+    SwiGLU activations [pairs, I] in x's dtype and, for prefill-sized batches, one f32
+    down-projection column chunk [pairs, max(round_up(I, 64), 512)].
+    """
+    size = _itemsize(itemsize)
+    pairs = num_tokens * top_k
+    gemv = pairs <= min(4 * num_experts, _MOE_GEMV_MAX_PAIRS)
+    tile = _MOE_GEMV_ROWS if gemv else _MOE_TILE_ROWS
+    max_tiles = -(-pairs // tile) + min(num_experts, pairs)
+    y_cols = max(-(-intermediate // 64) * 64, 512)
+    total = (_align256(12 * max_tiles) + _align256(4 * pairs)
+             + _align256(size * pairs * intermediate))
+    return total + (0 if gemv else _align256(4 * pairs * y_cols))
+
+
+def _itemsize(itemsize) -> int:
+    if isinstance(itemsize, int):
+        if itemsize not in (2, 4):
+            raise ValueError(f"itemsize must be 2 or 4 bytes, got {itemsize}")
+        return itemsize
+    if isinstance(itemsize, str):
+        if itemsize not in _ITEMSIZE:
+            raise ValueError(f"itemsize: unknown dtype name {itemsize!r}; "
+                             f"known: {', '.join(_ITEMSIZE)}")
+        return _ITEMSIZE[itemsize]
+    size = getattr(itemsize, "itemsize", None)
+    if size not in (2, 4):
+        raise ValueError(f"itemsize must be 2, 4, a dtype name or a float dtype, got {itemsize!r}")
+    return size
