@@ -129,6 +129,13 @@ KERNELS: tuple[Kernel, ...] = (
         doc="GGUF Q4_0/Q4_1/Q8_0 matrix product with runtime ISA dispatch",
     ),
     Kernel(
+        name="moe",
+        functions=("moe_topk_softmax", "moe_experts"),
+        cpu_functions=("moe_experts_quant", "moe_experts_quant_isa"),
+        cpu=("cpu/moe.cc",),
+        doc="MoE routing (softmax top-k) and routed expert MLPs (SwiGLU)",
+    ),
+    Kernel(
         name="sampling",
         functions=("sample_tokens",),
         cuda=("cuda/sampling.cu",),

@@ -109,3 +109,43 @@ def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torc
     """
     get_function("sampling", "sample_tokens", logits.device)(
         out_ids, logits, temperature, top_k, top_p, seed, offset)
+
+
+def moe_topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor, logits: torch.Tensor,
+                     renormalize: bool) -> None:
+    """MoE routing: softmax over the E router logits of each token (f32 math), then the K
+    largest probabilities in descending order (ties: lower expert id first).
+
+    logits [T, E] (f32; bf16/f16 also accepted); topk_weights f32 [T, K] and topk_ids int32
+    [T, K] are written. renormalize=True divides the K weights by their sum (norm_topk_prob,
+    mixtral); False keeps the softmax values.
+    """
+    get_function("moe", "moe_topk_softmax", logits.device)(
+        topk_weights, topk_ids, logits, renormalize)
+
+
+def moe_experts(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                workspace: torch.Tensor) -> None:
+    """Routed expert MLPs (SwiGLU), overwriting out [T, H] (x's shape and dtype):
+
+        out[t] = sum_k topk_weights[t, k] * (w2[s] @ (silu(w13[s, :I] @ x[t]) * (w13[s, I:] @ x[t])))
+
+    with s = expert_map[topk_ids[t, k]], accumulated in f32. w13 [S, 2I, H] holds each slot's
+    gate rows then up rows, w2 [S, H, I] its down projection; topk_ids int32 [T, K] in [0, E),
+    topk_weights f32 [T, K], expert_map int32 [E] with entries in [0, S). workspace: contiguous
+    uint8 scratch on x's device (the CPU kernel needs none and accepts any size, even 0).
+    """
+    get_function("moe", "moe_experts", x.device)(
+        out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)
+
+
+def moe_experts_quant(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      qtype13: int, qtype2: int, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                      workspace: torch.Tensor) -> None:
+    """``moe_experts`` on the CPU over GGUF rows: out/x f32 [T, H]; w13 uint8 [S, 2I, row_bytes]
+    and w2 uint8 [S, H, row_bytes] hold one weight row per row in GGML type qtype13 / qtype2:
+    Q4_0 (2), Q4_1 (3), Q8_0 (8) (H and I multiples of 32), F16 (1), BF16 (30) or F32 (0)."""
+    get_function("moe", "moe_experts_quant", "cpu")(
+        out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
