@@ -6,8 +6,9 @@ Shapes: a Qwen3-30B-A3B-like layer (hidden 2048, moe_intermediate 768, 128 exper
 a small one (512, 256, 32, top-4); weights f32, Q8_0 and Q4_0. Every call routes the tokens
 anew (random logits through moe_topk_softmax), and the layer is copied until the copies exceed
 the last-level cache, so expert weights come from memory as in a model. GB/s counts the bytes
-of the distinct experts a call touches; the copy counts bytes copied (each read once and
-written once).
+of the distinct experts a call touches, beside the copy's memory traffic (every byte copied is
+read once and written once). "cpu" is the CPU time of all threads per call (best): on a shared
+machine it shows the work a call needs when wall times are stretched by other load.
 
     python benchmarks/cpu_moe.py [--threads N] [--reps 20] [--max-mib 1024]
         [--shapes qwen,small] [--formats f32,q8_0,q4_0] [--tokens 1,64]
@@ -33,25 +34,27 @@ COPY_MIB = 512
 MEMORY_MIB = 256          # at least this much distinct weight memory, so reads miss the caches
 
 
-def timed(fn, reps: int) -> tuple[float, float]:
-    """(median, best) seconds per call; on a shared machine the best is the uncontended figure."""
+def timed(fn, reps: int) -> tuple[float, float, float]:
+    """(median, best) wall seconds per call and the best CPU seconds (all threads) per call; on
+    a shared machine the best is the least contended figure."""
     fn()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(times), min(times), min(cpu)
 
 
 def copy_bandwidth(threads: int, reps: int) -> tuple[float, float]:
     """Best bytes-copied-per-second of a COPY_MIB copy: numpy (one thread), torch (`threads`)."""
     src = np.ones(COPY_MIB << 18, dtype=np.float32)
     dst = np.empty_like(src)
-    _, np_best = timed(lambda: np.copyto(dst, src), reps)
+    _, np_best, _ = timed(lambda: np.copyto(dst, src), reps)
     torch.set_num_threads(threads)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-    _, torch_best = timed(lambda: tdst.copy_(tsrc), reps)
+    _, torch_best, _ = timed(lambda: tdst.copy_(tsrc), reps)
     return src.nbytes / np_best, src.nbytes / torch_best
 
 
@@ -118,12 +121,13 @@ def bench_case(name, fmt, t, args, rng) -> None:
         else:
             quant(out, x, w13, w2, qtype, qtype, ids, weights, expert_map, workspace)
 
-    median, best = timed(call, args.reps)
+    median, best, cpu = timed(call, args.reps)
     moved = statistics.mean(touched) * expert_bytes(h, i, fmt)
     note = "" if slots == e else f" ({slots} of {e} slots resident)"
-    print(f"  {name:5s} {fmt:5s} T={t:<3d} {median * 1e3:8.3f} ms (best {best * 1e3:7.3f})  "
-          f"{moved / 1e6:7.1f} MB of experts  {moved / median / 1e9:6.2f} GB/s "
-          f"(best {moved / best / 1e9:6.2f}, {moved / best / args.copy_bw:5.0%} of the copy){note}")
+    print(f"  {name:5s} {fmt:5s} T={t:<3d} {median * 1e3:8.3f} ms (best {best * 1e3:7.3f}, "
+          f"cpu {cpu * 1e3:7.3f})  {moved / 1e6:7.1f} MB of experts  {moved / median / 1e9:6.2f} "
+          f"GB/s (best {moved / best / 1e9:6.2f} = {moved / best / args.copy_traffic:4.0%} of "
+          f"the copy's traffic){note}")
 
 
 def main() -> None:
@@ -138,9 +142,10 @@ def main() -> None:
     threads = get_function("quant_gemm", "set_num_threads", "cpu")(args.threads)
     print(f"cpu_isa={ops.cpu_isa()} threads={threads} torch={torch.__version__}")
     np_bw, torch_bw = copy_bandwidth(threads, max(5, args.reps // 2))
-    args.copy_bw = max(np_bw, torch_bw)
+    args.copy_traffic = 2 * max(np_bw, torch_bw)   # a copy reads and writes every byte
     print(f"copy {COPY_MIB} MiB: numpy 1 thread {np_bw / 1e9:.2f} GB/s, torch {threads} threads "
-          f"{torch_bw / 1e9:.2f} GB/s (bytes copied per second; each is read and written)")
+          f"{torch_bw / 1e9:.2f} GB/s copied -> memory traffic (read + write) "
+          f"{args.copy_traffic / 1e9:.2f} GB/s")
     rng = np.random.default_rng(0)
     for name in args.shapes.split(","):
         h, i, e, k = SHAPES[name]
