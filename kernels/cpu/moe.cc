@@ -51,7 +51,8 @@ void product(const Plan& p, const Format& f, const uint8_t* w, int64_t rb, int64
   }
 }
 
-// Step 1 and 3: pairs [q0, q1) of `src` rows (x by token, or act) into `dst`'s form.
+// Steps 1 and 3: rows [q0, q1) of x (by each pair's token) or of act into dst's form: a copy
+// (float weights; act is already in place) or int8 blocks (GGUF weights).
 void prepare_rows(const Plan& p, const Format& f, const Acts& dst, int64_t width, bool from_x,
                   int64_t q0, int64_t q1) {
   for (int64_t q = q0; q < q1; ++q) {
@@ -132,7 +133,9 @@ void prepare(const Plan& p, const Format& f, const Acts& dst, int64_t width, boo
   if (p.pairs < kInlineRows) {
     prepare_rows(p, f, dst, width, from_x, 0, p.pairs);
   } else {
-    parallel_for(p.pairs, 8, [&](int64_t q0, int64_t q1) { prepare_rows(p, f, dst, width, from_x, q0, q1); });
+    parallel_for(p.pairs, 8, [&](int64_t q0, int64_t q1) {
+      prepare_rows(p, f, dst, width, from_x, q0, q1);
+    });
   }
 }
 
