@@ -137,7 +137,8 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="moe",
         functions=("moe_topk_softmax", "moe_experts"),
-        cpu_functions=("moe_experts_quant",),
+        cpu_functions=("moe_experts_quant", "moe_experts_quant_isa"),
+        cpu=("cpu/moe.cc",),
         cuda=("cuda/moe.cu",),
         rocm=True,
         doc="MoE routing (softmax top-k) and routed expert MLPs (SwiGLU)",

@@ -4,66 +4,15 @@
 // out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 per 32-block
 // once per call (see quant_blocks.h), then each output is a sum of integer block dot products;
 // the weight rows are split over the thread pool.
-#include <immintrin.h>
-
 #include <string>
 #include <vector>
 
 #include "freetoken/cpu_common.h"
-#include "freetoken/quant_blocks.h"
+#include "freetoken/quant_dispatch.h"
 
 namespace freetoken {
 namespace quant {
-
-#define FT_QX_NS avx2
-#define FT_QX_TARGET "avx2,fma,f16c"
-#define FT_QX_VNNI 0
-#include "freetoken/quant_x86_body.h"
-#undef FT_QX_NS
-#undef FT_QX_TARGET
-#undef FT_QX_VNNI
-
-#define FT_QX_NS avx512
-#define FT_QX_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
-#define FT_QX_VNNI 1
-#include "freetoken/quant_x86_body.h"
-#undef FT_QX_NS
-#undef FT_QX_TARGET
-#undef FT_QX_VNNI
-
 namespace {
-
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
-}
-
-Isa best_isa() {
-  static const Isa isa = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-      return Isa::kAvx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
-      return Isa::kAvx2;
-    }
-    return Isa::kScalar;
-  }();
-  return isa;
-}
-
-Isa parse_isa(const std::string& name) {
-  Isa isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
-  TVM_FFI_ICHECK(name == isa_name(isa))
-      << "unknown isa '" << name << "': use avx512, avx2 or scalar";
-  TVM_FFI_ICHECK(isa <= best_isa())
-      << "isa '" << name << "' is not supported by this CPU (best: " << isa_name(best_isa()) << ")";
-  return isa;
-}
 
 struct MatmulShape {
   int64_t m, k, n, row_bytes;
@@ -107,28 +56,6 @@ QuantizedRows quantized_buffer(int64_t rows, int64_t blocks) {
   return xq;
 }
 
-void quantize(Isa isa, const float* x, int64_t k, int64_t r0, int64_t r1, const QuantizedRows& xq) {
-  if (isa == Isa::kScalar) {
-    for (int64_t r = r0; r < r1; ++r) {
-      quantize_row_scalar(x + r * k, xq.blocks, xq.q + r * xq.blocks * kBlock, xq.d + r * xq.blocks,
-                          xq.s + r * xq.blocks);
-    }
-  } else {
-    avx2::quantize_rows(x, k, r0, r1, xq);  // AVX-512 machines run this AVX2 code too
-  }
-}
-
-void multiply(Isa isa, const uint8_t* w, const MatmulShape& s, int64_t qtype, int64_t n0,
-              int64_t n1, const QuantizedRows& xq, float* out) {
-  if (isa == Isa::kAvx512) {
-    avx512::matmul_rows(w, s.row_bytes, qtype, n0, n1, xq, out, s.n);
-  } else if (isa == Isa::kAvx2) {
-    avx2::matmul_rows(w, s.row_bytes, qtype, n0, n1, xq, out, s.n);
-  } else {
-    matmul_rows_scalar(w, s.row_bytes, qtype, n0, n1, xq, out, s.n);
-  }
-}
-
 void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64_t qtype) {
   const MatmulShape s = check_matmul(out, x, qweight, qtype);
   if (s.m == 0 || s.n == 0) return;
@@ -148,7 +75,9 @@ void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64
   int64_t grain = s.m == 1 ? std::max<int64_t>(16, s.n / (threads * 16))
                            : std::max<int64_t>(4, std::min<int64_t>(16, s.n / (threads * 4)));
   grain = (grain + 3) / 4 * 4;  // whole tiles of four weight rows
-  parallel_for(s.n, grain, [&](int64_t n0, int64_t n1) { multiply(isa, wp, s, qtype, n0, n1, xq, op); });
+  parallel_for(s.n, grain, [&](int64_t n0, int64_t n1) {
+    matmul_rows(isa, wp, s.row_bytes, qtype, n0, n1, xq, op, s.n);
+  });
 }
 
 void quant_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtype) {

@@ -47,7 +47,8 @@ def test_fresh_venv_loads_every_cpu_kernel_without_compiling(fresh_venv):
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "would compile" not in verify.stdout and " cache " in verify.stdout
     tests = subprocess.run([str(fresh_venv / "bin" / "python"), "-m", "pytest", "-q", "-p",
-                            "no:cacheprovider", "tests/kernel/test_cpu_kernels.py"],
+                            "no:cacheprovider", "tests/kernel/test_cpu_kernels.py",
+                            "tests/kernel/test_moe_cpu.py"],
                            cwd=REPO, env=env, capture_output=True, text=True)
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
     assert " passed" in tests.stdout

@@ -1,6 +1,6 @@
 // The x86 SIMD path of the quantized matmul, written once and compiled once per ISA.
 //
-// No include guard on purpose: quant_gemm.cc includes this file once per ISA, each time with
+// No include guard on purpose: quant_dispatch.h includes this file once per ISA, each time with
 //   FT_QX_NS      the namespace to define (avx2, avx512)
 //   FT_QX_TARGET  the GCC target string of every function here
 //   FT_QX_VNNI    1 to use vpdpbusd (AVX-512 VNNI on 256-bit vectors), 0 for vpmaddubsw

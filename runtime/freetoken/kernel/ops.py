@@ -132,7 +132,8 @@ def moe_experts(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch
     rows); w2 [S, H, I]; topk_ids int32 [T, K]; topk_weights f32 [T, K]; expert_map int32 [E]
     (0 <= slot < S; on the GPU a pair whose id or slot is out of range contributes nothing, since
     raising would need a device sync). workspace: contiguous uint8 [>= moe_workspace_bytes(...)]
-    on x's device. No host sync and no allocation: capturable in a CUDA graph.
+    on x's device (the CPU kernel needs none and accepts any size, even 0). On the GPU: no host
+    sync and no allocation, so it is capturable in a CUDA graph.
     """
     get_function("moe", "moe_experts", x.device)(
         out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)
@@ -181,3 +182,14 @@ def _itemsize(itemsize) -> int:
     if size not in (2, 4):
         raise ValueError(f"itemsize must be 2, 4, a dtype name or a float dtype, got {itemsize!r}")
     return size
+
+
+def moe_experts_quant(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      qtype13: int, qtype2: int, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                      workspace: torch.Tensor) -> None:
+    """``moe_experts`` on the CPU over GGUF rows: out/x f32 [T, H]; w13 uint8 [S, 2I, row_bytes]
+    and w2 uint8 [S, H, row_bytes] hold one weight row per row in GGML type qtype13 / qtype2:
+    Q4_0 (2), Q4_1 (3), Q8_0 (8) (H and I multiples of 32), F16 (1), BF16 (30) or F32 (0)."""
+    get_function("moe", "moe_experts_quant", "cpu")(
+        out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
