@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.registry import (ARCHITECTURES, config_from_gguf, config_from_hf,
-                                       spec_for_gguf, supported_names)
-from freetoken.models.rope import inverse_frequencies
+from freetoken.models.checkpoint.gguf_config import config_from_gguf
+from freetoken.models.checkpoint.hf_config import config_from_hf
+from freetoken.models.registry import ARCHITECTURES, spec_for_gguf, supported_names
+from freetoken.models.forward.rope import inverse_frequencies
 
 
 def test_every_supported_name_resolves():
@@ -16,9 +17,15 @@ def test_every_supported_name_resolves():
     for arch in ("llama", "qwen2", "qwen3", "mistral", "LlamaForCausalLM",
                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert arch in names
-    assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral"}
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*llama, mistral, qwen2, qwen3"):
+    assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
+                                  "mixtral", "olmoe"}
+    with pytest.raises(UnsupportedModelError,
+                       match="'falcon'.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe"):
         spec_for_gguf("falcon", "x.gguf")
+    # llama.cpp writes Mixtral as `llama` with experts
+    assert spec_for_gguf("llama", "x.gguf", has_experts=True).name == "mixtral"
+    assert spec_for_gguf("llama", "x.gguf").name == "llama"
+    assert spec_for_gguf("qwen3moe", "x.gguf", has_experts=True).name == "qwen3_moe"
 
 
 def hf_dict(config) -> dict:

@@ -109,3 +109,58 @@ def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torc
     """
     get_function("sampling", "sample_tokens", logits.device)(
         out_ids, logits, temperature, top_k, top_p, seed, offset)
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+# E = experts, K = experts per token, I = expert intermediate size, S = expert slots in w13/w2.
+
+MOE_BLOCK_M = 64     # token rows per expert tile: each expert's rows are padded to a multiple
+
+
+def moe_workspace_bytes(tokens: int, top_k: int, num_experts: int, intermediate: int,
+                        dtype: int | str) -> int:
+    """Scratch bytes ``moe_experts`` may use for a step of `tokens` tokens (both backends
+    honour it; the CPU needs less). Room for the (token, k) pairs sorted by expert and padded
+    per expert to MOE_BLOCK_M rows, their int32 bookkeeping, and the f32 gate/up products.
+
+    dtype: the activations' itemsize in bytes or a dtype name (float32, bfloat16, float16)."""
+    itemsize = dtype if isinstance(dtype, int) else (4 if "32" in str(dtype) else 2)
+    padded = tokens * top_k + num_experts * (MOE_BLOCK_M - 1)
+    blocks = -(-padded // MOE_BLOCK_M)
+    ints = 4 * (padded + 2 * (num_experts + 1) + blocks)
+    floats = padded * intermediate * (2 * 4 + itemsize)
+    return -(-(ints + floats) // 256) * 256
+
+
+def moe_topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor, logits: torch.Tensor,
+                     renormalize: bool) -> None:
+    """Router: topk_weights f32 [T, K], topk_ids int32 [T, K] from logits [T, E] (f32; on a
+    GPU also bf16/f16, math in f32): softmax over E, the K largest probabilities in
+    descending order (ties: lower expert id first), divided by their sum when `renormalize`
+    (qwen3_moe norm_topk_prob, mixtral) or kept as softmax values (qwen2_moe, olmoe)."""
+    get_function("moe", "moe_topk_softmax", logits.device)(
+        topk_weights, topk_ids, logits, renormalize)
+
+
+def moe_experts(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                workspace: torch.Tensor) -> None:
+    """Routed SwiGLU experts: out[t] = sum_k topk_weights[t,k] *
+    w2[s] @ (silu(w13[s,:I] @ x[t]) * (w13[s,I:] @ x[t])), s = expert_map[topk_ids[t,k]].
+
+    x, out [T, H] of one dtype (f32 on the CPU; bf16/f16/f32 on a GPU); w13 [S, 2I, H] (gate
+    rows, then up rows); w2 [S, H, I]; expert_map int32 [E] (0 <= slot < S); workspace uint8
+    of at least moe_workspace_bytes(T, K, E, I, dtype) bytes. f32 accumulation; out is
+    overwritten. No host sync and no allocation (capturable in a CUDA graph)."""
+    get_function("moe", "moe_experts", x.device)(
+        out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)
+
+
+def moe_experts_quant(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      qtype13: int, qtype2: int, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                      workspace: torch.Tensor) -> None:
+    """``moe_experts`` on the CPU over GGUF blocks: w13 uint8 [S, 2I, row_bytes13], w2 uint8
+    [S, H, row_bytes2], one weight row per row, of GGML types Q4_0, Q4_1, Q8_0, F16 or F32."""
+    get_function("moe", "moe_experts_quant", "cpu")(
+        out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)

@@ -1,8 +1,6 @@
-"""Checkpoint-neutral decoder weights: loaders name tensors canonically, this module checks
-shapes, places them on the device and concatenates q/k/v and gate/up rows once.
-
-Canonical names: ``embed``, ``final_norm``, ``lm_head``, ``rope_freqs`` and per layer
-``layers.{i}.`` + ``input_norm q k v q_bias k_bias v_bias q_norm k_norm o post_norm gate up down``.
+"""Checkpoint-neutral decoder weights: readers name tensors canonically (see registry.py),
+this module checks shapes against the config, places them on the device and concatenates q/k/v
+and gate/up rows once; routed experts are stacked [E, 2I, H] and [E, H, I].
 """
 
 from __future__ import annotations
@@ -44,17 +42,10 @@ class Placement:
         return self.arrays.device.is_cpu
 
 
-@dataclass
-class LayerWeights:
-    input_norm: Array
-    qkv: list[Weight]            # one fused matrix, or the parts when they cannot concatenate
-    qkv_bias: Array | None
-    q_norm: Array | None
-    k_norm: Array | None
-    o: Weight
-    post_norm: Array
-    gate_up: list[Weight]
-    down: Weight
+# A layer's weights by canonical part (registry.LAYER_PARTS), with fused entries: "qkv" (one
+# matrix or its parts) and "qkv_bias"; "gate_up" (dense MLP); "experts.gate_up" [E, 2I, H] and
+# "experts.down" [E, H, I]; "shared.gate_up" and "shared.down" for a shared expert.
+LayerWeights = dict[str, Any]
 
 
 @dataclass
@@ -100,13 +91,13 @@ def _fuse_rows(parts: list[Weight]) -> list[Weight]:
     return parts
 
 
-def _concat(parts: list[Array]) -> Array:
-    """Row concatenation of placed float arrays (all numpy, or all torch on one device)."""
+def _concat(parts: list[Array], axis: int = 0) -> Array:
+    """Concatenation of placed float arrays (all numpy, or all torch on one device)."""
     if is_torch(parts[0]):
         import torch
 
-        return torch.cat(parts, dim=0)
-    return np.concatenate(parts, axis=0)
+        return torch.cat(parts, dim=axis)
+    return np.concatenate(parts, axis=axis)
 
 
 class _Reader:
@@ -119,6 +110,14 @@ class _Reader:
         weight = self.src.get(name)
         if weight is None:
             return None
+        return self.check(name, weight, shape)
+
+    def check(self, name: str, weight: Weight | None, shape: tuple[int, ...]) -> Weight:
+        """`weight` (required) checked against `shape` and placed."""
+        if weight is None:
+            raise MissingTensorError(
+                f"{self.src.source}: missing tensor {self.src.file_name(name)!r}; the "
+                f"checkpoint is incomplete or does not match its {self.where_config} config")
         if _shape(weight) != shape:
             raise ModelFormatError(
                 f"{self.src.source}: tensor {self.src.file_name(name)!r} has shape "
@@ -139,34 +138,81 @@ class _Reader:
         return fused
 
     def required(self, name: str, shape: tuple[int, ...]) -> Weight:
-        weight = self.optional(name, shape)
-        if weight is None:
-            raise MissingTensorError(
-                f"{self.src.source}: missing tensor {self.src.file_name(name)!r}; the "
-                f"checkpoint is incomplete or does not match its {self.where_config} config")
-        return weight
+        return self.check(name, self.src.get(name), shape)
+
+    def stacked(self, parts: list[tuple[str, tuple[int, ...]]]) -> Weight:
+        """Stacked expert tensors [E, rows, cols] joined along the rows of each expert: GGUF
+        blocks stay quantized when every part has one block type, else all become floats."""
+        raw = [self.src.get(name) for name, _ in parts]
+        for (name, shape), weight in zip(parts, raw):
+            if weight is None or _shape(weight) != shape:
+                self.check(name, weight, shape)      # raises, naming the tensor
+        quant = [isinstance(w, QuantWeight) for w in raw]
+        if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
+            if len(raw) == 1:
+                return raw[0]
+            rows = sum(w.shape[1] for w in raw)
+            data = np.concatenate([w.data for w in raw], axis=1)
+            return QuantWeight(raw[0].qtype, data, (raw[0].shape[0], rows, raw[0].shape[2]))
+        floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
+        placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
+        if len(placed) == 1:
+            return placed[0]
+        return _concat(placed, axis=1)
+
+
+def _attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
+    h, qs, kvs = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    w = {"input_norm": read.required(p + "input_norm", (h,)),
+         "qkv": read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))]),
+         "o": read.required(p + "o", (h, qs)),
+         "post_norm": read.required(p + "post_norm", (h,))}
+    if cfg.attention_bias:
+        w["qkv_bias"] = _concat([read.required(p + "q_bias", (qs,)),
+                                 read.required(p + "k_bias", (kvs,)),
+                                 read.required(p + "v_bias", (kvs,))])
+    norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (qs, kvs)}
+    if cfg.qk_norm:
+        q_size, k_size = norm_sizes[cfg.qk_norm]
+        w["q_norm"] = read.required(p + "q_norm", (q_size,))
+        w["k_norm"] = read.required(p + "k_norm", (k_size,))
+    return w
+
+
+def _dense_mlp(read: _Reader, p: str, h: int, inter: int) -> LayerWeights:
+    return {"gate_up": read.fused([(p + "gate", (inter, h)), (p + "up", (inter, h))]),
+            "down": read.required(p + "down", (h, inter))}
+
+
+def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
+    moe, h = cfg.moe, cfg.hidden_size
+    e, inter = moe.num_experts, moe.intermediate_size
+    gate_up = read.stacked([(p + "experts.gate", (e, inter, h)), (p + "experts.up", (e, inter, h))])
+    down = read.stacked([(p + "experts.down", (e, h, inter))])
+    if isinstance(gate_up, QuantWeight) != isinstance(down, QuantWeight):
+        # one kernel call takes both: GGUF blocks for both, or floats for both
+        gate_up, down = (read.where.arrays.place(dequantize(x), read.where.dtype)
+                         if isinstance(x, QuantWeight) else x for x in (gate_up, down))
+    w = {"router": read.required(p + "router", (e, h)),
+         "experts.gate_up": gate_up, "experts.down": down}
+    if moe.shared_intermediate_size:
+        shared = _dense_mlp(read, p + "shared.", h, moe.shared_intermediate_size)
+        w.update({"shared." + k: v for k, v in shared.items()})
+        gate = read.src.get(p + "shared_gate")     # [1, H] in HF files, [H] in GGUF ones
+        if gate is not None and _shape(gate) == (h,):
+            gate = gate.reshape(1, h)
+        w["shared_gate"] = read.check(p + "shared_gate", gate, (1, h))
+    return w
 
 
 def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
-    p, h = f"layers.{i}.", cfg.hidden_size
-    qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    qkv = read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))])
-    bias = None
-    if cfg.attention_bias:
-        bias = _concat([read.required(p + "q_bias", (qs,)), read.required(p + "k_bias", (kvs,)),
-                        read.required(p + "v_bias", (kvs,))])
-    q_norm = k_norm = None
-    if cfg.qk_norm:
-        q_norm = read.required(p + "q_norm", (cfg.head_dim,))
-        k_norm = read.required(p + "k_norm", (cfg.head_dim,))
-    return LayerWeights(
-        input_norm=read.required(p + "input_norm", (h,)),
-        qkv=qkv, qkv_bias=bias, q_norm=q_norm, k_norm=k_norm,
-        o=read.required(p + "o", (h, qs)),
-        post_norm=read.required(p + "post_norm", (h,)),
-        gate_up=read.fused([(p + "gate", (inter, h)), (p + "up", (inter, h))]),
-        down=read.required(p + "down", (h, inter)),
-    )
+    p = f"layers.{i}."
+    w = _attention(read, cfg, p)
+    if cfg.is_sparse(i):
+        w.update(_moe_mlp(read, cfg, p))
+    else:
+        w.update(_dense_mlp(read, p, cfg.hidden_size, cfg.intermediate_size))
+    return w
 
 
 def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
