@@ -17,6 +17,8 @@ from typing import Any
 
 from freetoken.models.errors import UnsupportedModelError
 
+# config.json spells the expert count either way (transformers 5 writes num_local_experts)
+HF_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
 ATTENTION_PARTS = ("input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm",
                    "k_norm", "o", "post_norm")
 DENSE_MLP_PARTS = ("gate", "up", "down")
@@ -79,8 +81,7 @@ class MoESpec:
 
     hf_modules: tuple[str, ...] = ("mlp",)   # the sparse block's module name(s) in checkpoints
     hf_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    hf_num_experts: str = "num_experts"      # config.json keys
-    hf_intermediate: str = "moe_intermediate_size"
+    hf_intermediate: str = "moe_intermediate_size"   # config.json's key for the expert width
     renormalize: bool | None = None          # None: config.json's norm_topk_prob (default False)
     gguf_renormalize: bool = False           # what llama.cpp does when the GGUF does not say
     shared_expert: bool = False              # an always-on expert times sigmoid(x @ gate)
@@ -118,7 +119,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                  AttentionSpec(config_window=True),
                  MoESpec(hf_modules=("mlp", "block_sparse_moe"),
                          hf_expert_projections=("w1", "w3", "w2"),
-                         hf_num_experts="num_local_experts", hf_intermediate="intermediate_size",
+                         hf_intermediate="intermediate_size",
                          renormalize=True, gguf_renormalize=True),
                  gguf_permuted_qk=True),
         ArchSpec("olmoe", ("OlmoeForCausalLM",), ("olmoe",), AttentionSpec(qk_norm="full"),

@@ -6,7 +6,7 @@ from typing import Any
 
 from freetoken.models.config import ModelConfig, MoEConfig
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.registry import ArchSpec, MoESpec, spec_for_hf
+from freetoken.models.registry import HF_NUM_EXPERTS_KEYS, ArchSpec, MoESpec, spec_for_hf
 
 # quantization_config methods this build runs: none yet (weights must be bf16/fp16/fp32).
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
@@ -87,7 +87,8 @@ def serving_context(max_position: int, scaling: dict | None) -> int:
 
 
 def _moe_from_hf(cfg: dict[str, Any], moe: MoESpec, layers: int, source: str) -> MoEConfig:
-    experts = int(require(cfg, moe.hf_num_experts, source))
+    key = next((k for k in HF_NUM_EXPERTS_KEYS if cfg.get(k) is not None), HF_NUM_EXPERTS_KEYS[0])
+    experts = int(require(cfg, key, source))
     sparse = [experts > 0] * layers
     if moe.sparse_step:      # qwen2_moe / qwen3_moe: dense MLPs between the sparse ones
         step = int(cfg.get("decoder_sparse_step") or 1)
