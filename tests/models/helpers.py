@@ -48,7 +48,7 @@ MOE_SETTINGS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+                      shared_expert_intermediate_size=64, norm_topk_prob=False),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
                   norm_topk_prob=False),

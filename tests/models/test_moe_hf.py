@@ -58,7 +58,7 @@ def test_moe_forward_matches_transformers(arch, moe_checkpoint, moe_ops):
     assert cfg.moe.num_experts == 8 and cfg.moe.top_k == 2
     assert cfg.moe.sparse_layers == SPARSE[arch] == hf_sparse_layers(hf)
     assert cfg.moe.renormalize == (arch in ("qwen3_moe", "mixtral"))
-    assert cfg.moe.shared_intermediate_size == (48 if arch == "qwen2_moe" else 0)
+    assert cfg.moe.shared_intermediate_size == (64 if arch == "qwen2_moe" else 0)
     assert cfg.qk_norm == {"qwen3_moe": "head", "olmoe": "full"}.get(arch)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
     run_and_compare(loaded.model, hf, ATOL)

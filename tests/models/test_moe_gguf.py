@@ -1,0 +1,76 @@
+"""MoE GGUF files written as llama.cpp's converter lays them out (stacked ffn_*_exps, router
+ffn_gate_inp, shared-expert tensors, {arch}.expert_* metadata; Mixtral as `llama` with experts)
+from the same random weights as the safetensors folder of test_moe_hf.py.
+
+F32 files must give the safetensors folder's logits (same float32 values, 1e-4); F16 files
+those of transformers holding the same float16-rounded weights (1e-4). Q8_0 files keep their
+experts quantized on the CPU; the attention matmuls then quantize activations to 8 bits, so the
+logits agree with transformers on the dequantized weights to a few percent of their scale
+(tolerance: 5% of the largest logit, as for the dense GGUF tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.kernel.ops import Q8_0
+from freetoken.models.loader import load_model
+from tests.models.helpers import PagedRunner
+from tests.models.test_dense_hf import ATOL, hf_last_logits, prompts
+from tests.models.test_gguf_tiny import REL_TOL, dequantized_reference
+from tests.models.test_moe_hf import MOE_CASES, moe_checkpoint  # noqa: F401  (fixture)
+from tests.models.tiny_gguf import write_gguf
+
+F16 = 1
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(moe_checkpoint, tmp_path_factory):  # noqa: F811
+    made = {}
+
+    def get(arch: str, kind: str):
+        if (arch, kind) not in made:
+            directory, hf = moe_checkpoint(arch)
+            path = tmp_path_factory.mktemp(f"gguf-{arch}-{kind}") / f"tiny-{arch}.gguf"
+            qtype = Q8_0 if kind == "q8_0" else None
+            state = write_gguf(hf, directory, path, arch, qtype,
+                               float_type=F16 if kind == "f16" else None)
+            made[arch, kind] = (path, directory, hf, dequantized_reference(hf, state))
+        return made[arch, kind]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_CASES))
+def test_f32_gguf_gives_the_safetensors_logits(arch, moe_gguf, moe_ops):
+    path, directory, _, _ = moe_gguf(arch, "f32")
+    ours, folder = load_model(str(path)), load_model(str(directory))
+    assert ours.config.architecture == arch
+    assert ours.config.moe == folder.config.moe
+    a, b = prompts(folder.config.vocab_size)
+    chunks = [(0, a), (1, b)]
+    torch.testing.assert_close(PagedRunner(ours.model).step(chunks),
+                               PagedRunner(folder.model).step(chunks), atol=ATOL, rtol=0)
+
+
+def test_f16_gguf_matches_transformers_on_the_rounded_weights(moe_gguf, moe_ops):
+    path, _, _, reference = moe_gguf("qwen2_moe", "f16")
+    loaded = load_model(str(path))
+    a, _ = prompts(loaded.config.vocab_size)
+    torch.testing.assert_close(PagedRunner(loaded.model).step([(0, a)])[0],
+                               hf_last_logits(reference, a), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_CASES))
+def test_q8_0_gguf_keeps_experts_quantized(arch, moe_gguf, moe_ops):
+    path, _, _, reference = moe_gguf(arch, "q8_0")
+    loaded = load_model(str(path))
+    sparse = [layer.mlp for layer in loaded.model.layers if hasattr(layer.mlp, "qtypes")]
+    assert sparse and all(mlp.qtypes == (Q8_0, Q8_0) for mlp in sparse)
+    runner = PagedRunner(loaded.model)
+    a, b = prompts(loaded.config.vocab_size)
+    logits = runner.step([(0, a), (1, b)])
+    for row, seq in ((0, a), (1, b)):
+        expected = hf_last_logits(reference, seq)
+        assert (logits[row] - expected).abs().max() < REL_TOL * expected.abs().max()
