@@ -74,3 +74,22 @@ def test_q8_0_gguf_keeps_experts_quantized(arch, moe_gguf, moe_ops):
     for row, seq in ((0, a), (1, b)):
         expected = hf_last_logits(reference, seq)
         assert (logits[row] - expected).abs().max() < REL_TOL * expected.abs().max()
+
+
+def test_expert_tensor_of_an_unsupported_type_is_refused(moe_checkpoint, tmp_path):  # noqa: F811
+    """A Q5_0 expert tensor (a type this build has no kernel for) is named at load."""
+    import numpy as np
+
+    from freetoken.models.errors import UnsupportedModelError
+
+    directory, hf = moe_checkpoint("olmoe")
+    q5_0, block_bytes = 6, 22
+    cfg = hf.config
+    blocks = np.zeros((cfg.num_experts, cfg.intermediate_size, cfg.hidden_size // 32 * block_bytes),
+                      np.uint8)
+    path = tmp_path / "q5.gguf"
+    write_gguf(hf, directory, path, "olmoe", None,
+               raw={"blk.0.ffn_up_exps.weight": (blocks, q5_0)})
+    with pytest.raises(UnsupportedModelError,
+                       match="'blk.0.ffn_up_exps.weight' has type Q5_0.*supported: F32"):
+        load_model(str(path))

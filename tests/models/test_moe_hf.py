@@ -134,3 +134,21 @@ def test_active_parameters_count_only_the_routed_experts(moe_checkpoint, moe_ops
     expert = 3 * cfg.hidden_size * cfg.moe.intermediate_size
     idle = sum(cfg.moe.sparse_layers) * (cfg.moe.num_experts - cfg.moe.top_k) * expert
     assert cfg.active_params_per_token == sum(p.numel() for p in hf.parameters()) - idle
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_load(dtype, moe_checkpoint, moe_ops, tmp_path):
+    """bf16/fp16 safetensors: the CPU computes in float32 on exactly the stored values."""
+    directory, hf = moe_checkpoint("qwen2_moe")
+    half = type(hf)(hf.config).eval()
+    half.load_state_dict(hf.state_dict())
+    half.to(dtype).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(directory / name, tmp_path / name)
+    # a fresh float32 model: converting `half` back would keep its bf16-rounded rope buffers
+    reference = type(hf)(hf.config).eval()
+    reference.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    loaded = load_model(str(tmp_path))
+    a, _ = prompts(loaded.config.vocab_size)
+    torch.testing.assert_close(PagedRunner(loaded.model).step([(0, a)])[0],
+                               hf_last_logits(reference, a), atol=ATOL, rtol=0)

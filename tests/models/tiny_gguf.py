@@ -96,7 +96,7 @@ def _split_experts(state: dict) -> dict:
 def _merge_experts(state: dict) -> dict:
     merged = {}
     for name, value in state.items():
-        if name.endswith("gate_up_proj.gate"):
+        if name.endswith("gate_up_proj.gate") and name[:-5] + ".up" in state:
             merged[name[:-5]] = torch.cat([value, state[name[:-5] + ".up"]], dim=1)
         elif not name.endswith("gate_up_proj.up"):
             merged[name] = value
