@@ -152,13 +152,17 @@ class _Reader:
             if len(raw) == 1:
                 return raw[0]
             rows = sum(w.shape[1] for w in raw)
-            data = np.concatenate([w.data for w in raw], axis=1)
-            return QuantWeight(raw[0].qtype, data, (raw[0].shape[0], rows, raw[0].shape[2]))
-        floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
-        placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
-        if len(placed) == 1:
-            return placed[0]
-        return _concat(placed, axis=1)
+            joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
+                                 (raw[0].shape[0], rows, raw[0].shape[2]))
+        else:
+            floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
+            placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
+            joined = placed[0] if len(placed) == 1 else _concat(placed, axis=1)
+        release = getattr(self.src, "release", None)
+        if release is not None and len(parts) > 1:   # joined into a copy: drop the file's pages
+            for name, _ in parts:
+                release(name)
+        return joined
 
 
 def _attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
