@@ -101,3 +101,36 @@ def test_gpu_logits_match_transformers(name, tmp_path, moe_ops):
                                                    noise.item(), ours[-1].topk(2))
         tokens.append(nxt)
         ours.append(runner.step([(0, [nxt])])[0])
+
+
+def test_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops):
+    """The engine's decode graphs (routing, expert sort and workspace captured at a fixed
+    batch size) pick the same greedy tokens as eager steps of the same model."""
+    import asyncio
+
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.request import SamplingParams
+    from freetoken.models.loader import load_model
+
+    arch, shape = SHAPES["qwen3-30b-a3b"]
+    tiny_hf_model(arch, tmp_path, seed=4, **shape)
+    loaded = load_model(str(tmp_path), device="cuda")
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
+    logits, eager = runner.step([(0, prompt)])[0], []
+    for _ in range(12):
+        eager.append(int(logits.argmax()))
+        logits = runner.step([(0, eager[-1:])])[0]
+    engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=4096, max_num_seqs=8,
+                                                     device="cuda")).start()
+
+    async def run():
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+    try:
+        assert engine.graphs is not None
+        assert asyncio.run(run()) == eager
+    finally:
+        engine.shutdown()
