@@ -18,40 +18,21 @@ import torch
 
 from freetoken.models.errors import MissingTensorError, UnsupportedModelError
 from freetoken.models.loader import load_model
-from tests.models.helpers import PagedRunner, tiny_hf_model
+from tests.models.conftest import MOE_ARCHS
+from tests.models.helpers import PagedRunner
 from tests.models.test_dense_hf import ATOL, hf_last_logits, prompts, run_and_compare
 
-# Per family: the layer mix under test (dense layers where the config asks for them).
-MOE_CASES = {
-    "qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]),
-    "qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=2),
-    "mixtral": {},
-    "olmoe": {},
-}
 SPARSE = {"qwen3_moe": (True, False, True), "qwen2_moe": (False, True, False, True),
           "mixtral": (True, True), "olmoe": (True, True)}
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
-    built = {}
-
-    def get(arch: str):
-        if arch not in built:
-            directory = tmp_path_factory.mktemp(f"tiny-{arch}")
-            built[arch] = (directory, tiny_hf_model(arch, directory, seed=5, **MOE_CASES[arch]))
-        return built[arch]
-
-    return get
 
 
 def hf_sparse_layers(hf) -> tuple[bool, ...]:
     return tuple(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
 
 
-@pytest.mark.parametrize("arch", sorted(MOE_CASES))
-def test_moe_forward_matches_transformers(arch, moe_checkpoint, moe_ops):
-    directory, hf = moe_checkpoint(arch)
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_forward_matches_transformers(arch, tiny_checkpoint, moe_ops):
+    directory, hf = tiny_checkpoint(arch)
     loaded = load_model(str(directory), device="cpu")
     cfg = loaded.config
     assert cfg.architecture == arch
@@ -64,9 +45,9 @@ def test_moe_forward_matches_transformers(arch, moe_checkpoint, moe_ops):
     run_and_compare(loaded.model, hf, ATOL)
 
 
-def test_olmoe_qk_norm_spans_the_whole_projection(moe_checkpoint):
+def test_olmoe_qk_norm_spans_the_whole_projection(tiny_checkpoint):
     """olmoe's q/k norms have hidden (not head_dim) weights: a per-head norm would not load."""
-    _, hf = moe_checkpoint("olmoe")
+    _, hf = tiny_checkpoint("olmoe")
     attn = hf.model.layers[0].self_attn
     assert attn.q_norm.weight.shape == (hf.config.hidden_size,)
     assert attn.k_norm.weight.shape == (hf.config.num_key_value_heads * 16,)
@@ -91,8 +72,8 @@ def _rewrite_experts(directory, target, layout: str, hf) -> None:
 
 
 @pytest.mark.parametrize("layout", ["fused", "stacked"])
-def test_expert_layouts_load_to_the_same_model(layout, moe_checkpoint, moe_ops, tmp_path):
-    directory, hf = moe_checkpoint("qwen3_moe")
+def test_expert_layouts_load_to_the_same_model(layout, tiny_checkpoint, moe_ops, tmp_path):
+    directory, hf = tiny_checkpoint("qwen3_moe")
     _rewrite_experts(directory, tmp_path, layout, hf)
     loaded = load_model(str(tmp_path))
     a, _ = prompts(loaded.config.vocab_size)
@@ -100,10 +81,10 @@ def test_expert_layouts_load_to_the_same_model(layout, moe_checkpoint, moe_ops, 
                                hf_last_logits(hf, a), atol=ATOL, rtol=0)
 
 
-def test_missing_experts_are_refused_naming_every_layout(moe_checkpoint, tmp_path):
+def test_missing_experts_are_refused_naming_every_layout(tiny_checkpoint, tmp_path):
     from safetensors.torch import save_file
 
-    directory, hf = moe_checkpoint("mixtral")
+    directory, hf = tiny_checkpoint("mixtral")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(directory / name, tmp_path / name)
     state = {k: v for k, v in hf.state_dict().items() if ".experts." not in k}
@@ -118,8 +99,8 @@ def test_missing_experts_are_refused_naming_every_layout(moe_checkpoint, tmp_pat
 
 
 @pytest.mark.parametrize("method", ["fp8", "made_up_method"])
-def test_quantization_config_is_refused_by_method(method, moe_checkpoint, tmp_path):
-    directory, _ = moe_checkpoint("qwen3_moe")
+def test_quantization_config_is_refused_by_method(method, tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("qwen3_moe")
     copy = shutil.copytree(directory, tmp_path / "model")
     config = json.loads((copy / "config.json").read_text())
     config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
@@ -128,8 +109,8 @@ def test_quantization_config_is_refused_by_method(method, moe_checkpoint, tmp_pa
         load_model(str(copy))
 
 
-def test_active_parameters_count_only_the_routed_experts(moe_checkpoint, moe_ops):
-    directory, hf = moe_checkpoint("qwen2_moe")
+def test_active_parameters_count_only_the_routed_experts(tiny_checkpoint, moe_ops):
+    directory, hf = tiny_checkpoint("qwen2_moe")
     cfg = load_model(str(directory)).config
     expert = 3 * cfg.hidden_size * cfg.moe.intermediate_size
     idle = sum(cfg.moe.sparse_layers) * (cfg.moe.num_experts - cfg.moe.top_k) * expert
@@ -137,9 +118,9 @@ def test_active_parameters_count_only_the_routed_experts(moe_checkpoint, moe_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_checkpoints_load(dtype, moe_checkpoint, moe_ops, tmp_path):
+def test_half_precision_checkpoints_load(dtype, tiny_checkpoint, moe_ops, tmp_path):
     """bf16/fp16 safetensors: the CPU computes in float32 on exactly the stored values."""
-    directory, hf = moe_checkpoint("qwen2_moe")
+    directory, hf = tiny_checkpoint("qwen2_moe")
     half = type(hf)(hf.config).eval()
     half.load_state_dict(hf.state_dict())
     half.to(dtype).save_pretrained(tmp_path)

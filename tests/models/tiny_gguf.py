@@ -105,11 +105,12 @@ def _merge_experts(state: dict) -> dict:
 
 def write_gguf(hf_model, tokenizer_dir: Path, path: Path, arch: str, qtype: int | None,
                embed_qtype: int | None = None, skip: tuple[str, ...] = (),
-               raw: dict | None = None, float_type: int | None = None) -> dict[str, torch.Tensor]:
+               raw: dict | None = None, float_type: int | None = None,
+               quantize_only: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Write `hf_model` as GGUF; 2-D and stacked-expert 3-D weights quantized to `qtype`
     (embedding to `embed_qtype`), else stored as `float_type` (F32 by default, or F16).
     `skip` leaves GGUF tensors out; `raw` maps GGUF names to (uint8 blocks, GGML type) written
-    instead of the model's tensor.
+    instead of the model's tensor; `quantize_only` (GGUF name endings) limits `qtype` to those.
 
     Returns the HF state dict with every weight replaced by the value the file holds
     (dequantized or rounded), for a float reference of exactly what the file holds."""
@@ -139,7 +140,8 @@ def write_gguf(hf_model, tokenizer_dir: Path, path: Path, arch: str, qtype: int 
         if gguf_name(name) in skip or gguf_name(name) in (raw or {}):
             continue
         w = value.float().numpy()
-        if gguf_name(name).endswith(FLOAT_ONLY):
+        if gguf_name(name).endswith(FLOAT_ONLY) or (
+                quantize_only and not gguf_name(name).endswith(quantize_only)):
             w = w.reshape(-1) if w.shape[0] == 1 else w    # the shared gate is [H] in GGUF
             kind = None
         else:
