@@ -100,8 +100,6 @@ class ArchSpec:
     gguf_permuted_qk: bool = False           # llama.cpp's converter interleaved the q/k rows
 
 
-_QWEN_MOE = MoESpec(sparse_step=True)
-
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.name: spec for spec in (
         ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_permuted_qk=True),
