@@ -36,9 +36,24 @@ QWEN3_30B_A3B = dict(
     tie_word_embeddings=False, rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[])
 
 
+def checkpoint_bytes(layers: int) -> int:
+    """bf16 bytes of the saved folder (every expert, embedding and LM head)."""
+    c = QWEN3_30B_A3B
+    h, q, kv = c["hidden_size"], c["num_attention_heads"] * 128, c["num_key_value_heads"] * 128
+    per_layer = h * (2 * q + 2 * kv) + c["num_experts"] * (h + 3 * h * c["moe_intermediate_size"])
+    return 2 * (layers * per_layer + 2 * c["vocab_size"] * h)
+
+
 def build(directory: Path, layers: int):
     """Random bf16 Qwen3-MoE on the GPU, saved (with a tokenizer) to `directory`."""
+    import shutil
+
     import transformers
+
+    need, free = checkpoint_bytes(layers), shutil.disk_usage(directory).free
+    if need > 0.95 * free:
+        raise SystemExit(f"{layers} layers need {need / 1e9:.0f} GB in {directory}, "
+                         f"{free / 1e9:.0f} GB free: pass --layers N (e.g. 12) or set TMPDIR")
 
     from tests.models.helpers import write_byte_bpe
 
