@@ -171,9 +171,10 @@ def moe_topk_softmax(topk_weights, topk_ids, logits, renormalize):
     _host(topk_ids)[...] = ids.astype(np.int32)
 
 
-def _token_chunk(k: int, w13_row_values: int, h: int) -> int:
-    """Tokens per step so the gathered expert weights stay near 256 MB."""
-    per_token = k * (w13_row_values + h * (w13_row_values // 2)) * 4
+def _token_chunk(k: int, expert_values: int) -> int:
+    """Tokens per step so the gathered f32 expert weights (w13 and w2: 3/2 of w13's values
+    per routed expert) stay near 256 MB."""
+    per_token = k * (expert_values + expert_values // 2) * 4
     return max(1, (256 << 20) // max(per_token, 1))
 
 
@@ -198,8 +199,8 @@ def moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace):
     ids, tw = (topk_ids, topk_weights) if torch_mode else (_host(topk_ids), _host(topk_weights))
     emap = expert_map if torch_mode else _host(expert_map)
     slots = emap[ids.long() if torch_mode else ids]
-    tokens, h = xs.shape
-    step = _token_chunk(ids.shape[1], w13a.shape[1] * w13a.shape[2], h)
+    tokens = xs.shape[0]
+    step = _token_chunk(ids.shape[1], w13a.shape[1] * w13a.shape[2])
     results = []
     for start in range(0, tokens, step):
         s = slots[start:start + step]
