@@ -1,3 +1,3 @@
 """The forward pass: decoder layers (attention, dense and MoE MLPs) over preallocated buffers."""
 
-__all__ = ["decoder", "kernels", "linear", "moe", "rope", "workspace"]
+__all__ = ["attention", "decoder", "kernels", "linear", "mlp", "rope", "workspace"]
