@@ -115,7 +115,7 @@ def per_call_seconds(fn, args: tuple, reps: int) -> float:
 
 def decode_op_cases() -> list[tuple[str, int, str, str, tuple]]:
     """(label, calls per token, kernel, function, torch args) of every non-matmul op of one
-    SmolLM2-135M decode token (see runtime/freetoken/models/dense.py for the sequence)."""
+    SmolLM2-135M decode token (see runtime/freetoken/models/forward/decoder.py for the sequence)."""
     q_width, kv_width = HQ * HEAD_DIM, HK * HEAD_DIM
     x, res, w = torch.randn(1, HIDDEN), torch.randn(1, HIDDEN), torch.rand(HIDDEN) + 0.5
     qkv = torch.randn(1, q_width + 2 * kv_width)

@@ -207,8 +207,8 @@ def extra_starts(peers: list[str], spec: dict, repeats: int) -> dict[str, list[d
 
 def prompts_for(model: Path, lengths: tuple[int, ...]) -> dict[str, list[int]]:
     """Token ids of TEXT (repeated as needed), cut to each length."""
-    from freetoken.models.gguf_file import GGUFFile
-    from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+    from freetoken.models.checkpoint.gguf_file import GGUFFile
+    from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(GGUFFile(model).meta, str(model))
     ids = tokenizer.encode(TEXT * (1 + max(lengths) // 40))
@@ -327,7 +327,7 @@ def run_all(peers: list[str], spec: dict, start_repeats: int) -> dict[str, dict]
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    from freetoken.models.default import default_model_path
+    from freetoken.models.checkpoint.default import default_model_path
 
     model = Path(args.model) if args.model else default_model_path()
     lengths = tuple(int(n) for n in args.prompt_lens.split(","))

@@ -31,3 +31,24 @@ def jit_only(monkeypatch, tmp_path):
     loader.clear_loaded()
     yield jit_dir
     loader.clear_loaded()
+
+
+MOE_OPS = ("moe_topk_softmax", "moe_experts", "moe_experts_quant")
+
+
+def registry_has_moe_kernel() -> bool:
+    from freetoken.csrc.build import registry
+
+    return "moe" in registry.KERNELS_BY_NAME
+
+
+@pytest.fixture
+def moe_ops(monkeypatch):
+    """The MoE ops for model tests: the registry's kernels when this build has them, else the
+    numpy/torch references of kernel/reference.py (same contract) put in their place."""
+    if not registry_has_moe_kernel():
+        from freetoken.kernel import ops, reference
+
+        for name in MOE_OPS:
+            monkeypatch.setattr(ops, name, getattr(reference, name))
+    yield

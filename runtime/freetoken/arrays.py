@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 DTYPES = ("float32", "bfloat16", "float16")
+INDEX_DTYPES = ("int32", "int64", "uint8")     # kernel bookkeeping and scratch buffers
 _ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
             "half": "float16"}
 
@@ -83,6 +84,8 @@ class HostArrays:
 
     @staticmethod
     def dtype(name: str):
+        if name in INDEX_DTYPES:
+            return np.dtype(name).type
         name = canonical_dtype(name)
         if name not in HostArrays._DTYPES:
             raise DeviceError(f"{name} arrays are not available on the CPU; use float32 or "
@@ -124,7 +127,7 @@ class TorchArrays:
         self.no_grad = torch.inference_mode
 
     def dtype(self, name: str):
-        return getattr(self.torch, canonical_dtype(name))
+        return getattr(self.torch, name if name in INDEX_DTYPES else canonical_dtype(name))
 
     def empty(self, shape, dtype: str = "float32"):
         return self.torch.empty(shape, dtype=self.dtype(dtype), device=self.torch_device)

@@ -11,7 +11,13 @@ ARCH_SETTINGS = {
     "qwen2": {},
     "qwen3": {},
     "mistral": {"sliding_window": 8},   # shorter than the test sequences
+    # MoE: the layer mix under test (dense layers where the config asks for them)
+    "qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=2),
+    "mixtral": {},
+    "olmoe": {},
 }
+MOE_ARCHS = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="session")

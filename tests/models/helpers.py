@@ -36,6 +36,25 @@ def write_byte_bpe(directory: Path, vocab_size: int = 300) -> int:
     return tok.get_vocab_size()
 
 
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+           "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+MOE_SETTINGS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                  norm_topk_prob=False),
+}
+
+
 def _perturb(model: torch.nn.Module, seed: int) -> None:
     """Non-trivial norms and biases, and larger weights, so every path shows in the logits."""
     gen = torch.Generator().manual_seed(seed)
@@ -44,6 +63,10 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("mlp.gate.weight"):
+                # a router with well-separated expert scores: 8-bit activation rounding in the
+                # quantized paths must not flip which experts a token goes to
+                p.copy_(2.0 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.2 * noise)
             else:
@@ -51,19 +74,17 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 def tiny_hf_model(arch: str, directory: Path, seed: int = 0, **overrides):
-    """Save a random 2-layer float32 model of `arch` with a tokenizer; return the HF model."""
+    """Save a random 2-layer float32 model of `arch` with a tokenizer; return the HF model.
+    MoE families get 8 experts, 2 per token, expert width 32 (MOE_SETTINGS)."""
     import transformers
 
     vocab = write_byte_bpe(directory)
-    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-               "mistral": ("MistralConfig", "MistralForCausalLM")}
-    config_cls, model_cls = (getattr(transformers, n) for n in classes[arch])
+    config_cls, model_cls = (getattr(transformers, n) for n in CLASSES[arch])
     settings = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
                     tie_word_embeddings=False, eos_token_id=2, bos_token_id=None)
+    settings.update(MOE_SETTINGS.get(arch, {}))
     settings.update(overrides)
     torch.manual_seed(seed)
     config = config_cls(**settings)

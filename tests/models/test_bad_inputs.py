@@ -23,7 +23,7 @@ def copy_checkpoint(src, dst):
 
 @pytest.mark.needs_weights
 def test_truncated_default_gguf(tmp_path):
-    from freetoken.models.default import default_model_path
+    from freetoken.models.checkpoint.default import default_model_path
 
     cut = tmp_path / "cut.gguf"
     with open(default_model_path(), "rb") as f:

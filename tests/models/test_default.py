@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from freetoken.models import default
+from freetoken.models.checkpoint import default
 from freetoken.models.errors import ModelDownloadError
 
 SIZE = 4096

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.gguf_file import GGUFFile
-from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+from freetoken.models.checkpoint.gguf_file import GGUFFile
+from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
 UNKNOWN, CONTROL, USER_DEFINED, BYTE, NORMAL = 2, 3, 4, 6, 1
 SPACE = "\u2581"

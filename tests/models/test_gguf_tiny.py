@@ -14,7 +14,7 @@ import pytest
 from freetoken.kernel.ops import Q4_0, Q4_1, Q8_0
 from freetoken.models.config import QuantWeight
 from freetoken.models.errors import ModelOptionError
-from freetoken.models.linear import QuantLinear
+from freetoken.models.forward.linear import QuantLinear
 from freetoken.models.loader import load_model
 from tests.models.helpers import PagedRunner
 from tests.models.test_dense_hf import hf_last_logits, prompts
@@ -53,7 +53,7 @@ def test_gguf_forward_matches_dequantized_transformers(arch, gguf_case):
     path, _, reference = gguf_case(arch)
     loaded = load_model(str(path))
     assert loaded.config.architecture == arch
-    assert isinstance(loaded.model.layers[0].qkv, QuantLinear)   # stayed quantized on CPU
+    assert isinstance(loaded.model.layers[0].attn.qkv, QuantLinear)   # stayed quantized on CPU
     runner = PagedRunner(loaded.model)
     a, b = prompts(loaded.config.vocab_size)
     logits = runner.step([(0, a), (1, b)])

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.registry import (ARCHITECTURES, config_from_gguf, config_from_hf,
-                                       spec_for_gguf, supported_names)
-from freetoken.models.rope import inverse_frequencies
+from freetoken.models.checkpoint.gguf_config import config_from_gguf
+from freetoken.models.checkpoint.hf_config import config_from_hf
+from freetoken.models.registry import ARCHITECTURES, spec_for_gguf, supported_names
+from freetoken.models.forward.rope import inverse_frequencies
 
 
 def test_every_supported_name_resolves():
@@ -16,9 +17,15 @@ def test_every_supported_name_resolves():
     for arch in ("llama", "qwen2", "qwen3", "mistral", "LlamaForCausalLM",
                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert arch in names
-    assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral"}
-    with pytest.raises(UnsupportedModelError, match="'falcon'.*llama, mistral, qwen2, qwen3"):
+    assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
+                                  "mixtral", "olmoe"}
+    with pytest.raises(UnsupportedModelError,
+                       match="'falcon'.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe"):
         spec_for_gguf("falcon", "x.gguf")
+    # llama.cpp writes Mixtral as `llama` with experts
+    assert spec_for_gguf("llama", "x.gguf", has_experts=True).name == "mixtral"
+    assert spec_for_gguf("llama", "x.gguf").name == "llama"
+    assert spec_for_gguf("qwen3moe", "x.gguf", has_experts=True).name == "qwen3_moe"
 
 
 def hf_dict(config) -> dict:
@@ -71,3 +78,34 @@ def test_gguf_reader_names_missing_keys():
     meta = {"general.architecture": "qwen3", "qwen3.embedding_length": 64}
     with pytest.raises(ModelFormatError, match="'qwen3.attention.head_count'"):
         config_from_gguf(meta, 10, "m.gguf")
+
+
+def test_every_canonical_part_has_a_name_in_each_format():
+    from freetoken.models.registry import (GGUF_LAYER, HF_EXPERTS_STACKED, HF_LAYER,
+                                           LAYER_PARTS)
+
+    assert set(GGUF_LAYER) == set(LAYER_PARTS)
+    experts = {"experts." + proj for proj in HF_EXPERTS_STACKED}
+    assert set(HF_LAYER) | experts == set(LAYER_PARTS)
+
+
+def test_moe_config_from_transformers_configs():
+    """Expert counts, widths, routing and the dense/sparse layer mix as transformers builds
+    them (its modules decide which layers are sparse)."""
+    import transformers
+
+    cases = [("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+              dict(num_experts=6, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+                   decoder_sparse_step=2, mlp_only_layers=[3], num_hidden_layers=6)),
+             ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=6,
+                                                          num_hidden_layers=2))]
+    for config_name, model_name, extra in cases:
+        hf = getattr(transformers, config_name)(
+            vocab_size=32, hidden_size=16, intermediate_size=24, num_attention_heads=2,
+            num_key_value_heads=1, num_experts_per_tok=2, **extra)
+        model = getattr(transformers, model_name)(hf)
+        cfg = config_from_hf({**hf_dict(hf), "architectures": [model_name]}, "c.json")
+        sparse = tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+        assert cfg.moe.sparse_layers == sparse and cfg.moe.num_experts == 6
+        assert cfg.moe.top_k == 2
+        assert cfg.num_params == sum(p.numel() for p in model.parameters())

@@ -15,8 +15,9 @@ import torch
 from freetoken.models.config import ModelConfig
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.models.loader import load_model
-from freetoken.models.registry import config_from_gguf, config_from_hf
-from freetoken.models.rope import attention_factor, cos_sin_cache, inverse_frequencies
+from freetoken.models.checkpoint.gguf_config import config_from_gguf
+from freetoken.models.checkpoint.hf_config import config_from_hf
+from freetoken.models.forward.rope import attention_factor, cos_sin_cache, inverse_frequencies
 from tests.models.helpers import PagedRunner, tiny_hf_model
 
 ATOL = 1e-4

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from freetoken.models.errors import ChatTemplateError
-from freetoken.models.hf_loader import hf_tokenizer
+from freetoken.models.tokenizer.hf import hf_tokenizer
 
 TOOL_TEMPLATE = (
     "{% if tools %}{{ 'Tools: ' + tools | tojson }}\n{% endif %}"
@@ -25,7 +25,7 @@ def tok(tiny_checkpoint):
 
 
 def with_template(tok, template: str):
-    from freetoken.models.tokenizer import Tokenizer
+    from freetoken.models.tokenizer.core import Tokenizer
 
     return Tokenizer(tok.backend, chat_template=template, bos_token_id=None,
                      eos_token_ids=(), special_tokens=tok.special_tokens)
@@ -136,7 +136,7 @@ def gguf_meta_from(directory, pre: str, add_bos: bool) -> dict:
     ("qwen2", ["1", "2", "3", "4", "5", "Ġabc"]),
 ])
 def test_gguf_pre_tokenizer_families(tiny_checkpoint, pre, pieces):
-    from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+    from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
     directory, _ = tiny_checkpoint("llama")
     tok = tokenizer_from_gguf(gguf_meta_from(directory, pre, False), "m.gguf")
@@ -146,7 +146,7 @@ def test_gguf_pre_tokenizer_families(tiny_checkpoint, pre, pieces):
 
 def test_gguf_add_bos_and_unknown_pre(tiny_checkpoint):
     from freetoken.models.errors import UnsupportedModelError
-    from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+    from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
     directory, _ = tiny_checkpoint("llama")
     tok = tokenizer_from_gguf(gguf_meta_from(directory, "llama-bpe", True), "m.gguf")

@@ -18,7 +18,18 @@ LAYER_PARTS = {
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    # MoE, as transformers holds it in memory; gate_up_proj is split in two by write_gguf
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+# llama.cpp's architecture strings; Mixtral is written as llama with experts
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+             "olmoe": "olmoe"}
+# kept in float32 by llama.cpp's converter whatever the file type
+FLOAT_ONLY = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def interleave_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -36,6 +47,8 @@ def gguf_name(hf_name: str) -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
+    if rest.startswith("mlp.experts.gate_up_proj."):
+        return f"blk.{index}.ffn_{rest.rsplit('.', 1)[1]}_exps.weight"
     return f"blk.{index}.{LAYER_PARTS[rest]}"
 
 
@@ -58,46 +71,91 @@ def _tokenizer_metadata(writer, tokenizer_dir: Path) -> None:
     writer.add_chat_template(config["chat_template"])
 
 
+def _moe_metadata(writer, cfg) -> None:
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None)
+                                          or cfg.intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _split_experts(state: dict) -> dict:
+    """transformers' fused [E, 2I, H] gate_up_proj as llama.cpp's two stacked tensors."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = value.chunk(2, dim=1)
+            out[name + ".gate"], out[name + ".up"] = gate, up
+        else:
+            out[name] = value
+    return out
+
+
+def _merge_experts(state: dict) -> dict:
+    merged = {}
+    for name, value in state.items():
+        if name.endswith("gate_up_proj.gate") and name[:-5] + ".up" in state:
+            merged[name[:-5]] = torch.cat([value, state[name[:-5] + ".up"]], dim=1)
+        elif not name.endswith("gate_up_proj.up"):
+            merged[name] = value
+    return merged
+
+
 def write_gguf(hf_model, tokenizer_dir: Path, path: Path, arch: str, qtype: int | None,
                embed_qtype: int | None = None, skip: tuple[str, ...] = (),
-               raw: dict | None = None) -> dict[str, torch.Tensor]:
-    """Write `hf_model` as GGUF; 2-D weights quantized to `qtype` (embedding to `embed_qtype`).
+               raw: dict | None = None, float_type: int | None = None,
+               quantize_only: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Write `hf_model` as GGUF; 2-D and stacked-expert 3-D weights quantized to `qtype`
+    (embedding to `embed_qtype`), else stored as `float_type` (F32 by default, or F16).
     `skip` leaves GGUF tensors out; `raw` maps GGUF names to (uint8 blocks, GGML type) written
-    instead of the model's tensor.
+    instead of the model's tensor; `quantize_only` (GGUF name endings) limits `qtype` to those.
 
-    Returns the HF state dict with every quantized weight replaced by its dequantized value,
-    for a float reference of exactly what the file holds."""
+    Returns the HF state dict with every weight replaced by the value the file holds
+    (dequantized or rounded), for a float reference of exactly what the file holds."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     cfg = hf_model.config
-    writer = GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer = GGUFWriter(str(path), GGUF_ARCH.get(arch, arch))
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch in GGUF_ARCH:
+        _moe_metadata(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     _tokenizer_metadata(writer, tokenizer_dir)
     dequantized = {}
     for name, (blocks, kind) in (raw or {}).items():
         writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType(kind))
-    for name, value in hf_model.state_dict().items():
+    for name, value in _split_experts(hf_model.state_dict()).items():
         if gguf_name(name) in skip or gguf_name(name) in (raw or {}):
             continue
         w = value.float().numpy()
-        kind = embed_qtype if name == "model.embed_tokens.weight" else qtype
-        if w.ndim == 2 and kind is not None:
+        if gguf_name(name).endswith(FLOAT_ONLY) or (
+                quantize_only and not gguf_name(name).endswith(quantize_only)):
+            w = w.reshape(-1) if w.shape[0] == 1 else w    # the shared gate is [H] in GGUF
+            kind = None
+        else:
+            kind = embed_qtype if name == "model.embed_tokens.weight" else qtype
+        if w.ndim >= 2 and kind is not None:
             q = quants.quantize(w, GGMLQuantizationType(kind))
             dequantized[name] = torch.from_numpy(quants.dequantize(q, GGMLQuantizationType(kind)))
+        elif w.ndim >= 2 and float_type == GGMLQuantizationType.F16:
+            q, kind = w.astype(np.float16), None
+            dequantized[name] = torch.from_numpy(q.astype(np.float32))
         else:
             q, kind = w, None
             dequantized[name] = value.float().clone()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             q = interleave_rows(q, heads)
         writer.add_tensor(gguf_name(name), np.ascontiguousarray(q),
@@ -106,4 +164,4 @@ def write_gguf(hf_model, tokenizer_dir: Path, path: Path, arch: str, qtype: int 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return dequantized
+    return _merge_experts(dequantized)

@@ -197,6 +197,7 @@ class Engine:
             max_request_tokens=self.max_request_tokens,
             device=str(self.model.device),
             kv_dtype=self.kv_dtype,
+            **model_stats(self.model.config),
             cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None)
         return stats
 
@@ -317,6 +318,16 @@ class Engine:
             for chunk in plan:
                 if not chunk.request.is_finished:
                     self._end(chunk.request, "error", "", error=message)
+
+
+def model_stats(config: Any) -> dict[str, Any]:
+    """What /v1/stats and /metrics say about the model: its size and, for MoE, its routing."""
+    moe = config.moe
+    return {"architecture": config.architecture, "num_params": config.num_params,
+            "active_params_per_token": config.active_params_per_token,
+            "num_experts": moe.num_experts if moe else 0,
+            "experts_per_token": moe.top_k if moe else 0,
+            "moe_layers": sum(moe.sparse_layers) if moe else 0}
 
 
 def check_request(prompt: list[int], params: SamplingParams, limit: int, vocab: int,

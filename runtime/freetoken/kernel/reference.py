@@ -136,3 +136,107 @@ def quant_matmul(out, x, qweight, qtype):
 
 def dequantize_rows(out, ids, qweight, qtype):
     out.copy_(dequantize(qweight[ids], qtype))
+
+
+# ---- MoE: routing and routed experts (numpy arrays on the CPU, torch tensors on a GPU) -------
+
+def _host(array) -> np.ndarray:
+    """A numpy view of a kernel argument (numpy array, tvm_ffi.Tensor or CPU torch tensor)."""
+    if isinstance(array, torch.Tensor):
+        return array.numpy()
+    return np.from_dlpack(array)
+
+
+def moe_topk_softmax(topk_weights, topk_ids, logits, renormalize):
+    """softmax over experts in f32, the K largest in descending order (ties: lower id first),
+    optionally divided by their sum."""
+    k = topk_ids.shape[1]
+    if isinstance(logits, torch.Tensor):
+        probs = logits.float().softmax(-1)
+        values, ids = probs.sort(dim=-1, descending=True, stable=True)
+        values, ids = values[:, :k], ids[:, :k]
+        if renormalize:
+            values = values / values.sum(-1, keepdim=True)
+        topk_weights.copy_(values)
+        topk_ids.copy_(ids.to(torch.int32))
+        return
+    x = _host(logits).astype(np.float32)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    probs = e / e.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    values = np.take_along_axis(probs, ids, -1)
+    if renormalize:
+        values = values / values.sum(-1, keepdims=True)
+    _host(topk_weights)[...] = values
+    _host(topk_ids)[...] = ids.astype(np.int32)
+
+
+def _token_chunk(k: int, expert_values: int) -> int:
+    """Tokens per step so the gathered f32 expert weights (w13 and w2: 3/2 of w13's values
+    per routed expert) stay near 256 MB."""
+    per_token = k * (expert_values + expert_values // 2) * 4
+    return max(1, (256 << 20) // max(per_token, 1))
+
+
+def _experts_rows(x, w13, w2, weights, lib):
+    """sum_k weights[t,k] * w2[s] @ (silu(gate) * up) for one chunk of tokens, in f32.
+    x [t, H] f32; w13 [t, K, 2I, H] and w2 [t, K, H, I] already gathered per (token, k)."""
+    i = w13.shape[2] // 2
+    h13 = lib.einsum("tkih,th->tki", w13, x)
+    gate, up = h13[..., :i], h13[..., i:]
+    act = gate / (1.0 + lib.exp(-gate)) * up
+    down = lib.einsum("tkhi,tki->tkh", w2, act)
+    return (down * weights[..., None]).sum(1)
+
+
+def moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace):
+    """out[t] = sum_k w[t,k] * w2[s] @ (silu(w13[s,:I] @ x[t]) * (w13[s,I:] @ x[t])),
+    s = expert_map[topk_ids[t,k]]; f32 accumulation; the workspace is not needed here."""
+    torch_mode = isinstance(x, torch.Tensor)
+    lib = torch if torch_mode else np
+    xs = x.float() if torch_mode else _host(x).astype(np.float32)
+    w13a, w2a = (w13, w2) if torch_mode else (_host(w13), _host(w2))
+    ids, tw = (topk_ids, topk_weights) if torch_mode else (_host(topk_ids), _host(topk_weights))
+    emap = expert_map if torch_mode else _host(expert_map)
+    slots = emap[ids.long() if torch_mode else ids]
+    tokens = xs.shape[0]
+    step = _token_chunk(ids.shape[1], w13a.shape[1] * w13a.shape[2])
+    results = []
+    for start in range(0, tokens, step):
+        s = slots[start:start + step]
+        g13, g2 = w13a[s], w2a[s]
+        if torch_mode:
+            g13, g2 = g13.float(), g2.float()
+        else:
+            g13, g2 = g13.astype(np.float32), g2.astype(np.float32)
+        results.append(_experts_rows(xs[start:start + step], g13, g2, tw[start:start + step],
+                                     lib))
+    value = lib.cat(results) if torch_mode else np.concatenate(results)
+    if torch_mode:
+        out.copy_(value.to(out.dtype))
+    else:
+        _host(out)[...] = value
+
+
+_FLOAT_TYPES = {0: np.float32, 1: np.float16}   # GGML F32, F16
+
+
+def dequantize_rows_np(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    """uint8 [..., row_bytes] GGUF rows (Q4_0/Q4_1/Q8_0/F16/F32) -> float32 [..., K]."""
+    if qtype in _FLOAT_TYPES:
+        return np.ascontiguousarray(blocks).view(_FLOAT_TYPES[qtype]).astype(np.float32)
+    lead = blocks.shape[:-1]
+    flat = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1, blocks.shape[-1]))
+    return dequantize(flat, qtype).numpy().reshape(*lead, -1)
+
+
+def moe_experts_quant(out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map,
+                      workspace):
+    """moe_experts over GGUF-block expert weights (CPU): the rows of the slots this step
+    routes to are dequantized exactly, then computed as moe_experts does."""
+    emap = _host(expert_map)
+    used = np.unique(emap[_host(topk_ids)])
+    w13d = dequantize_rows_np(_host(w13)[used], qtype13)
+    w2d = dequantize_rows_np(_host(w2)[used], qtype2)
+    compact = np.searchsorted(used, emap).clip(0, len(used) - 1).astype(np.int32)
+    moe_experts(out, x, w13d, w2d, topk_ids, topk_weights, compact, workspace)

@@ -1,5 +1,4 @@
-"""Model loading (GGUF, HF safetensors, the embedded default) and the dense decoder forward."""
+"""Models: the architecture registry, checkpoint readers, tokenizers and the forward pass."""
 
-__all__ = ["batch", "chat_template", "config", "default", "dense", "errors", "gguf_loader",
-           "gguf_tokenizer", "hf_loader", "kernels", "linear", "loader", "registry", "rope",
-           "tokenizer", "weights", "workspace"]
+__all__ = ["batch", "checkpoint", "config", "errors", "forward", "loader", "registry",
+           "tokenizer"]

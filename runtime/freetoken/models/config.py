@@ -7,10 +7,26 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A dense decoder's shape; filled from config.json or GGUF metadata."""
+class MoEConfig:
+    """The routed-expert MLP of an MoE model (the layers that have one)."""
 
-    architecture: str          # registry name: llama, qwen2, qwen3, mistral
+    num_experts: int
+    top_k: int                         # experts per token
+    intermediate_size: int             # per expert
+    renormalize: bool                  # divide the top-k probabilities by their sum
+    shared_intermediate_size: int = 0  # qwen2_moe: an always-on expert gated by sigmoid (0: none)
+    sparse_layers: tuple[bool, ...] = ()   # per layer: True = MoE, False = dense MLP
+
+    def expert_params(self, hidden_size: int) -> int:
+        """Weights of one routed expert (gate, up and down projections)."""
+        return 3 * hidden_size * self.intermediate_size
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's shape; filled from config.json or GGUF metadata."""
+
+    architecture: str          # registry name: llama, qwen2, qwen3, mistral, qwen3_moe, ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -26,10 +42,47 @@ class ModelConfig:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False       # qwen2: q/k/v projections carry a bias
-    qk_norm: bool = False              # qwen3: RMSNorm over each q and k head
+    qk_norm: str | None = None         # "head": RMSNorm per q/k head (qwen3); "full": over the
+                                       # whole q and k projections (olmoe)
     sliding_window: int = 0            # mistral-style local attention (0 = full)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None       # None: a dense MLP in every layer
+
+    def is_sparse(self, layer: int) -> bool:
+        """True when `layer` routes its MLP through experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Weights one token computes with: all of them but the experts it is not routed to."""
+        total = self.num_params
+        if self.moe is not None:
+            sparse = sum(self.moe.sparse_layers)
+            idle = self.moe.num_experts - self.moe.top_k
+            total -= sparse * idle * self.moe.expert_params(self.hidden_size)
+        return total
+
+    @property
+    def num_params(self) -> int:
+        """Every weight of the model (the embedding and an untied head counted once each)."""
+        h = self.hidden_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        norms = {"head": 2 * self.head_dim, "full": self.q_size + self.kv_size}
+        attn += norms.get(self.qk_norm or "", 0)
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for layer in range(self.num_layers):
+            total += attn + self._mlp_params(layer)
+        return total
+
+    def _mlp_params(self, layer: int) -> int:
+        h, moe = self.hidden_size, self.moe
+        if moe is None or not moe.sparse_layers[layer]:
+            return 3 * h * self.intermediate_size
+        shared = 3 * h * moe.shared_intermediate_size + (h if moe.shared_intermediate_size else 0)
+        return h * moe.num_experts + moe.num_experts * moe.expert_params(h) + shared
 
     @property
     def q_size(self) -> int:
@@ -45,8 +98,9 @@ class QuantWeight:
     """A GGUF-quantized matrix kept as its raw blocks: one weight row per `data` row."""
 
     qtype: int                 # GGML type id (Q4_0=2, Q4_1=3, Q8_0=8)
-    data: Any                  # numpy uint8 [rows, row_bytes]
-    shape: tuple[int, int]     # logical [rows, cols] (out_features, in_features)
+    data: Any                  # numpy uint8 [..., rows, row_bytes]
+    shape: tuple[int, ...]     # logical [..., rows, cols]: (out_features, in_features), with
+                               # a leading expert axis for stacked experts
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""``load_model``: a GGUF file, an HF safetensors directory, or the embedded default."""
+"""``load_model``: a GGUF file, an HF safetensors directory, or the embedded default: its
+checkpoint read (checkpoint/), its tokenizer built (tokenizer/), its forward placed (forward/)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ from pathlib import Path
 
 from freetoken.arrays import Device, DeviceError, arrays_for, canonical_dtype, parse_device
 from freetoken.models.config import GenerationDefaults, ModelConfig
-from freetoken.models.dense import DenseDecoder
+from freetoken.models.forward.decoder import Decoder
 from freetoken.models.errors import ModelFormatError, ModelOptionError
-from freetoken.models.tokenizer import Tokenizer
-from freetoken.models.weights import Placement, build_decoder_weights
+from freetoken.models.tokenizer.core import Tokenizer
+from freetoken.models.checkpoint.weights import Placement, build_decoder_weights
 
 @dataclass(frozen=True)
 class LoadedModel:
     """A model ready to serve: its forward, tokenizer and sampling defaults."""
 
     config: ModelConfig
-    model: DenseDecoder
+    model: Decoder
     tokenizer: Tokenizer
     generation_defaults: GenerationDefaults
     name: str        # the served model id
@@ -74,7 +75,7 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
     Raises:
         ModelFormatError, UnsupportedModelError, ModelOptionError, ModelDownloadError.
     """
-    from freetoken.models.default import DEFAULT_MODEL_NAME, default_model_path
+    from freetoken.models.checkpoint.default import DEFAULT_MODEL_NAME, default_model_path
 
     where = resolve_device(str(device))
     placement = Placement(arrays_for(where), resolve_dtype(dtype, where))
@@ -95,22 +96,24 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
                        generation_defaults=defaults, name=name, source=str(path))
 
 
-def _build_model(tensors, config: ModelConfig, placement: Placement) -> DenseDecoder:
+def _build_model(tensors, config: ModelConfig, placement: Placement) -> Decoder:
     weights = build_decoder_weights(tensors, config, placement)
-    return DenseDecoder(config, weights, placement.arrays, placement.dtype)
+    return Decoder(config, weights, placement.arrays, placement.dtype)
 
 
 def _load_hf(path: Path, placement: Placement):
-    from freetoken.models.hf_loader import read_hf_dir
+    from freetoken.models.checkpoint.hf import hf_generation_defaults, read_hf_dir
+    from freetoken.models.tokenizer.hf import hf_tokenizer
 
-    config, tensors, tokenizer, defaults = read_hf_dir(path)
+    config, tensors, raw_config, gen = read_hf_dir(path)
+    tokenizer = hf_tokenizer(path, raw_config, gen)
     model = _build_model(tensors, config, placement)
-    return config, model, tokenizer, defaults
+    return config, model, tokenizer, hf_generation_defaults(gen)
 
 
 def _load_gguf(path: Path, placement: Placement):
-    from freetoken.models.gguf_loader import gguf_generation_defaults, read_gguf
-    from freetoken.models.gguf_tokenizer import tokenizer_from_gguf
+    from freetoken.models.checkpoint.gguf import gguf_generation_defaults, read_gguf
+    from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
     config, tensors, meta = read_gguf(path)
     # The tokenizer is built on a helper thread while the weights load: both spend much of

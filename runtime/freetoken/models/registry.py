@@ -1,37 +1,127 @@
-"""The supported dense architectures and their config readers: the single source of truth.
+"""The supported architectures, declared: the single source of truth for every family.
 
 An architecture is found by its registry name, by an HF ``architectures`` class name, or by a
-GGUF ``general.architecture`` string; each maps to an ``ArchSpec`` whose flags drive the shared
-readers below (HF config.json dicts and GGUF metadata dicts both become a ``ModelConfig``).
+GGUF ``general.architecture`` string. Its ``ArchSpec`` says what its blocks are (attention
+kind, dense or MoE MLP, routing rule) and how each checkpoint format names its weights; the
+config readers (checkpoint/hf_config.py, checkpoint/gguf_config.py), the tensor readers and the
+forward pass are driven by these tables, so a new family is an entry here plus what is new.
+
+Canonical weight names: ``embed``, ``final_norm``, ``lm_head``, ``rope_freqs`` and, per layer
+``layers.{i}.`` + one of ``LAYER_PARTS``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.models.config import ModelConfig
-from freetoken.models.errors import ModelFormatError, UnsupportedModelError
+from freetoken.models.errors import UnsupportedModelError
+
+# config.json spells the expert count either way (transformers 5 writes num_local_experts)
+HF_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
+ATTENTION_PARTS = ("input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm",
+                   "k_norm", "o", "post_norm")
+DENSE_MLP_PARTS = ("gate", "up", "down")
+# experts.* are stacked [E, rows, cols] per layer, whatever the checkpoint's layout.
+MOE_PARTS = ("router", "experts.gate", "experts.up", "experts.down", "shared.gate",
+             "shared.up", "shared.down", "shared_gate")
+LAYER_PARTS = ATTENTION_PARTS + DENSE_MLP_PARTS + MOE_PARTS
+
+HF_GLOBAL = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+             "lm_head": "lm_head.weight"}
+HF_LAYER = {  # under model.layers.{i}.; "{moe}" is the sparse block's module name
+    "input_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight", "o": "self_attn.o_proj.weight",
+    "post_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    "router": "{moe}.gate.weight",
+    "shared.gate": "{moe}.shared_expert.gate_proj.weight",
+    "shared.up": "{moe}.shared_expert.up_proj.weight",
+    "shared.down": "{moe}.shared_expert.down_proj.weight",
+    "shared_gate": "{moe}.shared_expert_gate.weight",
+}
+# The three ways HF checkpoints store routed experts, tried in this order.
+HF_EXPERTS_FUSED = {"gate_up": "{moe}.experts.gate_up_proj", "down": "{moe}.experts.down_proj"}
+HF_EXPERTS_STACKED = {"gate": "{moe}.experts.gate_proj", "up": "{moe}.experts.up_proj",
+                      "down": "{moe}.experts.down_proj"}
+HF_EXPERTS_PER_EXPERT = "{moe}.experts.{e}.{proj}.weight"
+
+GGUF_GLOBAL = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+               "lm_head": "output.weight", "rope_freqs": "rope_freqs.weight"}
+GGUF_LAYER = {  # under blk.{i}.
+    "input_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
+    "v": "attn_v.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "o": "attn_output.weight", "post_norm": "ffn_norm.weight", "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight", "down": "ffn_down.weight",
+    "router": "ffn_gate_inp.weight", "experts.gate": "ffn_gate_exps.weight",
+    "experts.up": "ffn_up_exps.weight", "experts.down": "ffn_down_exps.weight",
+    "shared.gate": "ffn_gate_shexp.weight", "shared.up": "ffn_up_shexp.weight",
+    "shared.down": "ffn_down_shexp.weight", "shared_gate": "ffn_gate_inp_shexp.weight",
+}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Full causal attention with GQA and rope; what varies between families."""
+
+    bias: bool = False               # q/k/v carry a bias (when config.json does not say)
+    bias_key: str | None = "attention_bias"   # the config.json key that says (None: fixed)
+    qk_norm: str | None = None       # "head": RMSNorm per head (qwen3); "full": whole q, k (olmoe)
+    config_window: bool = False      # config.json's sliding_window applies to every layer
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A routed-expert MLP: softmax over the router logits, the top k experts (SwiGLU each),
+    their outputs weighted by the probabilities (renormalised or not)."""
+
+    hf_modules: tuple[str, ...] = ("mlp",)   # the sparse block's module name(s) in checkpoints
+    hf_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    hf_intermediate: str = "moe_intermediate_size"   # config.json's key for the expert width
+    renormalize: bool | None = None          # None: config.json's norm_topk_prob (default False)
+    gguf_renormalize: bool = False           # what llama.cpp does when the GGUF does not say
+    shared_expert: bool = False              # an always-on expert times sigmoid(x @ gate)
+    sparse_step: bool = False                # decoder_sparse_step / mlp_only_layers apply
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between the dense decoders that share ``DenseDecoder``."""
+    """One architecture: its names, its blocks, and its checkpoint quirks."""
 
     name: str
     hf_classes: tuple[str, ...]
     gguf_names: tuple[str, ...]
-    attention_bias: bool = False     # q/k/v projections always carry a bias (qwen2)
-    qk_norm: bool = False            # per-head RMSNorm on q and k before rope (qwen3)
-    gguf_permuted_qk: bool = False   # llama.cpp's converter interleaved the q/k rows for rope
+    attention: AttentionSpec = field(default_factory=AttentionSpec)
+    moe: MoESpec | None = None               # None: a dense SwiGLU MLP in every layer
+    gguf_permuted_qk: bool = False           # llama.cpp's converter interleaved the q/k rows
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.name: spec for spec in (
         ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_permuted_qk=True),
-        ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), attention_bias=True),
-        ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm=True),
-        ArchSpec("mistral", ("MistralForCausalLM",), ()),
+        ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",),
+                 AttentionSpec(bias=True, bias_key=None)),
+        ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), AttentionSpec(qk_norm="head")),
+        ArchSpec("mistral", ("MistralForCausalLM",), (), AttentionSpec(config_window=True)),
+        ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",),
+                 AttentionSpec(qk_norm="head"), MoESpec(sparse_step=True,
+                                                        gguf_renormalize=True)),
+        ArchSpec("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",),
+                 AttentionSpec(bias=True, bias_key="qkv_bias"),
+                 MoESpec(sparse_step=True, shared_expert=True)),
+        ArchSpec("mixtral", ("MixtralForCausalLM",), ("llama",),
+                 AttentionSpec(config_window=True),
+                 MoESpec(hf_modules=("mlp", "block_sparse_moe"),
+                         hf_expert_projections=("w1", "w3", "w2"),
+                         hf_intermediate="intermediate_size",
+                         renormalize=True, gguf_renormalize=True),
+                 gguf_permuted_qk=True),
+        ArchSpec("olmoe", ("OlmoeForCausalLM",), ("olmoe",), AttentionSpec(qk_norm="full"),
+                 MoESpec(hf_intermediate="intermediate_size")),
     )
 }
 
@@ -48,13 +138,14 @@ def supported_names() -> list[str]:
 def _unsupported(what: str, source: str) -> UnsupportedModelError:
     listed = ", ".join(sorted(ARCHITECTURES))
     classes = ", ".join(c for s in ARCHITECTURES.values() for c in s.hf_classes)
+    gguf = ", ".join(sorted({n for s in ARCHITECTURES.values() for n in s.gguf_names}))
     return UnsupportedModelError(
         f"{source}: architecture {what!r} is not supported; supported: {listed} "
-        f"(HF classes {classes}; GGUF llama, qwen2, qwen3)")
+        f"(HF classes {classes}; GGUF {gguf}, mixtral as llama with experts)")
 
 
 def spec_for_name(name: str, source: str = "model") -> ArchSpec:
-    """The spec for a registry name (llama, qwen2, qwen3, mistral)."""
+    """The spec for a registry name (llama, qwen3_moe, ...)."""
     spec = ARCHITECTURES.get(name)
     if spec is None:
         raise _unsupported(name, source)
@@ -73,172 +164,11 @@ def spec_for_hf(hf_config: dict[str, Any], source: str) -> ArchSpec:
     raise _unsupported(", ".join(classes) or str(hf_config.get("model_type")), source)
 
 
-def spec_for_gguf(arch: str, source: str) -> ArchSpec:
-    """The spec for a GGUF ``general.architecture`` value."""
-    for spec in ARCHITECTURES.values():
-        if arch in spec.gguf_names:
+def spec_for_gguf(arch: str, source: str, has_experts: bool = False) -> ArchSpec:
+    """The spec for a GGUF ``general.architecture`` value; llama.cpp writes Mixtral as
+    `llama` with ``llama.expert_count`` > 0, so `has_experts` picks between the two."""
+    candidates = [s for s in ARCHITECTURES.values() if arch in s.gguf_names]
+    for spec in candidates:
+        if len(candidates) == 1 or (spec.moe is not None) == has_experts:
             return spec
     raise _unsupported(arch, source)
-
-
-def _require(values: dict[str, Any], key: str, source: str) -> Any:
-    if key not in values or values[key] is None:
-        raise ModelFormatError(f"{source}: missing required key {key!r}")
-    return values[key]
-
-
-def _sliding_window(cfg: dict[str, Any], spec: ArchSpec, source: str) -> int:
-    """One window for every layer, or none; per-layer mixes are not supported."""
-    window = cfg.get("sliding_window") or 0
-    if spec.name == "mistral":
-        return int(window)
-    layer_types = cfg.get("layer_types") or []
-    sliding = [t == "sliding_attention" for t in layer_types]
-    if cfg.get("use_sliding_window") and not layer_types:
-        sliding = [True]
-    if not any(sliding):
-        return 0
-    if not all(sliding):
-        raise UnsupportedModelError(
-            f"{source}: sliding-window attention on only some layers is not supported "
-            f"(layer_types mixes full and sliding); use a model with one attention kind")
-    return int(window)
-
-
-def _rope_from_hf(cfg: dict[str, Any], head_dim: int, source: str
-                  ) -> tuple[float, int, dict | None]:
-    """(theta, rotated dims, scaling dict or None) from transformers 5 or 4 style keys."""
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    scaling = {k: v for k, v in {**legacy, **params}.items()
-               if k not in ("rope_theta", "partial_rotary_factor")}
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return theta, int(head_dim * factor), None
-    # transformers prefers a top-level pretraining length over the one in the scaling dict
-    if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings"):
-        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
-    if kind == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if scaling.get(key) is None:
-                raise ModelFormatError(
-                    f"{source}: yarn rope scaling is missing {key!r} (add it to rope_parameters "
-                    f"or rope_scaling; the model card gives the value)")
-    return theta, int(head_dim * factor), scaling
-
-
-def _serving_context(max_position: int, scaling: dict | None) -> int:
-    """Positions the cos/sin table covers: YaRN stretches the original context by `factor`,
-    which config.json's max_position_embeddings often leaves out (Qwen2.5's model cards)."""
-    if not scaling or scaling.get("rope_type") != "yarn":
-        return max_position
-    stretched = float(scaling["factor"]) * int(scaling["original_max_position_embeddings"])
-    return max(max_position, int(stretched))
-
-
-def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
-    """A ``ModelConfig`` from a parsed config.json."""
-    spec = spec_for_hf(cfg, source)
-    if cfg.get("mlp_bias"):
-        raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu only)")
-    hidden = int(_require(cfg, "hidden_size", source))
-    heads = int(_require(cfg, "num_attention_heads", source))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    theta, rope_dim, scaling = _rope_from_hf(cfg, head_dim, source)
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return ModelConfig(
-        architecture=spec.name,
-        vocab_size=int(_require(cfg, "vocab_size", source)),
-        hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size", source)),
-        num_layers=int(_require(cfg, "num_hidden_layers", source)),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        max_position=_serving_context(int(cfg.get("max_position_embeddings", 4096)), scaling),
-        rope_dim=rope_dim,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=spec.attention_bias or bool(cfg.get("attention_bias", False)),
-        qk_norm=spec.qk_norm,
-        sliding_window=_sliding_window(cfg, spec, source),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
-
-
-# GGUF yarn keys (after "{arch}.rope.scaling.") -> the config.json names llama.cpp read them from
-_GGUF_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
-                   "yarn_attn_factor": "attention_factor"}
-
-
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict | None:
-    """The scaling dict config.json would give (see ``_rope_from_hf``), or None."""
-    prefix = f"{arch}.rope.scaling."
-    kind = meta.get(prefix + "type", "none")
-    if kind in ("none", None):
-        return None
-    if kind not in ("linear", "yarn"):
-        raise UnsupportedModelError(f"{source}: GGUF rope scaling {kind!r} is not supported "
-                                    f"(key {prefix}type; supported: none, linear, yarn)")
-    scaling = {"rope_type": kind, "factor": float(_require(meta, prefix + "factor", source))}
-    if kind == "linear":
-        return scaling
-    scaling["original_max_position_embeddings"] = int(
-        _require(meta, prefix + "original_context_length", source))
-    for gguf_name, hf_name in _GGUF_YARN_KEYS.items():
-        if meta.get(prefix + gguf_name) is not None:
-            scaling[hf_name] = float(meta[prefix + gguf_name])
-    # settings transformers' YaRN cannot express; llama.cpp reads ext factor -1 as 1
-    for gguf_name, plain in (("yarn_ext_factor", (1.0, -1.0)), ("yarn_log_multiplier", (0.0,))):
-        value = meta.get(prefix + gguf_name)
-        if value is not None and float(value) not in plain:
-            raise UnsupportedModelError(
-                f"{source}: {prefix}{gguf_name} = {value} is not supported with yarn "
-                f"(supported: {plain[0]} or absent)")
-    return scaling
-
-
-def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str) -> ModelConfig:
-    """A ``ModelConfig`` from GGUF metadata (keys prefixed by the architecture name)."""
-    arch = _require(meta, "general.architecture", source)
-    spec = spec_for_gguf(arch, source)
-
-    def key(name: str) -> Any:
-        return _require(meta, f"{arch}.{name}", source)
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-           if meta.get(k) is not None]
-    scaling = _gguf_rope_scaling(meta, arch, source)
-    return ModelConfig(
-        architecture=spec.name,
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or vocab_size),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position=_serving_context(int(meta.get(f"{arch}.context_length", 4096)), scaling),
-        rope_dim=int(meta.get(f"{arch}.rope.dimension_count") or head_dim),
-        rope_scaling=scaling,
-        attention_bias=spec.attention_bias,
-        qk_norm=spec.qk_norm,
-        sliding_window=int(meta.get(f"{arch}.attention.sliding_window") or 0),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-    )

@@ -8,6 +8,13 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+# engine.stats() keys exported as freetoken_model_<key>
+MODEL_GAUGES = {
+    "num_params": "Weights of the served model",
+    "active_params_per_token": "Weights one token computes with (MoE: the routed experts only)",
+    "num_experts": "Routed experts per MoE layer (0 for a dense model)",
+    "experts_per_token": "Experts each token is routed to per MoE layer (0 for a dense model)",
+}
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -37,6 +44,8 @@ class Metrics:
                              registry=registry)
         self.waiting = Gauge("freetoken_num_requests_waiting", "Requests queued for KV pages",
                              registry=registry)
+        self.model = {key: Gauge(f"freetoken_model_{key}", help_text, registry=registry)
+                      for key, help_text in MODEL_GAUGES.items()}
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,6 +54,8 @@ class Metrics:
         self.kv_usage.set(stats["kv_occupancy"])
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
+        for key, gauge in self.model.items():
+            gauge.set(stats[key])
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def timer(self) -> RequestTimer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken.models.chat_template import render_chat
+from freetoken.models.tokenizer.chat_template import render_chat
 from freetoken.models.errors import ChatTemplateError
 
 # End-of-turn spellings: stop generation on these when the vocabulary marks them special.

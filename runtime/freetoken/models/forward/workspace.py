@@ -1,5 +1,6 @@
-"""Activation buffers of the dense forward: allocated for the largest step seen (or reserved),
-grown on demand, and sliced into per-token-count views that are cached for reuse."""
+"""Activation buffers of the forward: allocated for the largest step seen (or reserved),
+grown on demand, and sliced into per-token-count views that are cached for reuse. CUDA graphs
+hold their pointers, so the engine reserves the largest step before capturing."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ class WorkViews:
     with a per-head q/k norm and T > 1, q and k are contiguous copies instead (made by
     ``split_qkv``) so that q_heads/k_heads [T*H, D] can view them. q3/k3/v3 and attn3 are the
     same memory as [T, H, D]; gate_up [T, 2I]; act [T, I]; attn [T, Hq*D].
+    MoE models add alt [T, hidden] (a layer whose MLP cannot write in place writes there, and
+    the next layer reads it), router_logits [T, E], topk_weights f32 / topk_ids int32 [T, K],
+    moe_workspace (uint8 scratch of the experts kernel) and, with a shared expert,
+    shared_gate_up [T, 2Is], shared_act [T, Is], shared_out [T, hidden], shared_gate [T, 1].
     Every public field is a kernel argument (``arrays.kernel_arg``); ``split_qkv`` copies
     between the arrays it kept aside.
     """
@@ -28,10 +33,9 @@ class WorkViews:
     def __init__(self, bufs: dict[str, Any], cfg: ModelConfig, t: int, copy_qk: bool,
                  arrays: HostArrays | TorchArrays):
         qs, kvs, d = cfg.q_size, cfg.kv_size, cfg.head_dim
-        self.hidden, self.residual = bufs["hidden"][:t], bufs["residual"][:t]
-        self.qkv = bufs["qkv"][:t]
-        self.gate_up, self.act = bufs["gate_up"][:t], bufs["act"][:t]
-        self.attn = bufs["attn"][:t]
+        for name, buf in bufs.items():
+            if name not in ("q", "k"):
+                setattr(self, name, buf if buf.ndim == 1 else buf[:t])
         self.attn3 = view_as(self.attn, (t, cfg.num_heads, d))
         self.q = self.qkv[:, :qs]
         self.k = self.qkv[:, qs:qs + kvs]
@@ -51,6 +55,10 @@ class WorkViews:
         for name, value in list(vars(self).items()):
             if name[0] != "_" and not callable(value):
                 setattr(self, name, arrays.kernel_arg(value))
+
+    def other(self, x):
+        """The [T, hidden] buffer that is not `x` (hidden or alt)."""
+        return self.alt if x is self.hidden else self.hidden
 
     def _copy_qk(self) -> None:
         for dst, src in self._copies:
@@ -73,8 +81,9 @@ class Workspace:
 
     def __init__(self, cfg: ModelConfig, dtype: str, arrays: HostArrays | TorchArrays):
         self.cfg, self.dtype, self.arrays = cfg, dtype, arrays
-        # The per-head q/k norm needs flat [T*H, D] rows: contiguous copies unless T == 1.
-        self.copy_qk = cfg.qk_norm
+        # The per-head q/k norm needs flat [T*H, D] rows: contiguous copies unless T == 1 (a norm
+        # over the whole q and k projections reads their strided rows in place).
+        self.copy_qk = cfg.qk_norm == "head"
         self.capacity = 0
         self._bufs: dict[str, Any] = {}
         self._views: dict[int, WorkViews] = {}
@@ -91,8 +100,29 @@ class Workspace:
             widths.update(q=c.q_size, k=c.kv_size)
         self._bufs = {name: self.arrays.empty((n, width), self.dtype)
                       for name, width in widths.items()}
+        if c.moe is not None:
+            self._bufs.update(self._moe_buffers(n))
         self.capacity = n
         self._views.clear()
+
+    def _moe_buffers(self, n: int) -> dict[str, Any]:
+        from freetoken.kernel.ops import moe_workspace_bytes
+
+        moe, h, empty = self.cfg.moe, self.cfg.hidden_size, self.arrays.empty
+        scratch = moe_workspace_bytes(n, moe.top_k, moe.num_experts, moe.intermediate_size,
+                                      self.dtype)
+        bufs = {"alt": empty((n, h), self.dtype),
+                "router_logits": empty((n, moe.num_experts), self.dtype),
+                "topk_weights": empty((n, moe.top_k), "float32"),
+                "topk_ids": empty((n, moe.top_k), "int32"),
+                "moe_workspace": empty((scratch,), "uint8")}
+        shared = moe.shared_intermediate_size
+        if shared:
+            bufs.update(shared_gate_up=empty((n, 2 * shared), self.dtype),
+                        shared_act=empty((n, shared), self.dtype),
+                        shared_out=empty((n, h), self.dtype),
+                        shared_gate=empty((n, 1), self.dtype))
+        return bufs
 
     def views(self, tokens: int) -> WorkViews:
         views = self._views.get(tokens)

@@ -8,7 +8,7 @@ import numpy as np
 
 from freetoken.arrays import HostArrays, array_view, is_torch
 from freetoken.models.config import QuantWeight
-from freetoken.models.weights import Array, Weight
+from freetoken.models.checkpoint.weights import Array, Weight
 
 
 class DenseLinear:
@@ -41,7 +41,7 @@ class QuantLinear:
     """out[T, N] f32 = x[T, K] f32 @ dequant(W).T (+ bias) on GGUF blocks, never dequantized."""
 
     def __init__(self, weight: QuantWeight, bias: Array | None = None):
-        from freetoken.models.kernels import bind_op
+        from freetoken.models.forward.kernels import bind_op
 
         self._matmul = bind_op("quant_matmul", "cpu")
         self.data = HostArrays.kernel_arg(weight.data)

@@ -1,5 +1,6 @@
 """GGUF files: metadata -> ModelConfig, tensors -> weights (GGUF blocks kept as raw rows,
-zero-copy from the memory map where no reordering is needed), vocabulary -> Tokenizer."""
+zero-copy from the memory map where no reordering is needed; llama.cpp's stacked expert tensors
+keep their leading expert axis). The vocabulary is read by tokenizer/gguf.py."""
 
 from __future__ import annotations
 
@@ -9,30 +10,21 @@ from typing import Any
 
 import numpy as np
 
+from freetoken.models.checkpoint.gguf_config import config_from_gguf, gguf_spec
+from freetoken.models.checkpoint.weights import Weight
 from freetoken.models.config import GenerationDefaults, ModelConfig, QuantWeight
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.registry import ArchSpec, config_from_gguf, spec_for_gguf
-from freetoken.models.weights import Weight
+from freetoken.models.registry import GGUF_GLOBAL, GGUF_LAYER, ArchSpec
 
 # GGML type ids this runtime reads (gguf.GGMLQuantizationType values).
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 QUANT_TYPES = (Q4_0, Q4_1, Q8_0)
 SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0"
 
-_GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
-                 "lm_head": "output.weight", "rope_freqs": "rope_freqs.weight"}
-_LAYER_NAMES = {
-    "input_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
-    "v": "attn_v.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
-    "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-    "o": "attn_output.weight", "post_norm": "ffn_norm.weight", "gate": "ffn_gate.weight",
-    "up": "ffn_up.weight", "down": "ffn_down.weight",
-}
-
 
 def open_gguf(path: Path):
     """The parsed GGUFFile at `path`; a truncated or corrupt file raises ModelFormatError."""
-    from freetoken.models.gguf_file import GGUFFile, GGUFParseError, TensorPastEnd
+    from freetoken.models.checkpoint.gguf_file import GGUFFile, GGUFParseError, TensorPastEnd
 
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such GGUF file")
@@ -66,8 +58,8 @@ class GGUFTensors:
     def file_name(self, name: str) -> str:
         if name.startswith("layers."):
             _, index, part = name.split(".", 2)
-            return f"blk.{index}.{_LAYER_NAMES[part]}"
-        return _GLOBAL_NAMES[name]
+            return f"blk.{index}.{GGUF_LAYER[part]}"
+        return GGUF_GLOBAL[name]
 
     def get(self, name: str) -> Weight | None:
         tensor = self._by_name.get(self.file_name(name))
@@ -89,14 +81,14 @@ class GGUFTensors:
         qtype = tensor.type_id
         shape = tuple(reversed(tensor.dims))   # GGML lists ne0 (cols) first
         if qtype not in QUANT_TYPES + (F32, F16, BF16):
-            from freetoken.models.gguf_file import type_name
+            from freetoken.models.checkpoint.gguf_file import type_name
 
             raise UnsupportedModelError(
                 f"{self.source}: tensor {tensor.name!r} has type {type_name(qtype)}, which "
                 f"is not supported; supported: {SUPPORTED_TYPES} (re-quantize the model)")
         data = self._file.array(tensor)
-        if qtype in QUANT_TYPES:
-            return QuantWeight(qtype, data.reshape(shape[0], -1), (shape[0], shape[-1]))
+        if qtype in QUANT_TYPES:   # [..., rows, row_bytes]: stacked experts keep their E axis
+            return QuantWeight(qtype, data.reshape(*shape[:-1], -1), shape)
         if qtype == BF16:   # numpy has no bfloat16: widen to float32 (exact)
             data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return data.reshape(shape)
@@ -122,9 +114,9 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors, dict[str, Any]]:
     """(config, tensor source, metadata) of a GGUF file; weights are not placed yet."""
     file = open_gguf(path)
     meta = file.meta
-    spec = spec_for_gguf(str(meta.get("general.architecture")), str(path))
+    spec = gguf_spec(meta, str(path))
     vocab = len(meta.get("tokenizer.ggml.tokens") or [])
-    config = config_from_gguf(meta, vocab, str(path))
-    tied = _GLOBAL_NAMES["lm_head"] not in file.tensors
+    config = config_from_gguf(meta, vocab, str(path), file.tensors.keys())
+    tied = GGUF_GLOBAL["lm_head"] not in file.tensors
     config = dataclasses.replace(config, tie_word_embeddings=tied)
     return config, GGUFTensors(file, path, spec, config), meta

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.gguf_spm import (CONTROL, NORMAL, UNKNOWN, USER_DEFINED,
+from freetoken.models.tokenizer.gguf_spm import (CONTROL, NORMAL, UNKNOWN, USER_DEFINED,
                                        sentencepiece_backend, token_types)
-from freetoken.models.tokenizer import Tokenizer
+from freetoken.models.tokenizer.core import Tokenizer
 
 # Split patterns of the pre-tokenizer families, as their vocabularies were trained.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

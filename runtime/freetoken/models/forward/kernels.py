@@ -14,9 +14,14 @@ def bind_op(name: str, device: Any) -> Callable:
     """The function behind ``ops.<name>`` for `device`, with the same arguments."""
     from freetoken.csrc.build import registry  # the one copy the loader uses
     from freetoken.kernel import loader, ops
+    from freetoken.kernel.errors import KernelUnavailable
 
     wrapper = getattr(ops, name)
     if getattr(wrapper, "__module__", None) != ops.__name__:
         return wrapper          # replaced by a test: keep the replacement
-    kernel = next(k.name for k in registry.KERNELS if name in k.functions)
+    kernel = next((k.name for k in registry.KERNELS
+                   if name in k.functions or name in k.cpu_functions), None)
+    if kernel is None:
+        raise KernelUnavailable(f"no kernel in this build's registry exports {name!r}; this "
+                                f"runtime cannot run the model's {name} step")
     return loader.get_function(kernel, name, device)

@@ -1,8 +1,8 @@
-"""The dense decoder forward shared by llama, qwen2, qwen3 and mistral.
+"""The decoder forward shared by every architecture: embedding, layers, final norm, LM head.
 
-Per layer: qkv projection (+ bias), optional per-head q/k RMSNorm, rope, KV store, paged
-attention, o projection, fused residual-add + norm, gate/up projection, SiLU-and-mul, down
-projection, fused residual-add + the next norm. Every step writes into preallocated buffers.
+A layer is an attention block (attention.py) and an MLP block (mlp.py: dense, or routed
+experts), chosen per layer from the config. Every step writes into preallocated buffers; an
+MLP may return its output in the workspace's other hidden buffer, which the next layer reads.
 """
 
 from __future__ import annotations
@@ -11,21 +11,29 @@ import dataclasses
 
 from freetoken.arrays import Device, HostArrays, TorchArrays
 from freetoken.models.batch import Array, ForwardBatch, KVCache
+from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.kernels import bind_op
-from freetoken.models.linear import make_linear
-from freetoken.models.rope import cos_sin_cache
-from freetoken.models.weights import DecoderWeights, LayerWeights
-from freetoken.models.workspace import Workspace, WorkViews
+from freetoken.models.forward.attention import AttentionBlock
+from freetoken.models.forward.kernels import bind_op
+from freetoken.models.forward.linear import make_linear
+from freetoken.models.forward.mlp import DenseMLP, MoEMLP
+from freetoken.models.forward.rope import cos_sin_cache
+from freetoken.models.forward.workspace import Workspace, WorkViews
+
+_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv", "paged_attention",
+        "silu_and_mul")
+_MOE_OPS = ("moe_topk_softmax", "moe_experts")
 
 
-class _Kernels:
+class Kernels:
     """The ops the forward calls, bound once for the device (no look-ups in the hot loop)."""
 
-    def __init__(self, arrays: HostArrays | TorchArrays, quantized_embedding: bool):
+    def __init__(self, arrays: HostArrays | TorchArrays, cfg: ModelConfig,
+                 quantized_embedding: bool, quantized_experts: bool):
         device = arrays.device
-        for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv",
-                     "paged_attention", "silu_and_mul"):
+        names = _OPS + (_MOE_OPS if cfg.moe is not None else ())
+        names += ("moe_experts_quant",) if quantized_experts else ()
+        for name in names:
             setattr(self, name, bind_op(name, device))
         embed_op = "dequantize_rows" if quantized_embedding else "embedding"
         self.embed = bind_op(embed_op, device)
@@ -36,48 +44,29 @@ class _Kernels:
         self.arg = arrays.kernel_arg
 
 
-class _DecoderLayer:
-    def __init__(self, w: LayerWeights, next_norm: Array, cfg: ModelConfig,
-                 rope: Array, kernels: _Kernels):
+class DecoderLayer:
+    def __init__(self, w: LayerWeights, next_norm: Array, cfg: ModelConfig, index: int,
+                 rope: Array, kernels: Kernels, arrays: HostArrays | TorchArrays):
         self.ops = kernels
-        arg = kernels.arg
-        self.post_norm, self.next_norm = arg(w.post_norm), arg(next_norm)
-        self.q_norm = None if w.q_norm is None else arg(w.q_norm)
-        self.k_norm = None if w.k_norm is None else arg(w.k_norm)
-        self.qkv = make_linear(w.qkv, w.qkv_bias)
-        self.o = make_linear(w.o)
-        self.gate_up = make_linear(w.gate_up)
-        self.down = make_linear(w.down)
-        self.rope = rope
+        self.attn = AttentionBlock(w, cfg, rope, kernels)
+        if cfg.is_sparse(index):
+            self.mlp = MoEMLP(w, cfg, kernels, arrays)
+        else:
+            self.mlp = DenseMLP(w["gate_up"], w["down"], kernels)
+        self.next_norm = kernels.arg(next_norm)
         self.eps = cfg.rms_norm_eps
-        self.head_dim, self.is_neox = cfg.head_dim, cfg.rope_is_neox
-        self.scale = cfg.head_dim ** -0.5
-        self.window = cfg.sliding_window
 
-    def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
-                block_size: int) -> None:
-        """hidden holds this layer's normed input; on return, the next layer's normed input."""
-        ops = self.ops
-        self.qkv(w.qkv, w.hidden)
-        w.split_qkv()
-        if self.q_norm is not None:      # in place: each row is read before it is written
-            ops.rms_norm(w.q_heads, w.q_heads, self.q_norm, self.eps)
-            ops.rms_norm(w.k_heads, w.k_heads, self.k_norm, self.eps)
-        ops.rotary_embedding(batch.positions, w.q, w.k, self.rope, self.head_dim, self.is_neox)
-        ops.store_kv(w.k3, w.v3, k_cache, v_cache, batch.slot_mapping)
-        ops.paged_attention(w.attn3, w.q3, k_cache, v_cache, batch.block_tables,
-                            batch.seq_lens, batch.query_start_loc, block_size, self.scale,
-                            self.window, *ops.attn_extra)
-        self.o(w.hidden, w.attn)
-        ops.fused_add_rms_norm(w.hidden, w.residual, self.post_norm, self.eps)
-        self.gate_up(w.gate_up, w.hidden)
-        ops.silu_and_mul(w.act, w.gate_up)
-        self.down(w.hidden, w.act)
-        ops.fused_add_rms_norm(w.hidden, w.residual, self.next_norm, self.eps)
+    def forward(self, x: Array, w: WorkViews, batch: ForwardBatch, k_cache: Array,
+                v_cache: Array, block_size: int) -> Array:
+        """x holds this layer's normed input; returns the buffer with the next one's."""
+        self.attn.forward(x, w, batch, k_cache, v_cache, block_size)
+        y = self.mlp(x, w)
+        self.ops.fused_add_rms_norm(y, w.residual, self.next_norm, self.eps)
+        return y
 
 
-class DenseDecoder:
-    """A dense decoder-only transformer over the paged KV cache.
+class Decoder:
+    """A decoder-only transformer (dense or MoE) over the paged KV cache.
 
     Attributes: ``config``, ``arrays`` (how its buffers are made), ``device``, ``dtype``
     (activations and KV cache: float32, bfloat16 or float16).
@@ -88,13 +77,15 @@ class DenseDecoder:
         self.config, self.arrays, self.dtype = config, arrays, dtype
         self.device: Device = arrays.device
         quantized_embedding = isinstance(weights.embed, QuantWeight)
-        self._k = kernels = _Kernels(arrays, quantized_embedding)
+        quantized_experts = any(isinstance(lw.get("experts.gate_up"), QuantWeight)
+                                for lw in weights.layers)
+        self._k = kernels = Kernels(arrays, config, quantized_embedding, quantized_experts)
         self._rope = kernels.arg(arrays.place(cos_sin_cache(config, weights.rope_freq_factors),
                                               "float32"))
-        norms = [lw.input_norm for lw in weights.layers[1:]] + [weights.final_norm]
-        self.layers = [_DecoderLayer(lw, nxt, config, self._rope, kernels)
-                       for lw, nxt in zip(weights.layers, norms)]
-        self._first_norm = kernels.arg(weights.layers[0].input_norm)
+        norms = [lw["input_norm"] for lw in weights.layers[1:]] + [weights.final_norm]
+        self.layers = [DecoderLayer(lw, nxt, config, i, self._rope, kernels, arrays)
+                       for i, (lw, nxt) in enumerate(zip(weights.layers, norms))]
+        self._first_norm = kernels.arg(weights.layers[0]["input_norm"])
         self._embed = weights.embed
         self._embed_arg = kernels.arg(weights.embed.data if quantized_embedding else weights.embed)
         self._kv_args: tuple = (None, [], [])
@@ -130,13 +121,13 @@ class DenseDecoder:
         w = self._workspace.views(batch.num_tokens)
         self._embed_into(w.residual, batch.input_ids)
         self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)
-        block_size = kv.block_size
+        x, block_size = w.hidden, kv.block_size
         for layer, k_cache, v_cache in zip(self.layers, *self._kv_caches(kv)):
-            layer.forward(w, batch, k_cache, v_cache, block_size)
-        rows = w.hidden
+            x = layer.forward(x, w, batch, k_cache, v_cache, block_size)
+        rows = x
         if batch.num_tokens != batch.num_seqs:  # else every token is its sequence's last
             rows = arg(self.arrays.empty((batch.num_seqs, self.config.hidden_size), self.dtype))
-            self._k.gather_rows(rows, batch.logits_indices, w.hidden)
+            self._k.gather_rows(rows, batch.logits_indices, x)
         logits = self.arrays.empty((batch.num_seqs, self.config.vocab_size), "float32")
         if self._head_is_f32:
             self._lm_head(arg(logits), rows)

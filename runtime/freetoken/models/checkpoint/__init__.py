@@ -1,0 +1,3 @@
+"""Reading checkpoints: HF safetensors folders and GGUF files into configs and weights."""
+
+__all__ = ["default", "gguf", "gguf_config", "gguf_file", "hf", "hf_config", "weights"]

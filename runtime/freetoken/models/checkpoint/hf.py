@@ -1,0 +1,158 @@
+"""HF model directories: config.json, *.safetensors (sharded or not) and
+generation_config.json (the tokenizer files are read by tokenizer/hf.py).
+
+Routed experts are read in any of the layouts checkpoints use (fused ``gate_up_proj`` 3-D
+tensors as transformers 5 holds them, separate stacked 3-D tensors, or one module per expert)
+and handed on stacked: ``experts.gate``/``experts.up`` [E, I, H], ``experts.down`` [E, H, I]."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetoken.models.checkpoint.hf_config import config_from_hf
+from freetoken.models.config import GenerationDefaults, ModelConfig
+from freetoken.models.errors import ModelFormatError
+from freetoken.models.registry import (HF_EXPERTS_FUSED, HF_EXPERTS_PER_EXPERT,
+                                       HF_EXPERTS_STACKED, HF_GLOBAL, HF_LAYER, ArchSpec,
+                                       spec_for_hf)
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object from `path` ({} when optional and absent)."""
+    if not path.is_file():
+        if required:
+            raise ModelFormatError(f"{path}: missing; an HF model directory needs config.json, "
+                                   f"*.safetensors and tokenizer.json")
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return value
+
+
+class HFTensors:
+    """Canonical-name access to a directory's safetensors (a ``TensorSource``)."""
+
+    def __init__(self, directory: Path, spec: ArchSpec, config: ModelConfig):
+        self.source = str(directory)
+        self._handles: dict[Path, Any] = {}
+        self._file_of = self._index(directory)
+        moe = spec.moe
+        self._num_experts = config.moe.num_experts if config.moe else 0
+        self._projections = moe.hf_expert_projections if moe else ()
+        # the sparse block's module name: the first of the spec's spellings the file uses
+        modules = moe.hf_modules if moe else ("mlp",)
+        self._moe = next((m for m in modules if any(f".{m}.gate." in n for n in self._file_of)),
+                         modules[0])
+
+    def _open(self, file: Path):
+        from safetensors import SafetensorError, safe_open
+
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise ModelFormatError(f"{file}: unreadable safetensors file ({exc}); "
+                                       f"it may be truncated, download it again") from None
+        return self._handles[file]
+
+    def _index(self, directory: Path) -> dict[str, Path]:
+        index_file = directory / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = read_json(index_file).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelFormatError(f"{index_file}: missing 'weight_map'")
+            return {name: directory / file for name, file in weight_map.items()}
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{directory}: no *.safetensors files (only safetensors "
+                                   f"checkpoints are read; convert .bin/.pt weights first)")
+        return {name: f for f in files for name in self._open(f).keys()}
+
+    def _layer_name(self, index: str, part: str) -> str:
+        return f"model.layers.{index}." + HF_LAYER[part].format(moe=self._moe)
+
+    def file_name(self, name: str) -> str:
+        if not name.startswith("layers."):
+            return HF_GLOBAL.get(name, name)
+        _, index, part = name.split(".", 2)
+        if not part.startswith("experts."):
+            return self._layer_name(index, part)
+        every = f"{{0..{max(self._num_experts - 1, 0)}}}"
+        layouts = [self._expert_names(index, part[8:], e) for e in ("fused", "stacked", every)]
+        return " or ".join(dict.fromkeys(layouts))
+
+    def _expert_names(self, index: str, proj: str, layout: str) -> str:
+        prefix = f"model.layers.{index}."
+        if layout == "fused":
+            key = "gate_up" if proj in ("gate", "up") else "down"
+            return prefix + HF_EXPERTS_FUSED[key].format(moe=self._moe)
+        if layout == "stacked":
+            return prefix + HF_EXPERTS_STACKED[proj].format(moe=self._moe)
+        which = self._projections[("gate", "up", "down").index(proj)]
+        return prefix + HF_EXPERTS_PER_EXPERT.format(moe=self._moe, e=layout, proj=which)
+
+    def _tensor(self, hf_name: str) -> torch.Tensor | None:
+        file = self._file_of.get(hf_name)
+        if file is None:
+            return None
+        if not file.is_file():
+            raise ModelFormatError(f"{file}: listed in the safetensors index for {hf_name!r} "
+                                   f"but missing")
+        return self._open(file).get_tensor(hf_name)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        if ".experts." in name:
+            _, index, part = name.split(".", 2)
+            return self._experts(index, part[8:])
+        return self._tensor(self.file_name(name))
+
+    def _experts(self, index: str, proj: str) -> torch.Tensor | None:
+        """[E, rows, cols] for one projection of every expert, from whichever layout exists."""
+        fused = self._tensor(self._expert_names(index, proj, "fused"))
+        if fused is not None and proj != "down":
+            half = fused.shape[1] // 2
+            return fused[:, :half] if proj == "gate" else fused[:, half:]
+        if fused is not None:
+            return fused
+        stacked = self._tensor(self._expert_names(index, proj, "stacked"))
+        if stacked is not None:
+            return stacked
+        parts = [self._tensor(self._expert_names(index, proj, str(e)))
+                 for e in range(self._num_experts)]
+        if not parts or any(p is None for p in parts):
+            return None
+        return torch.stack(parts)
+
+
+def hf_generation_defaults(gen: dict[str, Any]) -> GenerationDefaults:
+    """Sampling defaults from generation_config.json; do_sample=false means greedy."""
+    known = ("temperature", "top_k", "top_p", "max_new_tokens", "do_sample")
+    temperature = gen.get("temperature")
+    if gen.get("do_sample") is False:
+        temperature = 0.0
+    return GenerationDefaults(
+        temperature=None if temperature is None else float(temperature),
+        top_k=None if gen.get("top_k") is None else int(gen["top_k"]),
+        top_p=None if gen.get("top_p") is None else float(gen["top_p"]),
+        max_tokens=None if gen.get("max_new_tokens") is None else int(gen["max_new_tokens"]),
+        extra={k: v for k, v in gen.items() if k not in known},
+    )
+
+
+def read_hf_dir(directory: Path
+                ) -> tuple[ModelConfig, HFTensors, dict[str, Any], dict[str, Any]]:
+    """(config, tensors, config.json, generation_config.json) of a model directory; weights
+    are read lazily through HFTensors."""
+    raw = read_json(directory / "config.json")
+    source = str(directory / "config.json")
+    config = config_from_hf(raw, source)
+    gen = read_json(directory / "generation_config.json", required=False)
+    return config, HFTensors(directory, spec_for_hf(raw, source), config), raw, gen

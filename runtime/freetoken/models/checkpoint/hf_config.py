@@ -1,0 +1,159 @@
+"""config.json -> ``ModelConfig``, driven by the architecture's registry entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken.models.config import ModelConfig, MoEConfig
+from freetoken.models.errors import ModelFormatError, UnsupportedModelError
+from freetoken.models.registry import HF_NUM_EXPERTS_KEYS, ArchSpec, MoESpec, spec_for_hf
+
+# quantization_config methods this build runs: none yet (weights must be bf16/fp16/fp32).
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
+
+
+def require(values: dict[str, Any], key: str, source: str) -> Any:
+    if key not in values or values[key] is None:
+        raise ModelFormatError(f"{source}: missing required key {key!r}")
+    return values[key]
+
+
+def _check_quantization(cfg: dict[str, Any], source: str) -> None:
+    """A quantized checkpoint this build cannot run is refused, never loaded as floats."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    if method in SUPPORTED_QUANT_METHODS:
+        return
+    supported = ", ".join(SUPPORTED_QUANT_METHODS) or "none"
+    raise UnsupportedModelError(
+        f"{source}: quantization_config quant_method {method!r} is not supported (supported "
+        f"methods: {supported}; HF checkpoints must hold bfloat16, float16 or float32 "
+        f"weights, or use a GGUF file of type Q4_0, Q4_1, Q8_0, F16, BF16 or F32)")
+
+
+def _sliding_window(cfg: dict[str, Any], spec: ArchSpec, source: str) -> int:
+    """One window for every layer, or none; per-layer mixes are not supported."""
+    window = cfg.get("sliding_window") or 0
+    if spec.attention.config_window:
+        return int(window)
+    layer_types = cfg.get("layer_types") or []
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if cfg.get("use_sliding_window") and not layer_types:
+        sliding = [True]
+    if not any(sliding):
+        return 0
+    if not all(sliding):
+        raise UnsupportedModelError(
+            f"{source}: sliding-window attention on only some layers is not supported "
+            f"(layer_types mixes full and sliding); use a model with one attention kind")
+    return int(window)
+
+
+def _rope_from_hf(cfg: dict[str, Any], head_dim: int, source: str
+                  ) -> tuple[float, int, dict | None]:
+    """(theta, rotated dims, scaling dict or None) from transformers 5 or 4 style keys."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    scaling = {k: v for k, v in {**legacy, **params}.items()
+               if k not in ("rope_theta", "partial_rotary_factor")}
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return theta, int(head_dim * factor), None
+    # transformers prefers a top-level pretraining length over the one in the scaling dict
+    if kind in ("llama3", "yarn") and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if kind == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if scaling.get(key) is None:
+                raise ModelFormatError(
+                    f"{source}: yarn rope scaling is missing {key!r} (add it to rope_parameters "
+                    f"or rope_scaling; the model card gives the value)")
+    return theta, int(head_dim * factor), scaling
+
+
+def serving_context(max_position: int, scaling: dict | None) -> int:
+    """Positions the cos/sin table covers: YaRN stretches the original context by `factor`,
+    which config.json's max_position_embeddings often leaves out (Qwen2.5's model cards)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return max_position
+    stretched = float(scaling["factor"]) * int(scaling["original_max_position_embeddings"])
+    return max(max_position, int(stretched))
+
+
+def _moe_from_hf(cfg: dict[str, Any], moe: MoESpec, layers: int, source: str) -> MoEConfig:
+    key = next((k for k in HF_NUM_EXPERTS_KEYS if cfg.get(k) is not None), HF_NUM_EXPERTS_KEYS[0])
+    experts = int(require(cfg, key, source))
+    sparse = [experts > 0] * layers
+    if moe.sparse_step:      # qwen2_moe / qwen3_moe: dense MLPs between the sparse ones
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    renormalize = moe.renormalize
+    if renormalize is None:
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+    return MoEConfig(
+        num_experts=experts, top_k=int(require(cfg, "num_experts_per_tok", source)),
+        intermediate_size=int(require(cfg, moe.hf_intermediate, source)),
+        renormalize=renormalize,
+        shared_intermediate_size=int(require(cfg, "shared_expert_intermediate_size", source))
+        if moe.shared_expert else 0,
+        sparse_layers=tuple(sparse))
+
+
+def _check_supported(cfg: dict[str, Any], source: str) -> None:
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu only)")
+    if cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{source}: clip_qkv={cfg['clip_qkv']} is not supported "
+                                    f"(only null)")
+    _check_quantization(cfg, source)
+
+
+def _attention_bias(cfg: dict[str, Any], spec: ArchSpec) -> bool:
+    key = spec.attention.bias_key
+    return spec.attention.bias if key is None else bool(cfg.get(key, spec.attention.bias))
+
+
+def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
+    """A ``ModelConfig`` from a parsed config.json."""
+    spec = spec_for_hf(cfg, source)
+    _check_supported(cfg, source)
+    hidden = int(require(cfg, "hidden_size", source))
+    heads = int(require(cfg, "num_attention_heads", source))
+    layers = int(require(cfg, "num_hidden_layers", source))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    theta, rope_dim, scaling = _rope_from_hf(cfg, head_dim, source)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    moe = None if spec.moe is None else _moe_from_hf(cfg, spec.moe, layers, source)
+    return ModelConfig(
+        architecture=spec.name,
+        vocab_size=int(require(cfg, "vocab_size", source)),
+        hidden_size=hidden,
+        intermediate_size=int(require(cfg, "intermediate_size", source)),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position=serving_context(int(cfg.get("max_position_embeddings", 4096)), scaling),
+        rope_dim=rope_dim,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=_attention_bias(cfg, spec),
+        qk_norm=spec.attention.qk_norm,
+        sliding_window=_sliding_window(cfg, spec, source),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        moe=moe,
+    )

@@ -1,0 +1,240 @@
+"""Checkpoint-neutral decoder weights: readers name tensors canonically (see registry.py),
+this module checks shapes against the config, places them on the device and concatenates q/k/v
+and gate/up rows once; routed experts are stacked [E, 2I, H] and [E, H, I].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Union
+
+import numpy as np
+
+from freetoken.arrays import HostArrays, TorchArrays, is_torch
+from freetoken.models.config import ModelConfig, QuantWeight
+from freetoken.models.errors import MissingTensorError, ModelFormatError
+
+Array = Any  # a numpy array (CPU, and as read from GGUF) or a torch tensor
+Weight = Union[Array, QuantWeight]
+
+
+class TensorSource(Protocol):
+    """What a checkpoint reader offers: tensors by canonical name, and their file names."""
+
+    source: str
+
+    def get(self, name: str) -> Weight | None:
+        """The tensor (rows = output features), or None when the checkpoint lacks it."""
+
+    def file_name(self, name: str) -> str:
+        """How the checkpoint spells a canonical name (for error messages)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where weights live and in which float dtype; GGUF blocks stay quantized on the CPU."""
+
+    arrays: HostArrays | TorchArrays
+    dtype: str                     # float32 | bfloat16 | float16
+
+    @property
+    def keeps_quantized(self) -> bool:
+        return self.arrays.device.is_cpu
+
+
+# A layer's weights by canonical part (registry.LAYER_PARTS), with fused entries: "qkv" (one
+# matrix or its parts) and "qkv_bias"; "gate_up" (dense MLP); "experts.gate_up" [E, 2I, H] and
+# "experts.down" [E, H, I]; "shared.gate_up" and "shared.down" for a shared expert.
+LayerWeights = dict[str, Any]
+
+
+@dataclass
+class DecoderWeights:
+    embed: Weight
+    layers: list[LayerWeights]
+    final_norm: Array
+    lm_head: Weight
+    rope_freq_factors: Array | None = None
+
+
+def dequantize(weight: QuantWeight) -> np.ndarray:
+    """float32 [rows, cols] values of GGUF blocks."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(np.asarray(weight.data), GGMLQuantizationType(weight.qtype))
+    return values.reshape(weight.shape)
+
+
+def _shape(weight: Weight) -> tuple[int, ...]:
+    return tuple(weight.shape)
+
+
+def _place(weight: Weight, where: Placement) -> Weight:
+    if isinstance(weight, QuantWeight):
+        if where.keeps_quantized:
+            return weight
+        weight = dequantize(weight)
+    return where.arrays.place(weight, where.dtype)
+
+
+def _fuse_rows(parts: list[Weight]) -> list[Weight]:
+    """One matrix when the parts concatenate (same float dtype, or same GGUF block type)."""
+    if not any(isinstance(p, QuantWeight) for p in parts):
+        return [_concat(parts)]
+    if all(isinstance(p, QuantWeight) for p in parts):
+        qtypes = {p.qtype for p in parts}
+        widths = {p.data.shape[1] for p in parts}
+        if len(qtypes) == 1 and len(widths) == 1:
+            rows = sum(p.shape[0] for p in parts)
+            data = np.concatenate([p.data for p in parts], axis=0)
+            return [QuantWeight(parts[0].qtype, data, (rows, parts[0].shape[1]))]
+    return parts
+
+
+def _concat(parts: list[Array], axis: int = 0) -> Array:
+    """Concatenation of placed float arrays (all numpy, or all torch on one device)."""
+    if is_torch(parts[0]):
+        import torch
+
+        return torch.cat(parts, dim=axis)
+    return np.concatenate(parts, axis=axis)
+
+
+class _Reader:
+    """Fetches, checks the shape of and places each tensor."""
+
+    def __init__(self, src: TensorSource, where: Placement, architecture: str):
+        self.src, self.where, self.where_config = src, where, architecture
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> Weight | None:
+        weight = self.src.get(name)
+        if weight is None:
+            return None
+        return self.check(name, weight, shape)
+
+    def check(self, name: str, weight: Weight | None, shape: tuple[int, ...]) -> Weight:
+        """`weight` (required) checked against `shape` and placed."""
+        if weight is None:
+            raise MissingTensorError(
+                f"{self.src.source}: missing tensor {self.src.file_name(name)!r}; the "
+                f"checkpoint is incomplete or does not match its {self.where_config} config")
+        if _shape(weight) != shape:
+            raise ModelFormatError(
+                f"{self.src.source}: tensor {self.src.file_name(name)!r} has shape "
+                f"{list(_shape(weight))}, expected {list(shape)} from the model config")
+        return _place(weight, self.where)
+
+    def fused(self, parts: list[tuple[str, tuple[int, ...]]]) -> list[Weight]:
+        """Required tensors whose rows are concatenated into one matrix when they can be.
+
+        A source with ``release(name)`` may then drop the originals from memory (the GGUF
+        reader unmaps their pages), so the file's copies do not count twice in the RSS."""
+        weights = [self.required(name, shape) for name, shape in parts]
+        fused = _fuse_rows(weights)
+        release = getattr(self.src, "release", None)
+        if len(fused) == 1 and len(weights) > 1 and release is not None:
+            for name, _ in parts:
+                release(name)
+        return fused
+
+    def required(self, name: str, shape: tuple[int, ...]) -> Weight:
+        return self.check(name, self.src.get(name), shape)
+
+    def stacked(self, parts: list[tuple[str, tuple[int, ...]]]) -> Weight:
+        """Stacked expert tensors [E, rows, cols] joined along the rows of each expert: GGUF
+        blocks stay quantized when every part has one block type, else all become floats."""
+        raw = [self.src.get(name) for name, _ in parts]
+        for (name, shape), weight in zip(parts, raw):
+            if weight is None or _shape(weight) != shape:
+                self.check(name, weight, shape)      # raises, naming the tensor
+        quant = [isinstance(w, QuantWeight) for w in raw]
+        if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
+            if len(raw) == 1:
+                return raw[0]
+            rows = sum(w.shape[1] for w in raw)
+            joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
+                                 (raw[0].shape[0], rows, raw[0].shape[2]))
+        else:
+            floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
+            placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
+            joined = placed[0] if len(placed) == 1 else _concat(placed, axis=1)
+        release = getattr(self.src, "release", None)
+        if release is not None and len(parts) > 1:   # joined into a copy: drop the file's pages
+            for name, _ in parts:
+                release(name)
+        return joined
+
+
+def _attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
+    h, qs, kvs = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    w = {"input_norm": read.required(p + "input_norm", (h,)),
+         "qkv": read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))]),
+         "o": read.required(p + "o", (h, qs)),
+         "post_norm": read.required(p + "post_norm", (h,))}
+    if cfg.attention_bias:
+        w["qkv_bias"] = _concat([read.required(p + "q_bias", (qs,)),
+                                 read.required(p + "k_bias", (kvs,)),
+                                 read.required(p + "v_bias", (kvs,))])
+    norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (qs, kvs)}
+    if cfg.qk_norm:
+        q_size, k_size = norm_sizes[cfg.qk_norm]
+        w["q_norm"] = read.required(p + "q_norm", (q_size,))
+        w["k_norm"] = read.required(p + "k_norm", (k_size,))
+    return w
+
+
+def _dense_mlp(read: _Reader, p: str, h: int, inter: int) -> LayerWeights:
+    return {"gate_up": read.fused([(p + "gate", (inter, h)), (p + "up", (inter, h))]),
+            "down": read.required(p + "down", (h, inter))}
+
+
+def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
+    moe, h = cfg.moe, cfg.hidden_size
+    e, inter = moe.num_experts, moe.intermediate_size
+    gate_up = read.stacked([(p + "experts.gate", (e, inter, h)), (p + "experts.up", (e, inter, h))])
+    down = read.stacked([(p + "experts.down", (e, h, inter))])
+    if isinstance(gate_up, QuantWeight) != isinstance(down, QuantWeight):
+        # one kernel call takes both: GGUF blocks for both, or floats for both
+        gate_up, down = (read.where.arrays.place(dequantize(x), read.where.dtype)
+                         if isinstance(x, QuantWeight) else x for x in (gate_up, down))
+    w = {"router": read.required(p + "router", (e, h)),
+         "experts.gate_up": gate_up, "experts.down": down}
+    if moe.shared_intermediate_size:
+        shared = _dense_mlp(read, p + "shared.", h, moe.shared_intermediate_size)
+        w.update({"shared." + k: v for k, v in shared.items()})
+        gate = read.src.get(p + "shared_gate")     # [1, H] in HF files, [H] in GGUF ones
+        if gate is not None and _shape(gate) == (h,):
+            gate = gate.reshape(1, h)
+        w["shared_gate"] = read.check(p + "shared_gate", gate, (1, h))
+    return w
+
+
+def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
+    p = f"layers.{i}."
+    w = _attention(read, cfg, p)
+    if cfg.is_sparse(i):
+        w.update(_moe_mlp(read, cfg, p))
+    else:
+        w.update(_dense_mlp(read, p, cfg.hidden_size, cfg.intermediate_size))
+    return w
+
+
+def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
+                          ) -> DecoderWeights:
+    """Every tensor of a dense decoder, checked against `cfg` and placed per `where`."""
+    read = _Reader(src, where, cfg.architecture)
+    embed = read.required("embed", (cfg.vocab_size, cfg.hidden_size))
+    head = None if cfg.tie_word_embeddings else read.required(
+        "lm_head", (cfg.vocab_size, cfg.hidden_size))
+    rot = cfg.rope_dim or cfg.head_dim
+    freqs = src.get("rope_freqs")
+    if freqs is not None and _shape(freqs) != (rot // 2,):
+        raise ModelFormatError(f"{src.source}: tensor {src.file_name('rope_freqs')!r} has shape "
+                               f"{list(_shape(freqs))}, expected [{rot // 2}]")
+    return DecoderWeights(
+        embed=embed,
+        layers=[_layer(read, cfg, i) for i in range(cfg.num_layers)],
+        final_norm=read.required("final_norm", (cfg.hidden_size,)),
+        lm_head=embed if head is None else head,
+        rope_freq_factors=None if freqs is None else HostArrays().place(freqs, "float32"),
+    )

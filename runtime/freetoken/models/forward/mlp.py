@@ -1,0 +1,92 @@
+"""The MLP blocks: a dense SwiGLU MLP, and a routed-expert (MoE) MLP with an optional shared
+expert. Each takes the normed input x and returns the buffer holding its output.
+
+MoE: router linear -> ops.moe_topk_softmax -> ops.moe_experts (GGUF blocks on the CPU:
+ops.moe_experts_quant) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I]) and
+an identity expert map; qwen2_moe adds shared_mlp(x) * sigmoid(x @ shared_gate). No loop over
+experts: the kernels sort tokens by expert themselves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from freetoken.arrays import HostArrays, TorchArrays, array_view, is_torch
+from freetoken.models.batch import Array
+from freetoken.models.checkpoint.weights import LayerWeights, Weight
+from freetoken.models.config import ModelConfig, QuantWeight
+from freetoken.models.forward.linear import make_linear
+from freetoken.models.forward.workspace import WorkViews
+
+if TYPE_CHECKING:
+    from freetoken.models.forward.decoder import Kernels
+
+
+class DenseMLP:
+    """down(silu(gate(x)) * up(x)), written over x (or into `out`)."""
+
+    def __init__(self, gate_up: Weight, down: Weight, kernels: Kernels):
+        self.silu_and_mul = kernels.silu_and_mul
+        self.gate_up = make_linear(gate_up)
+        self.down = make_linear(down)
+
+    def __call__(self, x: Array, w: WorkViews) -> Array:
+        self.into(x, x, w.gate_up, w.act)
+        return x
+
+    def into(self, out: Array, x: Array, gate_up: Array, act: Array) -> None:
+        self.gate_up(gate_up, x)
+        self.silu_and_mul(act, gate_up)
+        self.down(out, act)
+
+
+class MoEMLP:
+    """Routed SwiGLU experts (+ a sigmoid-gated shared expert); writes w.other(x)."""
+
+    def __init__(self, w: LayerWeights, cfg: ModelConfig, kernels: Kernels,
+                 arrays: HostArrays | TorchArrays):
+        arg, moe = kernels.arg, cfg.moe
+        self.ops = kernels
+        self.router = make_linear(w["router"])
+        self.renormalize = moe.renormalize
+        w13, w2 = w["experts.gate_up"], w["experts.down"]
+        self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
+        self.w13 = arg(w13.data if self.qtypes else w13)
+        self.w2 = arg(w2.data if self.qtypes else w2)
+        # every expert resident: slot e holds expert e (an offload cache remaps this later)
+        self.expert_map = arg(arrays.index(np.arange(moe.num_experts, dtype=np.int32)))
+        self.shared = None
+        if moe.shared_intermediate_size:
+            self.shared = DenseMLP(w["shared.gate_up"], w["shared.down"], kernels)
+            self.shared_gate = make_linear(w["shared_gate"])
+
+    def __call__(self, x: Array, w: WorkViews) -> Array:
+        ops, out = self.ops, w.other(x)
+        self.router(w.router_logits, x)
+        ops.moe_topk_softmax(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
+        if self.qtypes:
+            ops.moe_experts_quant(out, x, self.w13, self.w2, *self.qtypes, w.topk_ids,
+                                  w.topk_weights, self.expert_map, w.moe_workspace)
+        else:
+            ops.moe_experts(out, x, self.w13, self.w2, w.topk_ids, w.topk_weights,
+                            self.expert_map, w.moe_workspace)
+        if self.shared is not None:
+            self.shared.into(w.shared_out, x, w.shared_gate_up, w.shared_act)
+            self.shared_gate(w.shared_gate, x)
+            _add_gated(array_view(out), array_view(w.shared_out), array_view(w.shared_gate))
+        return out
+
+
+def _add_gated(out: Array, shared: Array, gate: Array) -> None:
+    """out += sigmoid(gate) * shared, in place (gate [T, 1] broadcasts over the columns)."""
+    if is_torch(out):
+        out.addcmul_(gate.sigmoid_(), shared)
+        return
+    np.negative(gate, out=gate)
+    np.exp(gate, out=gate)
+    gate += 1.0
+    np.reciprocal(gate, out=gate)
+    shared *= gate
+    out += shared

@@ -1,0 +1,3 @@
+"""Tokenizers: HF tokenizer.json, GGUF vocabularies, and chat templates."""
+
+__all__ = ["chat_template", "core", "gguf", "gguf_spm", "hf"]
