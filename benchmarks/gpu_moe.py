@@ -136,12 +136,17 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="skip transformers' static cache + torch.compile (minutes to compile)")
     p.add_argument("--compile-gen", type=int, default=32)
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="write the random-weight HF folder here and keep it (for llama.cpp's "
+                        "converter in the same run)")
     args = p.parse_args()
     from freetoken.cli.bench import run_bench
 
     bandwidth = d2d_bandwidth()
     print(f"D2D bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         model = build(Path(tmp), args.layers)
         cfg = model.config
         hf = measure_transformers(model, args)
