@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from freetoken.arrays import Device, HostArrays, TorchArrays
+from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.kernels import bind_op
 from freetoken.models.linear import make_linear
 from freetoken.models.rope import cos_sin_cache
 from freetoken.models.weights import DecoderWeights, LayerWeights
@@ -24,12 +24,14 @@ class _Kernels:
 
     def __init__(self, arrays: HostArrays | TorchArrays, quantized_embedding: bool):
         device = arrays.device
-        for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv",
-                     "paged_attention", "silu_and_mul"):
-            setattr(self, name, bind_op(name, device))
-        embed_op = "dequantize_rows" if quantized_embedding else "embedding"
-        self.embed = bind_op(embed_op, device)
-        self.gather_rows = bind_op("embedding", device)
+        self.rms_norm = ops.bind("rms_norm", device)
+        self.fused_add_rms_norm = ops.bind("fused_add_rms_norm", device)
+        self.rotary_embedding = ops.bind("rotary_embedding", device)
+        self.store_kv = ops.bind("store_kv", device)
+        self.paged_attention = ops.bind("paged_attention", device)
+        self.silu_and_mul = ops.bind("silu_and_mul", device)
+        self.embed = ops.bind("dequantize_rows" if quantized_embedding else "embedding", device)
+        self.gather_rows = ops.bind("embedding", device)
         # CUDA decode splits long contexts across blocks through this scratch (4 MiB covers
         # every decode batch); the CPU kernel takes none.
         self.attn_extra = (() if device.is_cpu else (arrays.empty(1 << 20, "float32"),))
@@ -153,6 +155,4 @@ def _apply_kernel_threads() -> None:
 
     threads = env.read().num_threads
     if threads > 0:
-        from freetoken.kernel.loader import get_function
-
-        get_function("quant_gemm", "set_num_threads", "cpu")(threads)
+        ops.bind("set_num_threads", "cpu")(threads)
