@@ -26,7 +26,6 @@ BUILD_FORMAT = 2
 # _dl_find_object, glibc 2.35), and compat/glibc_compat.cc pins the glibc symbols that static
 # libstdc++ and the static CUDA runtime reference to their old versions. Before glibc 2.34 those
 # live in libpthread, libdl and librt, hence the explicit (stub, on newer glibc) dependencies.
-MANYLINUX_GLIBC = (2, 28)
 COMPAT_SOURCE = "compat/glibc_compat.cc"
 COMPAT_LIBS = ("-Wl,--push-state,--no-as-needed", "-l:libpthread.so.0", "-l:libdl.so.2",
                "-l:librt.so.1", "-Wl,--pop-state")
