@@ -19,22 +19,33 @@ from pathlib import Path
 KERNELS_DIR = Path(__file__).resolve().parent
 
 # Bumped when the flags below change meaning, so every key changes with them.
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2
+
+# Every .so must run on glibc 2.28 (the cache wheel's manylinux_2_28 tag) wherever it is built:
+# libstdc++ is static (no GLIBCXX requirement), libgcc_s stays shared (its static unwinder calls
+# _dl_find_object, glibc 2.35), and compat/glibc_compat.cc pins the glibc symbols that static
+# libstdc++ and the static CUDA runtime reference to their old versions. Before glibc 2.34 those
+# live in libpthread, libdl and librt, hence the explicit (stub, on newer glibc) dependencies.
+COMPAT_SOURCE = "compat/glibc_compat.cc"
+COMPAT_LIBS = ("-Wl,--push-state,--no-as-needed", "-l:libpthread.so.0", "-l:libdl.so.2",
+               "-l:librt.so.1", "-Wl,--pop-state")
 
 CPU_FLAGS = (
     "-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-pthread",
     "-march=x86-64", "-mtune=generic", "-fno-math-errno",
 )
-CPU_LDFLAGS = ("-static-libstdc++", "-static-libgcc", "-Wl,--no-undefined")
+CPU_LDFLAGS = ("-static-libstdc++", "-Wl,--no-undefined") + COMPAT_LIBS
 CUDA_FLAGS = (
     "-O3", "-std=c++17", "-shared", "--expt-relaxed-constexpr", "-cudart=static",
-    "-Xcompiler=-fPIC,-fvisibility=hidden,-static-libstdc++,-static-libgcc",
+    "-Xcompiler=-fPIC,-fvisibility=hidden,-static-libstdc++",
     "-Xlinker=--no-undefined", "--threads=2",
 )
+CUDA_LDFLAGS = ("-Xlinker=" + ",".join(f.removeprefix("-Wl,") for f in COMPAT_LIBS),)
 ROCM_FLAGS = (
     "-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-x", "hip",
     "-nogpulib", "-nogpuinc", "-no-hip-rt", "-D__HIP_PLATFORM_AMD__",
 )
+ROCM_LDFLAGS = ("-static-libstdc++",) + COMPAT_LIBS
 
 
 def cuda_gencode(target: str) -> str:
@@ -58,7 +69,20 @@ def load_by_path(name: str, path: Path):
     return module
 
 
-registry = load_by_path("freetoken_kernel_registry", KERNELS_DIR / "registry.py")
+def _load_registry():
+    """The registry module, one copy per process: build.py is the only place that loads it,
+    whether imported as freetoken.csrc.build (the runtime) or by path (the cache backend).
+    Inside the runtime package it is also what `freetoken.csrc.registry` names."""
+    names = ["freetoken_kernel_registry"] + (["freetoken.csrc.registry"]
+                                             if __package__ == "freetoken.csrc" else [])
+    module = next((sys.modules[n] for n in names if n in sys.modules), None)
+    module = module or load_by_path(names[0], KERNELS_DIR / "registry.py")
+    for name in names:
+        sys.modules.setdefault(name, module)
+    return module
+
+
+registry = _load_registry()
 
 
 @dataclass(frozen=True)
@@ -119,14 +143,15 @@ def kernel_key(kernel, variant, backend: str, cuda_major: int | None = None) -> 
     for rel, path in zip(kernel.sources_for(backend), sources):
         h.update(rel.encode())
         h.update(path.read_bytes())
-    for header in included_headers(sources, backend):
+    for header in included_headers(sources, backend) + [KERNELS_DIR / COMPAT_SOURCE]:
         h.update(str(header.relative_to(KERNELS_DIR)).encode())
         h.update(header.read_bytes())
     return f"{kernel.name}-{variant.name}-{h.hexdigest()[:16]}"
 
 
 def _flags_for_backend(backend: str) -> tuple[str, ...]:
-    return {"cpu": CPU_FLAGS + CPU_LDFLAGS, "cuda": CUDA_FLAGS, "rocm": ROCM_FLAGS}[backend]
+    return {"cpu": CPU_FLAGS + CPU_LDFLAGS, "cuda": CUDA_FLAGS + CUDA_LDFLAGS,
+            "rocm": ROCM_FLAGS + ROCM_LDFLAGS}[backend]
 
 
 def jobs_for(targets, cuda_major: int | None, kernels=None) -> list[BuildJob]:
@@ -154,17 +179,19 @@ def compile_command(job: BuildJob, out_path: Path, tc: Toolchain) -> list[str]:
     defines = [f"-D{k}={v}" for k, v in variant.defines]
     defines.append(f"-DFREETOKEN_KERNEL_NAME={kernel.name}")
     link = [f"-L{tc.tvm_libdir}", "-ltvm_ffi"]
+    compat = str(KERNELS_DIR / COMPAT_SOURCE)
     if backend == "cpu":
-        return [tc.cxx, *CPU_FLAGS, *includes, *defines, *sources, "-o", str(out_path),
+        return [tc.cxx, *CPU_FLAGS, *includes, *defines, *sources, compat, "-o", str(out_path),
                 *link, *CPU_LDFLAGS]
     if backend == "cuda":
         return [tc.nvcc, *CUDA_FLAGS, f"-gencode={cuda_gencode(job.target)}", *includes,
-                *defines, *sources, "-o", str(out_path), *link]
+                *defines, *sources, compat, "-o", str(out_path), *link, *CUDA_LDFLAGS]
     hip_includes = [f"-I{KERNELS_DIR / 'hip'}"]
     # The .so is checked (bundler, readelf) but not linked against a HIP runtime here:
     # no ROCm runtime exists on the build machines, so HIP symbols resolve at load on the device.
+    # The compat source is host C++ (`-x c++`), not a HIP input.
     return [tc.hip_clang, *ROCM_FLAGS, f"--offload-arch={job.target}", *hip_includes, *includes,
-            *defines, *sources, "-o", str(out_path), *link]
+            *defines, *sources, "-x", "c++", compat, "-o", str(out_path), *link, *ROCM_LDFLAGS]
 
 
 def write_ninja(jobs: list[BuildJob], out_root: Path, tc: Toolchain, ninja_path: Path) -> None:

@@ -119,6 +119,7 @@ KERNELS: tuple[Kernel, ...] = (
         cpu_functions=("set_num_threads",),
         cpu=("cpu/attention.cc",),
         cuda=("cuda/attention.cu",),
+        rocm=True,  # HIP: the CUDA-core kernel serves every batch (no tensor-core path)
         doc="causal attention over the paged KV pool (prefill chunks and decode)",
     ),
     Kernel(
@@ -132,6 +133,7 @@ KERNELS: tuple[Kernel, ...] = (
         name="sampling",
         functions=("sample_tokens",),
         cuda=("cuda/sampling.cu",),
+        rocm=True,
         doc="temperature / top-k / top-p sampling on the GPU",
     ),
     Kernel(

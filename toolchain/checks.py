@@ -86,16 +86,35 @@ def find_nvcc() -> tuple[Compiler, Path] | None:
     return None
 
 
-def find_hip_clang() -> Compiler | None:
-    """A clang able to compile HIP: $FREETOKEN_HIP_CLANG's value is passed in by callers, else
-    hipcc's clang, then clang-19/18/17 or clang on PATH (LLVM >= 17 knows gfx1151 and gfx1201)."""
+class ToolchainError(RuntimeError):
+    """A compiler the user named explicitly cannot be used."""
+
+
+def _hip_clang_at(name: str) -> Compiler | None:
+    path = shutil.which(name) or (name if os.path.isfile(name) else None)
+    text = _run([path, "--version"]) if path else None
+    ver = _version(text or "", r"clang version (\d+\.\d+(?:\.\d+)?)")
+    return Compiler(path, ver[0], ver[1]) if ver and ver[1] >= 17 else None
+
+
+def find_hip_clang(override: str | None = None) -> Compiler | None:
+    """A clang able to compile HIP (LLVM >= 17 knows gfx1151 and gfx1201).
+
+    `override` is FREETOKEN_HIP_CLANG's value (callers read it): used alone, and an unusable
+    one raises ToolchainError naming the variable. Otherwise hipcc's clang, then clang-19/18/17
+    or clang on PATH.
+    """
+    if override:
+        found = _hip_clang_at(override)
+        if found is None:
+            raise ToolchainError(f"FREETOKEN_HIP_CLANG={override!r} is not a clang >= 17 that "
+                                 "runs here; point it at a HIP-capable clang (e.g. "
+                                 "/opt/rocm/llvm/bin/clang++ or clang-19) or unset it")
+        return found
     for name in ("/opt/rocm/llvm/bin/clang++", "clang++-19", "clang-19", "clang++-18", "clang-18",
                  "clang++-17", "clang-17", "clang++", "clang"):
-        path = shutil.which(name) or (name if os.path.isfile(name) else None)
-        text = _run([path, "--version"]) if path else None
-        ver = _version(text or "", r"clang version (\d+\.\d+(?:\.\d+)?)")
-        if ver and ver[1] >= 17:
-            return Compiler(path, ver[0], ver[1])
+        if found := _hip_clang_at(name):
+            return found
     return None
 
 

@@ -38,6 +38,7 @@ def _load(name: str, rel: str):
 
 build = _load("freetoken_kernel_build", "kernels/build.py")
 checks = _load("freetoken_toolchain_checks", "toolchain/checks.py")
+elf_versions = _load("freetoken_toolchain_elf_versions", "toolchain/elf_versions.py")
 ft_env = _load("freetoken_env_standalone", "runtime/freetoken/env.py")
 registry = build.registry
 
@@ -51,9 +52,11 @@ def _say(msg: str) -> None:
     print(f"[freetoken-kernel-cache] {msg}", file=sys.stderr, flush=True)
 
 
-def select_targets(requested: tuple[str, ...]) -> tuple[list[str], dict]:
-    """Targets to build and the toolchain facts; default = every target whose compiler exists."""
-    cxx, nvcc, clang = checks.find_cxx(), checks.find_nvcc(), checks.find_hip_clang()
+def select_targets(requested: tuple[str, ...], hip_clang: str | None = None
+                   ) -> tuple[list[str], dict]:
+    """Targets to build and the toolchain facts; default = every target whose compiler exists.
+    `hip_clang` is FREETOKEN_HIP_CLANG (an unusable one is an error, not a skipped target)."""
+    cxx, nvcc, clang = checks.find_cxx(), checks.find_nvcc(), checks.find_hip_clang(hip_clang)
     present = {"cpu": cxx is not None, "cuda": nvcc is not None, "rocm": clang is not None}
     groups = {"cpu": list(registry.CPU_TARGETS), "cuda": list(registry.CUDA_TARGETS),
               "rocm": list(registry.ROCM_TARGETS)}
@@ -164,12 +167,15 @@ def cache_version(base: str, targets: list[str], facts: dict) -> str:
 
 
 def platform_tag(so_files: list[Path]) -> str:
-    """manylinux_2_N where N is the newest glibc symbol version the objects need."""
-    newest = 17
-    for path in so_files:
-        for m in re.finditer(rb"GLIBC_2\.(\d+)", path.read_bytes()):
-            newest = max(newest, int(m.group(1)))
-    return f"manylinux_2_{max(newest, 28)}_x86_64"
+    """manylinux_2_28_x86_64 when every object keeps to that policy (kernels/build.py links
+    them so), else the honest manylinux_2_N of the newest glibc they need, saying why."""
+    needs = {path: elf_versions.needed_versions(path) for path in so_files}
+    newest = max([elf_versions.newest_glibc(n) for n in needs.values()] + [(2, 28)])
+    for path, need in needs.items():
+        for n in elf_versions.too_new(need):
+            _say(f"WARNING: {path.name} needs {n.symbol}@{n.version} ({n.library}), newer than "
+                 "manylinux_2_28 allows")
+    return f"manylinux_{newest[0]}_{newest[1]}_x86_64"
 
 
 def _record_line(arcname: str, data: bytes) -> str:
@@ -210,7 +216,7 @@ def pack_wheel(stage: Path, wheel_directory: Path, version: str, tag: str) -> st
 def build_cache(out_dir: Path, env=None) -> tuple[str, list[str], dict]:
     """Compile into out_dir/<package>/cache; return (version, targets, facts)."""
     env = env or ft_env.read()
-    targets, facts = select_targets(env.cache_targets)
+    targets, facts = select_targets(env.cache_targets, env.hip_clang)
     if any(registry.backend_of(t) == "cuda" for t in targets):
         _check_cuda_against_torch(facts["nvcc"], env.allow_cuda_mismatch)
     package = out_dir / NAME
@@ -236,7 +242,8 @@ def get_requires_for_build_wheel(config_settings=None):
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
     """Metadata without compiling: the version only depends on which targets will be built."""
-    targets, facts = select_targets(ft_env.read().cache_targets)
+    env = ft_env.read()
+    targets, facts = select_targets(env.cache_targets, env.hip_clang)
     version = cache_version(runtime_version(), targets, facts)
     dist_info = Path(metadata_directory) / f"{NAME}-{version}.dist-info"
     dist_info.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,11 @@ constexpr int kTileMaxGroup = 16;   // query heads per tile
 constexpr int kTileRows = 64;       // query rows (token, head) per tile
 constexpr int kMaxSplits = 64;
 constexpr int kMinSplitKeys = 64;
+#if defined(__HIP_PLATFORM_AMD__)
+constexpr bool kHasTensorCorePath = false;
+#else
+constexpr bool kHasTensorCorePath = true;
+#endif
 
 struct AttnParams {
   const void* q;
@@ -223,6 +228,9 @@ __global__ void __launch_bounds__(D) merge_splits_kernel(AttnParams p, int num_t
       from_float<T>(l > 0.f ? o / l : 0.f);
 }
 
+#if !defined(__HIP_PLATFORM_AMD__)
+// NOTE: the tiled kernel is PTX (cp.async, ldmatrix, mma.sync); the HIP build serves every
+// batch with the decode kernel, which loops over a sequence's new tokens (correct, slower).
 // ---------------------------------------------------------------- tiled (tensor cores)
 
 template <int D>
@@ -469,9 +477,16 @@ __global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
   if (active) store_rows<T, D>(p, st, qs + tok0, ntok, gcap, h0, gc);
 }
 
+#endif  // !__HIP_PLATFORM_AMD__
+
 // ---------------------------------------------------------------- host side
 
 int sm_count(int device) {
+#if defined(__HIP_PLATFORM_AMD__)
+  // Only the decode split count depends on it: the gfx1201 part has 64 CUs, gfx1151 40.
+  (void)device;
+  return 64;
+#else
   static int cached[64] = {};
   if (device < 0 || device >= 64) return 132;
   if (cached[device] == 0) {
@@ -480,6 +495,7 @@ int sm_count(int device) {
     cached[device] = n > 0 ? n : 1;
   }
   return cached[device];
+#endif
 }
 
 template <typename T, int D>
@@ -499,6 +515,9 @@ void launch_decode(const AttnParams& p, int num_tokens, cudaStream_t stream) {
 
 template <typename T, int D>
 void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
+#if defined(__HIP_PLATFORM_AMD__)
+  TVM_FFI_ICHECK(false) << "internal: the HIP build has no tensor-core path";
+#else
   if constexpr (std::is_same_v<T, float>) {
     TVM_FFI_ICHECK(false) << "internal: float32 has no tensor-core path";
   } else {
@@ -520,6 +539,7 @@ void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
     check_launch("paged_attention (tiled)");
     launch_merge<T, D>(p, num_tokens, stream);
   }
+#endif
 }
 
 template <typename T, int D>
@@ -643,7 +663,7 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
   p.window = static_cast<int>(sliding_window);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   // The tensor-core kernel (bf16/fp16) needs 16-byte aligned q rows and 4-byte output pairs.
-  bool tiled = ft != FloatType::kF32 && aligned16(q) && p.q_stride_t % 8 == 0 &&
+  bool tiled = kHasTensorCorePath && ft != FloatType::kF32 && aligned16(q) && p.q_stride_t % 8 == 0 &&
                p.q_stride_h % 8 == 0 && p.o_stride_t % 2 == 0 && p.o_stride_h % 2 == 0 &&
                reinterpret_cast<uintptr_t>(p.out) % 4 == 0;
   p.chunks = static_cast<int>(ceil_div(p.group, tiled ? kTileMaxGroup : kDecodeMaxGroup));

@@ -71,12 +71,24 @@ __device__ inline unsigned int ft_hip_lane_id() {
   return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
 }
 
+// NOTE: every warp-level helper below assumes a 32-lane wavefront, as CUDA's warps: gfx11 and
+// gfx12 run HIP in wave32 unless built with -mwavefrontsize64, which this check refuses (the
+// kernels index lanes with threadIdx.x % 32 and keep one shared slot per 32 threads).
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE) && \
+    __AMDGCN_WAVEFRONT_SIZE != 32
+#error "the HIP shim assumes wave32 (gfx11/gfx12 default); do not build with -mwavefrontsize64"
+#endif
+
 // The mask is ignored: all lanes of the wave take part, as in every call site here.
+__device__ inline int ft_hip_bpermute(int lane, int var) {
+  return __builtin_amdgcn_ds_bpermute(lane << 2, var);
+}
+
 __device__ inline int __shfl_xor_sync(unsigned int, int var, int lane_mask, int width = 32) {
   int self = static_cast<int>(ft_hip_lane_id());
   int target = self ^ lane_mask;
   if (target >= ((self + width) & ~(width - 1))) target = self;
-  return __builtin_amdgcn_ds_bpermute(target << 2, var);
+  return ft_hip_bpermute(target, var);
 }
 
 __device__ inline float __shfl_xor_sync(unsigned int mask, float var, int lane_mask,
@@ -85,12 +97,87 @@ __device__ inline float __shfl_xor_sync(unsigned int mask, float var, int lane_m
       float, __shfl_xor_sync(mask, __builtin_bit_cast(int, var), lane_mask, width));
 }
 
+// 64-bit values move as two 32-bit halves from the same source lane.
+__device__ inline unsigned long long ft_hip_bpermute64(int lane, unsigned long long v) {
+  unsigned int lo = static_cast<unsigned int>(v), hi = static_cast<unsigned int>(v >> 32);
+  lo = static_cast<unsigned int>(ft_hip_bpermute(lane, static_cast<int>(lo)));
+  hi = static_cast<unsigned int>(ft_hip_bpermute(lane, static_cast<int>(hi)));
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
+
+// Lane - delta within the 32-lane segment; lanes below delta keep their own value (as CUDA).
+__device__ inline unsigned long long __shfl_up_sync(unsigned int, unsigned long long var,
+                                                    unsigned int delta, int width = 32) {
+  int self = static_cast<int>(ft_hip_lane_id());
+  int target = self - static_cast<int>(delta);
+  if (target < (self & ~(width - 1))) target = self;
+  return ft_hip_bpermute64(target, var);
+}
+
+__device__ inline unsigned long long __shfl_sync(unsigned int, unsigned long long var,
+                                                 int src_lane, int width = 32) {
+  int self = static_cast<int>(ft_hip_lane_id());
+  return ft_hip_bpermute64((self & ~(width - 1)) + (src_lane & (width - 1)), var);
+}
+
+// wave32: the ballot is exactly CUDA's 32-bit lane mask.
+__device__ inline unsigned int __ballot_sync(unsigned int, int predicate) {
+  return __builtin_amdgcn_ballot_w32(predicate != 0);
+}
+
+__device__ inline int __ffs(unsigned int x) { return __builtin_ffs(static_cast<int>(x)); }
+
+__device__ inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+  return __hip_atomic_fetch_add(address, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+
+__device__ inline unsigned long long atomicAdd(unsigned long long* address,
+                                               unsigned long long value) {
+  return __hip_atomic_fetch_add(address, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+
+// ---------------------------------------------------------------- vector types
+
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+__host__ __device__ inline float2 make_float2(float x, float y) { return {x, y}; }
+
 // ---------------------------------------------------------------- math without the device libs
 
 __device__ inline float __expf(float x) { return __builtin_expf(x); }
 __device__ inline float rsqrtf(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ inline float __frcp_rn(float x) { return 1.f / x; }
 __device__ inline float __fdividef(float a, float b) { return a / b; }
+// llvm.exp2 / llvm.maxnum / llvm.ceil lower to single amdgcn instructions (no device library).
+__device__ inline float exp2f(float x) { return __builtin_exp2f(x); }
+__device__ inline float fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
+__device__ inline double ceil(double x) { return __builtin_ceil(x); }
+__device__ inline int min(int a, int b) { return a < b ? a : b; }
+__device__ inline int max(int a, int b) { return a > b ? a : b; }
+
+// Explicitly rounded steps: contraction off, so no FMA fuses them (as CUDA's __f*_rn).
+__device__ inline float __fmul_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
+__device__ inline float __fsub_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a - b;
+}
+__device__ inline unsigned int __float2uint_rz(float x) { return static_cast<unsigned int>(x); }
+__device__ inline unsigned long long __float2ull_rz(float x) {
+  return static_cast<unsigned long long>(x);
+}
+__device__ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
+}
+__device__ inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
 
 // ---------------------------------------------------------------- host runtime API
 

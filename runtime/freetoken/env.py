@@ -73,6 +73,7 @@ class Env:
     build_dir: Path | None      # FREETOKEN_BUILD_DIR: compiled objects kept between cache builds
     num_threads: int            # FREETOKEN_NUM_THREADS: CPU kernel threads (0 = all cores)
     home: Path                  # FREETOKEN_HOME: where ci/install.sh puts the venv
+    hip_clang: str | None       # FREETOKEN_HIP_CLANG: the clang that compiles HIP (path or name)
     log_level: str              # FREETOKEN_LOG_LEVEL
 
 
@@ -90,6 +91,8 @@ VARIABLES = {
                            "(default kernel-cache/build/objects)",
     "FREETOKEN_NUM_THREADS": "threads for CPU kernels (0 = every core)",
     "FREETOKEN_HOME": "install root used by ci/install.sh (default ~/.freetoken)",
+    "FREETOKEN_HIP_CLANG": "the clang that compiles ROCm kernels, for cache builds and JIT "
+                           "(default: ROCm's, then clang-19/18/17 on PATH)",
     "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error)",
 }
 
@@ -114,6 +117,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
         build_dir=_path(e.get("FREETOKEN_BUILD_DIR"), None),
         num_threads=_int("FREETOKEN_NUM_THREADS", e.get("FREETOKEN_NUM_THREADS"), 0),
         home=_path(e.get("FREETOKEN_HOME"), None) or Path.home() / ".freetoken",
+        hip_clang=(e.get("FREETOKEN_HIP_CLANG") or "").strip() or None,
         log_level=level,
     )
 

@@ -72,8 +72,10 @@ def test_every_kernel_loads_from_the_cache_without_a_compiler(installed_pair, ni
     listing = subprocess.run([ft, "kernels", "--json"], env=env, cwd=tmp_path,
                              capture_output=True, text=True)
     assert listing.returncode == 0, listing.stderr
-    rows = json.loads(listing.stdout)
+    listed = json.loads(listing.stdout)
+    rows = listed["kernels"]
     assert rows and {r["status"] for r in rows} == {"cache"}, rows
+    assert listed["cache"]["targets"]["cpu-x86_64"], listed["cache"]
     verify = subprocess.run([ft, "kernels", "verify"], env=env, cwd=tmp_path,
                             capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -14,10 +14,12 @@ import torch
 
 from freetoken.kernel import ops, reference
 from freetoken.kernel.loader import get_function
+from tests.tolerances import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),
-       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+# The GPU kernels use fast-math intrinsics in float32 (__expf: 2 + 1.16 |x| ulps; rsqrtf,
+# exp2f: 2 ulps), hence more ulps than plain rounding before the output's own rounding.
+FAST_MATH_ULPS = 32
 WORKSPACE_FLOATS = 1 << 20
 
 
@@ -31,8 +33,21 @@ def _dev():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _close(actual, expected):
-    torch.testing.assert_close(actual.float(), expected.float(), **TOL[actual.dtype])
+def _close(actual, expected, terms: int = 1):
+    """float32 math over `terms` accumulated values, then one rounding to the output dtype."""
+    assert_close(actual, expected, actual.dtype, compute=torch.float32, terms=terms,
+                 ulps=FAST_MATH_ULPS)
+
+
+def _close_attention(out, ref, v_cache, context: int):
+    """|out| <= max |v| (a convex mix of V rows). The 16-bit tensor-core path rounds the
+    probabilities to the input dtype before P @ V: at most one ulp of it times max |v|."""
+    magnitude = v_cache.float().abs().max().item()
+    if out.dtype == torch.float32:
+        assert_close(out, ref, torch.float32, magnitude=magnitude,
+                     terms=context + out.shape[-1], ulps=FAST_MATH_ULPS)
+    else:
+        assert_close(out, ref, out.dtype, magnitude=magnitude, ulps=2)
 
 
 def _empty(*shape, dtype):
@@ -52,14 +67,14 @@ def test_rms_norm(dtype, rows, width, pad):
     out, ref = _empty(rows, width, dtype=dtype), _empty(rows, width, dtype=dtype)
     ops.rms_norm(out, x, w, 1e-5)
     reference.rms_norm(ref, x, w, 1e-5)
-    _close(out, ref)
+    _close(out, ref, terms=width)
 
     r = torch.randn(rows, width, device=_dev(), dtype=dtype)
     x2, r2 = x.clone(), r.clone()
     ops.fused_add_rms_norm(x, r, w, 1e-6)
     reference.fused_add_rms_norm(x2, r2, w, 1e-6)
     _close(r, r2)
-    _close(x, x2)
+    _close(x, x2, terms=width)
 
 
 @gpu
@@ -78,8 +93,8 @@ def test_rotary_embedding(dtype, head_dim, rot_dim, is_neox):
     q_ref, k_ref = q.clone(), k.clone()
     ops.rotary_embedding(positions, q, k, cache, head_dim, is_neox)
     reference.rotary_embedding(positions, q_ref, k_ref, cache, head_dim, is_neox)
-    _close(q, q_ref)
-    _close(k, k_ref)
+    _close(q, q_ref, terms=2)
+    _close(k, k_ref, terms=2)
 
 
 @gpu
@@ -187,7 +202,7 @@ def _check_attention(seqs, hq, hk, d, dtype, window, block_size=16, workspace=Tr
     else:  # the plain ops call (no workspace argument): no KV split
         ops.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale, window)
     ref = _reference_attention(q, kc, vc, tables, seq_lens, qsl, block_size, scale, window)
-    _close(out.cpu(), ref)
+    _close_attention(out.cpu(), ref, vc, int(seq_lens.max()))
 
 
 MIXED = [(37, 37), (100, 1), (300, 45), (1, 1), (65, 1), (129, 64), (20, 3)]
@@ -242,7 +257,8 @@ def test_paged_attention_replays_in_a_cuda_graph():
     seq_lens.copy_(torch.tensor([5, 900, 333, 64], dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     graph.replay()
-    _close(out.cpu(), _reference_attention(q, kc, vc, tables, seq_lens, qsl, bs, d ** -0.5, 0))
+    _close_attention(out.cpu(), _reference_attention(q, kc, vc, tables, seq_lens, qsl, bs,
+                                                     d ** -0.5, 0), vc, 900)
 
 
 # ---------------------------------------------------------------- sampling

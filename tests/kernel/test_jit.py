@@ -12,6 +12,7 @@ import torch
 from freetoken.kernel import ops, reference
 from freetoken.kernel.errors import KernelUnavailable
 from tests.conftest import compiler_free_env
+from tests.tolerances import assert_close
 
 CHECK = """
 import sys, time, torch
@@ -22,7 +23,9 @@ x = torch.randn(5, 2 * 37)
 out, ref = torch.empty(5, 37), torch.empty(5, 37)
 ops.silu_and_mul(out, x)
 reference.silu_and_mul(ref, x)
-assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+# float32 rounding of silu(g) * u: a few ulps of the largest value
+limit = 8 * torch.finfo(torch.float32).eps * ref.abs().max()
+assert ((out - ref).abs() <= limit).all(), (out - ref).abs().max()
 print("OK")
 """
 
@@ -32,7 +35,7 @@ def _silu_matches() -> None:
     out, ref = torch.empty(3, 100), torch.empty(3, 100)
     ops.silu_and_mul(out, x)
     reference.silu_and_mul(ref, x)
-    torch.testing.assert_close(out, ref)
+    assert_close(out, ref, torch.float32)
 
 
 def test_jit_builds_then_reuses_without_a_compiler(jit_only):

@@ -15,7 +15,18 @@ import pytest
 
 from freetoken.csrc import build
 
-ROCM_KERNELS = ("norm", "rotary", "activation", "kv_cache", "embedding", "moe")
+# Every kernel a GPU serves (the CUDA set) must have a HIP build too.
+GPU_KERNELS = tuple(k.name for k in build.registry.KERNELS if k.cuda)
+ROCM_KERNELS = tuple(k.name for k in build.registry.KERNELS
+                     if set(k.targets()) & set(build.registry.ROCM_TARGETS))
+
+
+def test_rocm_targets_cover_the_cuda_kernel_set():
+    registry = build.registry
+    for target in registry.ROCM_TARGETS + registry.CUDA_TARGETS:
+        covered = {k.name for k in registry.KERNELS if target in k.targets()}
+        assert covered == set(GPU_KERNELS), f"{target} covers {sorted(covered)}"
+    assert "attention" in ROCM_KERNELS and "sampling" in ROCM_KERNELS
 
 
 def _tool(name: str) -> str | None:

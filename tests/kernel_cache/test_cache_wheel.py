@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import zipfile
@@ -91,3 +92,33 @@ def test_version_mismatched_cache_is_refused(cache_copy):
     (cache_copy / "index.json").write_text(json.dumps(index))
     with pytest.raises(KernelUnavailable, match="0.0.9"):
         _silu()
+
+
+def test_ft_kernels_lists_what_each_target_covers(cache_copy):
+    from click.testing import CliRunner
+
+    from freetoken.cli.kernels import kernels_command
+
+    index = json.loads((cache_copy / "index.json").read_text())
+    expected = {t: sorted(k.name for k in build.registry.KERNELS if t in k.targets())
+                for t in index["targets"]}
+    listed = CliRunner().invoke(kernels_command, ["--json"])
+    assert listed.exit_code == 0, listed.output
+    cache = json.loads(listed.output)["cache"]
+    assert cache["targets"] == expected and cache["version"] == index["freetoken_version"]
+    human = CliRunner().invoke(kernels_command, [])
+    assert human.exit_code == 0, human.output
+    for target, names in expected.items():
+        line = rf"\n  {re.escape(target)} +{len(names)} kernels: {re.escape(', '.join(names))}\n"
+        assert re.search(line, human.output), human.output
+
+
+def test_rocm_targets_cover_the_cuda_kernel_set(cache_dir):
+    coverage = kcache.load_index(cache_dir).coverage()
+    rocm = [t for t in coverage if build.registry.backend_of(t) == "rocm"]
+    if not rocm:
+        pytest.skip("this cache wheel holds no ROCm targets (no HIP clang where it was built)")
+    gpu_kernels = sorted(k.name for k in build.registry.KERNELS if k.cuda)
+    for target, names in coverage.items():
+        if build.registry.backend_of(target) != "cpu":
+            assert names == gpu_kernels, f"{target} covers {names}"

@@ -186,3 +186,32 @@ class PagedRunner:
             query_start_loc=ints(starts), logits_indices=longs(last),
             max_query_len=max(len(t) for _, t in chunks))
         return torch.as_tensor(self.model.forward(batch, self.kv))
+
+
+def assert_logits_close(ours, expected: torch.Tensor, config, kv_dtype: str | None = None,
+                        msg: str = "") -> None:
+    """Logits of our forward against transformers' float32 forward of the same weights.
+
+    Both compute in float32, so they differ by rounding that scales with the largest logit and
+    grows with the reductions on the way (hidden and MLP widths, in every layer). A float16 KV
+    pool adds one float16 rounding of K and V per layer instead.
+    """
+    from tests.tolerances import assert_close
+
+    ours = torch.as_tensor(ours)
+    if kv_dtype == "float16":
+        assert_close(ours, expected, torch.float32, compute=torch.float16,
+                     terms=config.num_layers, msg=msg)
+        return
+    terms = (config.hidden_size + config.intermediate_size) * config.num_layers
+    assert_close(ours, expected, torch.float32, terms=terms, msg=msg)
+
+
+def assert_inverse_frequencies_close(ours, expected: torch.Tensor) -> None:
+    """Rope frequencies base ** (-2i / d) in float32: the exponent's rounding becomes a relative
+    error of eps * |ln(result)|, so the magnitude compared is |f| * (1 + |ln f|)."""
+    from tests.tolerances import assert_close
+
+    f = expected.double()
+    assert_close(torch.as_tensor(ours), expected, torch.float32,
+                 magnitude=f.abs() * (1 + f.abs().log().abs()))

@@ -8,8 +8,8 @@ import shutil
 import torch
 
 from freetoken.models.loader import load_model
-from tests.models.helpers import PagedRunner
-from tests.models.test_dense_hf import ATOL, hf_last_logits, prompts
+from tests.models.helpers import PagedRunner, assert_logits_close
+from tests.models.test_dense_hf import hf_last_logits, prompts
 
 
 def test_sharded_checkpoint_loads_through_the_index(tiny_checkpoint, tmp_path):
@@ -22,7 +22,7 @@ def test_sharded_checkpoint_loads_through_the_index(tiny_checkpoint, tmp_path):
     loaded = load_model(str(tmp_path))
     a, _ = prompts(loaded.config.vocab_size)
     logits = PagedRunner(loaded.model).step([(0, a)])[0]
-    torch.testing.assert_close(logits, hf_last_logits(hf, a), atol=ATOL, rtol=0)
+    assert_logits_close(logits, hf_last_logits(hf, a), loaded.config)
 
 
 def test_generation_defaults_and_template_file(tiny_checkpoint, tmp_path):

@@ -18,8 +18,8 @@ import torch
 
 from freetoken.kernel.ops import Q8_0
 from freetoken.models.loader import load_model
-from tests.models.helpers import PagedRunner
-from tests.models.test_dense_hf import ATOL, hf_last_logits, prompts
+from tests.models.helpers import PagedRunner, assert_logits_close
+from tests.models.test_dense_hf import hf_last_logits, prompts
 from tests.models.test_gguf_tiny import REL_TOL, dequantized_reference
 from tests.models.conftest import MOE_ARCHS
 from tests.models.tiny_gguf import write_gguf
@@ -53,16 +53,16 @@ def test_f32_gguf_gives_the_safetensors_logits(arch, moe_gguf, moe_ops):
     assert ours.config.moe == folder.config.moe
     a, b = prompts(folder.config.vocab_size)
     chunks = [(0, a), (1, b)]
-    torch.testing.assert_close(PagedRunner(ours.model).step(chunks),
-                               PagedRunner(folder.model).step(chunks), atol=ATOL, rtol=0)
+    assert_logits_close(PagedRunner(ours.model).step(chunks),
+                        PagedRunner(folder.model).step(chunks), folder.config)
 
 
 def test_f16_gguf_matches_transformers_on_the_rounded_weights(moe_gguf, moe_ops):
     path, _, _, reference = moe_gguf("qwen2_moe", "f16")
     loaded = load_model(str(path))
     a, _ = prompts(loaded.config.vocab_size)
-    torch.testing.assert_close(PagedRunner(loaded.model).step([(0, a)])[0],
-                               hf_last_logits(reference, a), atol=ATOL, rtol=0)
+    assert_logits_close(PagedRunner(loaded.model).step([(0, a)])[0],
+                        hf_last_logits(reference, a), loaded.config)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

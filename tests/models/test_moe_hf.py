@@ -19,8 +19,8 @@ import torch
 from freetoken.models.errors import MissingTensorError, UnsupportedModelError
 from freetoken.models.loader import load_model
 from tests.models.conftest import MOE_ARCHS
-from tests.models.helpers import PagedRunner
-from tests.models.test_dense_hf import ATOL, hf_last_logits, prompts, run_and_compare
+from tests.models.helpers import PagedRunner, assert_logits_close
+from tests.models.test_dense_hf import hf_last_logits, prompts, run_and_compare
 
 SPARSE = {"qwen3_moe": (True, False, True), "qwen2_moe": (False, True, False, True),
           "mixtral": (True, True), "olmoe": (True, True)}
@@ -42,7 +42,7 @@ def test_moe_forward_matches_transformers(arch, tiny_checkpoint, moe_ops):
     assert cfg.moe.shared_intermediate_size == (64 if arch == "qwen2_moe" else 0)
     assert cfg.qk_norm == {"qwen3_moe": "head", "olmoe": "full"}.get(arch)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
-    run_and_compare(loaded.model, hf, ATOL)
+    run_and_compare(loaded.model, hf)
 
 
 def test_olmoe_qk_norm_spans_the_whole_projection(tiny_checkpoint):
@@ -77,8 +77,8 @@ def test_expert_layouts_load_to_the_same_model(layout, tiny_checkpoint, moe_ops,
     _rewrite_experts(directory, tmp_path, layout, hf)
     loaded = load_model(str(tmp_path))
     a, _ = prompts(loaded.config.vocab_size)
-    torch.testing.assert_close(PagedRunner(loaded.model).step([(0, a)])[0],
-                               hf_last_logits(hf, a), atol=ATOL, rtol=0)
+    assert_logits_close(PagedRunner(loaded.model).step([(0, a)])[0],
+                        hf_last_logits(hf, a), loaded.config)
 
 
 def test_missing_experts_are_refused_naming_every_layout(tiny_checkpoint, tmp_path):
@@ -131,5 +131,5 @@ def test_half_precision_checkpoints_load(dtype, tiny_checkpoint, moe_ops, tmp_pa
     reference.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
     loaded = load_model(str(tmp_path))
     a, _ = prompts(loaded.config.vocab_size)
-    torch.testing.assert_close(PagedRunner(loaded.model).step([(0, a)])[0],
-                               hf_last_logits(reference, a), atol=ATOL, rtol=0)
+    assert_logits_close(PagedRunner(loaded.model).step([(0, a)])[0],
+                        hf_last_logits(reference, a), loaded.config)

@@ -10,6 +10,7 @@ from freetoken.models.checkpoint.gguf_config import config_from_gguf
 from freetoken.models.checkpoint.hf_config import config_from_hf
 from freetoken.models.registry import ARCHITECTURES, spec_for_gguf, supported_names
 from freetoken.models.forward.rope import inverse_frequencies
+from tests.models.helpers import assert_inverse_frequencies_close
 
 
 def test_every_supported_name_resolves():
@@ -44,7 +45,7 @@ def test_llama3_rope_scaling_matches_transformers():
     ours = config_from_hf({**hf_dict(hf), "architectures": ["LlamaForCausalLM"]}, "c.json")
     assert ours.rope_scaling["rope_type"] == "llama3" and ours.rope_theta == 500000.0
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
-    torch.testing.assert_close(torch.from_numpy(inverse_frequencies(ours)), expected.float(), rtol=1e-6, atol=0)
+    assert_inverse_frequencies_close(inverse_frequencies(ours), expected)
 
 
 def test_linear_rope_scaling_and_legacy_keys():
@@ -54,7 +55,7 @@ def test_linear_rope_scaling_and_legacy_keys():
     cfg = config_from_hf(legacy, "c.json")
     assert cfg.rope_theta == 1000.0 and cfg.num_kv_heads == 4 and cfg.head_dim == 16
     base = 1.0 / 1000.0 ** (torch.arange(0, 16, 2).float() / 16)
-    torch.testing.assert_close(torch.from_numpy(inverse_frequencies(cfg)), base / 2.0)
+    assert_inverse_frequencies_close(inverse_frequencies(cfg), base / 2.0)
 
 
 def test_mixed_sliding_layers_are_refused():

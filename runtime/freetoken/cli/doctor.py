@@ -41,7 +41,12 @@ def collect() -> tuple[list[str], list[str]]:
     facts.append(f"torch {torch.__version__} (CUDA {torch.version.cuda or '-'}, "
                  f"HIP {getattr(torch.version, 'hip', None) or '-'})")
     env = ft_env.read()
-    cxx, nvcc, clang = checks.find_cxx(), checks.find_nvcc(), checks.find_hip_clang()
+    cxx, nvcc = checks.find_cxx(), checks.find_nvcc()
+    try:
+        clang = checks.find_hip_clang(env.hip_clang)
+    except checks.ToolchainError as exc:
+        clang = None
+        problems.append(str(exc))
     facts.append(f"C++ compiler: {f'{cxx.path} {cxx.version}' if cxx else 'none'}")
     facts.append(f"nvcc: {f'{nvcc[0].path} {nvcc[0].version} (CUDA_HOME {nvcc[1]})' if nvcc else 'none'}")
     facts.append(f"HIP clang: {f'{clang.path} {clang.version}' if clang else 'none'}")

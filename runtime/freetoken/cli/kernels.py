@@ -38,6 +38,24 @@ def kernel_rows(verify: bool = True) -> list[dict]:
     return rows
 
 
+def cache_summary() -> dict:
+    """The installed kernel cache: where, which version, and per target the kernels it covers."""
+    from freetoken import env as ft_env
+    from freetoken.kernel import cache as kcache
+
+    env = ft_env.read()
+    root = kcache.locate_cache(env)
+    if root is None:
+        state = "disabled" if env.disable_kernel_cache else "not installed"
+        return {"state": state, "root": None, "version": None, "targets": {}}
+    try:
+        index = kcache.load_index(root)
+    except kcache.KernelCacheError as exc:
+        return {"state": f"unusable: {exc}", "root": str(root), "version": None, "targets": {}}
+    return {"state": "installed", "root": str(root), "version": index.version,
+            "targets": index.coverage()}
+
+
 STATUS_TEXT = {"cache": "cached ({target})", "jit-cached": "JIT-cached ({target})",
                "jit": "would compile ({target})", "unavailable": "unavailable ({target})"}
 
@@ -49,15 +67,22 @@ def kernels_command(ctx: click.Context, as_json: bool) -> None:
     """List every kernel of the registry and its status on this machine."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = kernel_rows()
+    rows, cache = kernel_rows(), cache_summary()
     if as_json:
-        click.echo(json.dumps(rows, indent=1))
+        click.echo(json.dumps({"kernels": rows, "cache": cache}, indent=1))
         return
     width = max(len(r["kernel"]) for r in rows)
     for r in rows:
         status = STATUS_TEXT[r["status"]].format(target=r["target"])
         click.echo(f"{r['kernel']:<{width}}  {r['device']:<4}  {status}"
                    + (f"  - {r['reason']}" if r["status"] != "cache" and r["reason"] else ""))
+    if cache["version"] is None:
+        click.echo(f"kernel cache: {cache['state']}")
+        return
+    click.echo(f"kernel cache {cache['version']} at {cache['root']}:")
+    t_width = max((len(t) for t in cache["targets"]), default=0)
+    for target, names in cache["targets"].items():
+        click.echo(f"  {target:<{t_width}}  {len(names)} kernels: {', '.join(names) or '-'}")
 
 
 def _verify_row(row: dict) -> str | None:

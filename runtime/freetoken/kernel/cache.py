@@ -33,6 +33,14 @@ class CacheIndex:
     def targets_for(self, key: str) -> tuple[str, ...]:
         return tuple(self.data.get("kernels", {}).get(key, {}).get("targets", {}))
 
+    def coverage(self) -> dict[str, list[str]]:
+        """target -> the kernels it holds (sorted), for every target the index lists."""
+        out: dict[str, set[str]] = {t: set() for t in self.targets}
+        for entry in self.data.get("kernels", {}).values():
+            for target in entry.get("targets", {}):
+                out.setdefault(target, set()).add(str(entry.get("kernel")))
+        return {t: sorted(names) for t, names in out.items()}
+
 
 def locate_cache(env: Env) -> Path | None:
     """FREETOKEN_KERNEL_CACHE_DIR, else the installed freetoken_kernel_cache wheel, else None."""

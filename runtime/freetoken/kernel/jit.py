@@ -45,7 +45,10 @@ def toolchain_for(backend: str, env: Env) -> build.Toolchain:
         return build.Toolchain(nvcc=nvcc.path, cuda_major=nvcc.major, **tvm)
     import torch
 
-    clang = checks.find_hip_clang()
+    try:
+        clang = checks.find_hip_clang(env.hip_clang)
+    except checks.ToolchainError as exc:
+        raise KernelUnavailable(str(exc)) from None
     if problem := checks.check_hip_match(clang, getattr(torch.version, "hip", None)):
         raise KernelUnavailable(str(problem))
     return build.Toolchain(hip_clang=clang.path, **tvm)

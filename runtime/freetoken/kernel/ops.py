@@ -1,14 +1,18 @@
 """Thin typed wrappers over the registry kernels: outputs are allocated by the caller.
 
-Every wrapper finds the kernel for the tensors' device through ``get_function`` (cached per
-device), so the model code never names a target. Shapes below use T = tokens, H = heads,
-D = head dim, S = KV slots (pages * page size), B = sequences.
+Two ways in, one mechanism: ``bind(name, device)`` resolves the kernel function behind a
+wrapper once, for code that calls it in a hot loop (the models); the wrappers below do the same
+look-up per call (memoized by the loader, a few microseconds). Both find the kernel that exports
+``name`` in the registry, so a new wrapper is one line calling ``_fn(name, device)``.
+Shapes below use T = tokens, H = heads, D = head dim, S = KV slots (pages * page size),
+B = sequences.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
+from freetoken.csrc.build import registry  # the one registry of this process
 from freetoken.kernel.loader import get_function
 
 if TYPE_CHECKING:
@@ -17,16 +21,41 @@ if TYPE_CHECKING:
 # GGML tensor type ids (gguf.GGMLQuantizationType) that the quantized kernels read.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 
+# Exported function -> the kernel that exports it (the first one, for a shared helper).
+KERNEL_OF: dict[str, str] = {}
+for _kernel in registry.KERNELS:
+    for _name in _kernel.functions + _kernel.cpu_functions:
+        KERNEL_OF.setdefault(_name, _kernel.name)
+del _kernel, _name
+
+
+def _fn(name: str, device: Any) -> Callable:
+    return get_function(KERNEL_OF[name], name, device)
+
+
+def bind(name: str, device: Any) -> Callable:
+    """The function behind ``ops.<name>`` on `device`, resolved now, with the wrapper's arguments.
+
+    A wrapper that a test replaced on this module (e.g. with ``reference.<name>``) is returned
+    as it is, so the models run the replacement too.
+    """
+    wrapper = globals().get(name)
+    if wrapper is None or name not in KERNEL_OF:
+        raise KeyError(f"no kernel function {name!r}; known: {', '.join(sorted(KERNEL_OF))}")
+    if getattr(wrapper, "__module__", None) != __name__:
+        return wrapper
+    return _fn(name, device)
+
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out[T, D] = x / rms(x) * weight; x rows contiguous, weight [D] of x's dtype."""
-    get_function("norm", "rms_norm", x.device)(out, x, weight, eps)
+    _fn("rms_norm", x.device)(out, x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> None:
     """In place: residual += x; x = rms_norm(residual) * weight (both [T, D])."""
-    get_function("norm", "fused_add_rms_norm", x.device)(x, residual, weight, eps)
+    _fn("fused_add_rms_norm", x.device)(x, residual, weight, eps)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -34,26 +63,26 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """In place on q [T, Hq*D] and k [T, Hk*D]; positions int64 [T];
     cos_sin_cache f32 [max_pos, rot_dim] = cat(cos, sin) over rot_dim/2 frequencies each;
     the first rot_dim of each head rotate (neox: halves, else interleaved pairs)."""
-    get_function("rotary", "rotary_embedding", q.device)(
+    _fn("rotary_embedding", q.device)(
         positions, q, k, cos_sin_cache, head_dim, is_neox)
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """out[T, d] = silu(x[:, :d]) * x[:, d:] for x [T, 2d]."""
-    get_function("activation", "silu_and_mul", x.device)(out, x)
+    _fn("silu_and_mul", x.device)(out, x)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache[slot_mapping[t]] = k[t] (same for v); k [T, Hk, D], caches [S, Hk, D];
     slot_mapping int64 [T], a negative slot is skipped."""
-    get_function("kv_cache", "store_kv", k.device)(k, v, k_cache, v_cache, slot_mapping)
+    _fn("store_kv", k.device)(k, v, k_cache, v_cache, slot_mapping)
 
 
 def embedding(out: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
     """out[T, D] = table[ids]; ids int64 [T]. An id outside the table raises on CPU; on the GPU
     it writes a zero row (raising would need a device sync)."""
-    get_function("embedding", "embedding", table.device)(out, ids, table)
+    _fn("embedding", table.device)(out, ids, table)
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
@@ -70,7 +99,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     workspace: optional contiguous f32 scratch on q's device (CUDA decode splits long contexts
     across blocks with it; 1M floats covers every decode batch; None is correct, just slower).
     """
-    fn = get_function("attention", "paged_attention", q.device)
+    fn = _fn("paged_attention", q.device)
     if workspace is None:
         fn(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
            sliding_window)
@@ -82,18 +111,23 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
     """out[M, N] f32 = x[M, K] f32 @ dequant(qweight).T; qweight uint8 [N, row_bytes] holds
     GGUF blocks of one weight row per row (Q4_0, Q4_1 or Q8_0; K a multiple of 32)."""
-    get_function("quant_gemm", "quant_matmul", x.device)(out, x, qweight, qtype)
+    _fn("quant_matmul", x.device)(out, x, qweight, qtype)
 
 
 def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
                     qtype: int) -> None:
     """out[T, K] f32 = dequant(qweight[ids]) (a quantized embedding lookup)."""
-    get_function("quant_gemm", "dequantize_rows", qweight.device)(out, ids, qweight, qtype)
+    _fn("dequantize_rows", qweight.device)(out, ids, qweight, qtype)
+
+
+def set_num_threads(threads: int) -> None:
+    """Size the CPU quantized kernels' thread pool (0 = every core)."""
+    _fn("set_num_threads", "cpu")(threads)
 
 
 def cpu_isa() -> str:
     """The instruction set the CPU quantized kernels dispatch to: avx512, avx2 or scalar."""
-    return str(get_function("quant_gemm", "cpu_isa", "cpu")())
+    return str(_fn("cpu_isa", "cpu")())
 
 
 def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
@@ -107,7 +141,7 @@ def sample_tokens(out_ids: torch.Tensor, logits: torch.Tensor, temperature: torc
     step). No host sync and no allocation, so it can run inside a CUDA graph. temperature f32,
     top_k int32 and top_p f32 are [B] tensors on the logits' device.
     """
-    get_function("sampling", "sample_tokens", logits.device)(
+    _fn("sample_tokens", logits.device)(
         out_ids, logits, temperature, top_k, top_p, seed, offset)
 
 

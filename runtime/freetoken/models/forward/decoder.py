@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 from freetoken.arrays import Device, HostArrays, TorchArrays
+from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward.attention import AttentionBlock
-from freetoken.models.forward.kernels import bind_op
 from freetoken.models.forward.linear import make_linear
 from freetoken.models.forward.mlp import DenseMLP, MoEMLP
 from freetoken.models.forward.rope import cos_sin_cache
@@ -34,10 +34,10 @@ class Kernels:
         names = _OPS + (_MOE_OPS if cfg.moe is not None else ())
         names += ("moe_experts_quant",) if quantized_experts else ()
         for name in names:
-            setattr(self, name, bind_op(name, device))
+            setattr(self, name, ops.bind(name, device))
         embed_op = "dequantize_rows" if quantized_embedding else "embedding"
-        self.embed = bind_op(embed_op, device)
-        self.gather_rows = bind_op("embedding", device)
+        self.embed = ops.bind(embed_op, device)
+        self.gather_rows = ops.bind("embedding", device)
         # CUDA decode splits long contexts across blocks through this scratch (4 MiB covers
         # every decode batch); the CPU kernel takes none.
         self.attn_extra = (() if device.is_cpu else (arrays.empty(1 << 20, "float32"),))
@@ -144,6 +144,4 @@ def _apply_kernel_threads() -> None:
 
     threads = env.read().num_threads
     if threads > 0:
-        from freetoken.kernel.loader import get_function
-
-        get_function("quant_gemm", "set_num_threads", "cpu")(threads)
+        ops.bind("set_num_threads", "cpu")(threads)

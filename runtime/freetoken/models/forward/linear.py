@@ -41,9 +41,9 @@ class QuantLinear:
     """out[T, N] f32 = x[T, K] f32 @ dequant(W).T (+ bias) on GGUF blocks, never dequantized."""
 
     def __init__(self, weight: QuantWeight, bias: Array | None = None):
-        from freetoken.models.forward.kernels import bind_op
+        from freetoken.kernel import ops
 
-        self._matmul = bind_op("quant_matmul", "cpu")
+        self._matmul = ops.bind("quant_matmul", "cpu")
         self.data = HostArrays.kernel_arg(weight.data)
         self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
