@@ -46,9 +46,12 @@ from freetoken.server.config import ServerConfig
 @click.option("--kv-dtype", default=EngineConfig.kv_dtype, show_default=True,
               type=click.Choice(KV_DTYPES),
               help="KV pool dtype: auto = float16 on the CPU, the activation dtype on a GPU.")
+@click.option("--prefix-cache/--no-prefix-cache", default=EngineConfig.prefix_cache,
+              show_default=True,
+              help="Reuse the KV of prompt prefixes earlier requests computed.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
-                  log_level, cuda_graphs, kv_dtype) -> None:
+                  log_level, cuda_graphs, kv_dtype, prefix_cache) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics)."""
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
@@ -56,7 +59,8 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
-                                 cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
+                                 cuda_graphs=cuda_graphs, kv_dtype=kv_dtype,
+                                 prefix_cache=prefix_cache)
     run_server(model_path, dtype, engine_config, server_config)
 
 

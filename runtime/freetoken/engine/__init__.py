@@ -5,6 +5,7 @@ __all__ = [
     "detokenizer",
     "engine",
     "kv_pool",
+    "prefix_cache",
     "prepare",
     "request",
     "sampling",

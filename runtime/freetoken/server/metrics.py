@@ -37,6 +37,7 @@ class Metrics:
                              registry=registry)
         self.waiting = Gauge("freetoken_num_requests_waiting", "Requests queued for KV pages",
                              registry=registry)
+        registry.register(PrefixCacheCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -49,6 +50,33 @@ class Metrics:
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
+
+
+class PrefixCacheCollector:
+    """The engine's prefix-cache totals as Prometheus counters, read at scrape time (the engine
+    keeps the running totals, so nothing is double counted)."""
+
+    COUNTERS = (
+        ("freetoken_prefix_cache_queried_tokens", "prefix_cache_queried_tokens",
+         "Prompt tokens looked up in the prefix cache"),
+        ("freetoken_prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
+         "Prompt tokens whose KV came from the prefix cache"),
+        ("freetoken_prefix_cache_evictions", "prefix_cache_evictions",
+         "Cached KV pages evicted to make room"),
+    )
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+        self._engine_stats = engine_stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._engine_stats()
+        for name, key, doc in self.COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+
+    def describe(self):
+        return []  # NOTE: no describe-time scrape; families are produced in collect()
 
 
 class RequestTimer:
