@@ -111,7 +111,8 @@ class ServeWorker:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         command = [str(Path(sys.executable).with_name("ft")), "serve", "--port", str(self.port),
-                   "--device", "cpu", "--log-level", "warning", "--num-tokens", "4096"]
+                   "--device", "cpu", "--log-level", "warning", "--num-tokens", "4096",
+                   "--no-prefix-cache"]   # repeated prompts: measure prefill, not the cache
         if spec["model_arg"]:
             command += ["--model", spec["model"]]
         self._log = tempfile.TemporaryFile("w+")

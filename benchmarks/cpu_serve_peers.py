@@ -34,8 +34,11 @@ def setup_freetoken(spec: dict):
 
     start = time.perf_counter()
     loaded = load_model(spec["model"], device="cpu")
+    # Every round repeats the same prompts: the prefix cache is off so each is prefilled, as
+    # llama.cpp's is after llm.reset().
     engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=4096, device="cpu",
-                                                     max_prefill_tokens=1024)).start()
+                                                     max_prefill_tokens=1024,
+                                                     prefix_cache=False)).start()
     engine.warm_up()
 
     async def generate(ids: list[int], max_tokens: int) -> list[float]:

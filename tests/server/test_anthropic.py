@@ -37,7 +37,8 @@ def test_system_and_content_blocks_equal_plain_strings(client, server):
                     messages=[{"role": "user", "content": [
                         {"type": "text", "text": MESSAGES[0]["content"]}]}])
     assert blocks.content[0].text == plain.content[0].text
-    assert blocks.usage.input_tokens == plain.usage.input_tokens
+    assert (blocks.usage.input_tokens + blocks.usage.cache_read_input_tokens
+            == plain.usage.input_tokens + plain.usage.cache_read_input_tokens)
 
 
 def test_stream_events_in_order_and_text_matches(client, server):

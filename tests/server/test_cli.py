@@ -76,7 +76,7 @@ def test_serve_prints_its_url_and_serves(tiny_model_dir):
     command = [sys.executable, "-c", "from freetoken.cli.main import main; main()", "serve",
                "--model", str(tiny_model_dir), "--port", "0", "--device", "cpu",
                "--num-tokens", "1024", "--served-model-name", "tiny", "--api-key", API_KEY,
-               "--sampling-defaults", "none", "--log-level", "warning"]
+               "--sampling-defaults", "none", "--log-level", "warning", "--no-prefix-cache"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     try:
@@ -94,6 +94,7 @@ def test_serve_prints_its_url_and_serves(tiny_model_dir):
         stats = httpx.get(url + "/v1/stats", headers=headers).json()
         assert stats["sampling_defaults"] == "none" and stats["kv_pages_total"] == 1024 // 16
         assert stats["tokens_generated"] == 0  # the warm-up is not counted
+        assert stats["prefix_cache"] is False
         reply = httpx.post(url + "/v1/completions", headers=headers, timeout=300,
                            json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
         assert reply.json()["usage"]["completion_tokens"] == 3

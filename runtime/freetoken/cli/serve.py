@@ -52,9 +52,13 @@ from freetoken.server.config import ServerConfig
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               default=ServerConfig.cors_origins,
               help="Let browser pages from ORIGIN call the API (repeatable; '*' = any).")
+@click.option("--prefix-cache/--no-prefix-cache", default=EngineConfig.prefix_cache,
+              show_default=True,
+              help="Reuse the KV of prompt prefixes earlier requests computed.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
-                  log_level, cuda_graphs, kv_dtype, max_output_tokens, cors_origins) -> None:
+                  log_level, cuda_graphs, kv_dtype, max_output_tokens, cors_origins,
+                  prefix_cache) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
@@ -64,7 +68,8 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
-                                 cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
+                                 cuda_graphs=cuda_graphs, kv_dtype=kv_dtype,
+                                 prefix_cache=prefix_cache)
     run_server(model_path, dtype, engine_config, server_config)
 
 

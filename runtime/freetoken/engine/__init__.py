@@ -6,6 +6,7 @@ __all__ = [
     "engine",
     "guide",
     "kv_pool",
+    "prefix_cache",
     "prepare",
     "request",
     "sampling",

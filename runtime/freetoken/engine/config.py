@@ -27,6 +27,8 @@ class EngineConfig:
     cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start.
     kv_dtype: KV pool dtype; "auto" = float16 on the CPU (half the memory and bandwidth of
         its float32 activations), the activation dtype on a GPU.
+    prefix_cache: keep full KV pages after a request ends, keyed by a hash chain of their
+        tokens, and start later requests with the same prefix from them.
     """
 
     num_tokens: int = 0
@@ -37,6 +39,7 @@ class EngineConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     kv_dtype: str = "auto"
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         checks = (

@@ -17,7 +17,7 @@ from freetoken.engine.logprobs import log_softmax_rows, token_logprob
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
-                                      SamplingParams, Usage)
+                                      SamplingParams)
 from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.stream import RequestStream
@@ -44,11 +44,12 @@ class Engine:
         generation_defaults: the model's sampling defaults (used when
             config.sampling_defaults == "model" and a request leaves a field unset).
         eos_token_ids: ids that end a sequence with finish_reason "stop".
+        model_id: names the weights in prefix-cache keys (with the shape and KV dtype).
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig,
                  generation_defaults: GenerationDefaults | None = None,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), model_id: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.config = resolve_engine_config(config, model.config.max_position)
@@ -60,7 +61,8 @@ class Engine:
                                          model.dtype)
         self.kv = KVCache(model.config, self.config.num_blocks, self.config.block_size,
                           self.kv_dtype, self.arrays)
-        self.scheduler = Scheduler(self.config, self.pool)
+        self.scheduler = Scheduler(self.config, self.pool,
+                                   f"{model_id}|{model.config!r}|{self.kv_dtype}")
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
         self.graphs = None
@@ -81,7 +83,8 @@ class Engine:
     def from_loaded(cls, loaded: Any, config: EngineConfig) -> Engine:
         """An engine for a freetoken.models.loader.LoadedModel."""
         eos = tuple(loaded.tokenizer.eos_token_ids) + tuple(loaded.config.eos_token_ids)
-        return cls(loaded.model, loaded.tokenizer, config, loaded.generation_defaults, eos)
+        return cls(loaded.model, loaded.tokenizer, config, loaded.generation_defaults, eos,
+                   f"{loaded.name}|{loaded.source}")
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class Engine:
             raise RuntimeError(f"the warm-up request failed: {last.error}")
         with self._cond:
             self._counters = dict.fromkeys(self._counters, 0)
+            self.scheduler.cache_queried_tokens = self.scheduler.cache_hit_tokens = 0
 
     @property
     def is_alive(self) -> bool:
@@ -184,6 +188,12 @@ class Engine:
                 "kv_block_size": self.pool.block_size,
                 "kv_occupancy": self.pool.occupancy,
                 "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache": self.config.prefix_cache,
+                "prefix_cache_queried_tokens": self.scheduler.cache_queried_tokens,
+                "prefix_cache_hit_tokens": self.scheduler.cache_hit_tokens,
+                "prefix_cache_evictions": self.pool.num_evictions,
+                "kv_pages_cached": self.pool.num_cached,
+                "kv_pages_idle": self.pool.num_idle,
                 **self._counters,
             }
         defaults = self.generation_defaults
@@ -263,6 +273,7 @@ class Engine:
         for chunk in plan:
             if not chunk.request.is_finished:
                 chunk.request.num_computed += chunk.num_tokens
+                self.scheduler.publish(chunk.request)
         if to_sample:
             requests = [plan[i].request for i in to_sample]
             if len(to_sample) < logits.shape[0]:
@@ -310,7 +321,7 @@ class Engine:
         self._requests.pop(request.request_id, None)
         self._counters["requests_finished"] += 1
         request.sink(RequestOutput(request.request_id, [] if token is None else [token], text,
-                                   reason, Usage(request.prompt_len, request.num_output),
+                                   reason, request.usage(),
                                    stop_reason, error, logprobs))
 
     def _fail(self, plan: list[ScheduledChunk], message: str) -> None:

@@ -111,6 +111,7 @@ class SamplingParams:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -171,6 +172,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     guide: Guide | None = None                   # grammar / thinking budget, when asked for
+    page_keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of full pages
+    num_published: int = 0           # leading pages already offered to the prefix cache
+    cached_tokens: int | None = None  # prompt tokens reused at first admission
 
     @property
     def num_output(self) -> int:
@@ -186,4 +190,4 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, self.num_output)
+        return Usage(self.prompt_len, self.num_output, self.cached_tokens or 0)

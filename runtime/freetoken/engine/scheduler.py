@@ -1,5 +1,7 @@
 """Continuous batching: every step decodes all running sequences and prefills waiting ones in
-chunks under a token budget, admitting new sequences only while KV pages are available."""
+chunks under a token budget, admitting new sequences only while KV pages are available. With
+the prefix cache on, a sequence is admitted with the cached pages of its longest cached prefix
+and prefills only the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from freetoken.engine.config import EngineConfig
-from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.kv_pool import PagePool, pages_for
+from freetoken.engine.prefix_cache import extend_keys, root_key
 from freetoken.engine.request import Request, RequestStatus
 
 
@@ -34,12 +37,15 @@ class Scheduler:
     its pages are freed and it goes back to the head of the queue to be recomputed later.
     """
 
-    def __init__(self, config: EngineConfig, pool: PagePool):
+    def __init__(self, config: EngineConfig, pool: PagePool, model_id: str = ""):
         self.config = config
         self.pool = pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.root = root_key(model_id) if config.prefix_cache else None
+        self.cache_queried_tokens = 0   # prompt tokens of admitted requests
+        self.cache_hit_tokens = 0       # of which served from the prefix cache
 
     @property
     def has_work(self) -> bool:
@@ -75,26 +81,57 @@ class Scheduler:
             budget -= 0 if want == 1 else size
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            size = min(request.num_pending, budget)
-            if not self._admit(request, size):
+            size = self._admit(request, budget)
+            if not size:
                 break
             plan.append(ScheduledChunk(request, size))
             budget -= size
         return plan
 
+    def publish(self, request: Request) -> None:
+        """Offer the request's full, computed pages to the prefix cache (after each step)."""
+        if self.root is None or request.is_finished:
+            return
+        keys = extend_keys(request.page_keys, request.token_ids, request.num_computed,
+                           self.pool.block_size, self.root)
+        full = request.num_computed // self.pool.block_size  # keys may run ahead (see _match)
+        for j in range(request.num_published, full):
+            self.pool.publish(request.pages[j], keys[j])
+        request.num_published = max(request.num_published, full)
+
     def owned_pages(self) -> list[list[int]]:
         return [r.pages for r in self.running]
 
-    def _admit(self, request: Request, num_tokens: int) -> bool:
+    def _admit(self, request: Request, budget: int) -> int:
+        """Admit the head of the queue with its first chunk; the chunk's size, 0 if it waits."""
+        self._match(request)
+        size = min(request.num_pending, budget)
+        end = request.num_computed + size
         # Keep one spare page per running sequence so admitting does not force a preemption
         # on the very next decode step.
-        needed = -(-num_tokens // self.pool.block_size) + len(self.running)
-        if not self.pool.can_allocate(needed) or not self.pool.extend(request.pages, num_tokens):
-            return False
+        needed = pages_for(end, self.pool.block_size) - len(request.pages) + len(self.running)
+        if not self.pool.can_allocate(needed) or not self.pool.extend(request.pages, end):
+            self._release(request)
+            return 0
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
-        return True
+        if request.cached_tokens is None:  # first admission (not a recompute after preemption)
+            request.cached_tokens = min(request.num_computed, request.prompt_len)
+            self.cache_queried_tokens += request.prompt_len
+            self.cache_hit_tokens += request.cached_tokens
+        return size
+
+    def _match(self, request: Request) -> None:
+        """Start the request from the cached pages of its longest cached prefix. The last
+        token is never taken from the cache: its forward gives the logits to sample from."""
+        if self.root is None or request.pages:
+            return
+        keys = extend_keys(request.page_keys, request.token_ids, len(request.token_ids) - 1,
+                           self.pool.block_size, self.root)
+        request.pages = self.pool.match(keys)
+        request.num_computed = len(request.pages) * self.pool.block_size
+        request.num_published = len(request.pages)
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Pages for `num_tokens` tokens of a running request, preempting newer ones if needed.
@@ -114,6 +151,6 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
-        self.pool.free(request.pages)
+        self.pool.free(reversed(request.pages))  # tail first: it is evicted before the head
         request.pages = []
-        request.num_computed = 0
+        request.num_computed = request.num_published = 0

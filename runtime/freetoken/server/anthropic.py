@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
 from freetoken.agent.parser import Content, Event, OutputParser, Reasoning, ToolCall
-from freetoken.engine.request import RequestOutput
+from freetoken.engine.request import RequestOutput, Usage
 from freetoken.engine.stream import RequestStream
 from freetoken.server.adapters import anthropic_agent_request
 from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -68,8 +68,15 @@ async def messages(request: Request):
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": ctx.model_name,
         "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": last.usage.prompt_tokens,
-                  "output_tokens": last.usage.completion_tokens}})
+        "usage": usage_dict(last.usage)})
+
+
+def usage_dict(usage: Usage) -> dict:
+    """Anthropic counts prompt tokens read from the cache apart from input_tokens (their sum is
+    the prompt); nothing is charged for writing the cache, so cache_creation_input_tokens is 0."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens}
 
 
 class BlockBuilder:
@@ -163,7 +170,8 @@ async def message_events(stream: RequestStream, timer: RequestTimer, message_id:
     Leaving early aborts."""
     message = {"id": message_id, "type": "message", "role": "assistant", "content": [],
                "model": model, "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+               "usage": {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
+                         "cache_read_input_tokens": 0, "output_tokens": 0}}
     try:
         yield sse_event("message_start", {"type": "message_start", "message": message})
         for event in blocks.begin():
@@ -183,7 +191,7 @@ async def message_events(stream: RequestStream, timer: RequestTimer, message_id:
                 yield sse_event("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": {"output_tokens": output.usage.completion_tokens}})
+                    "usage": usage_dict(output.usage)})  # cumulative, cache reads known now
                 yield sse_event("message_stop", {"type": "message_stop"})
     finally:
         stream.abort()

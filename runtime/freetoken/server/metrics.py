@@ -46,6 +46,7 @@ class Metrics:
                              registry=registry)
         self.model = {key: Gauge(f"freetoken_model_{key}", help_text, registry=registry)
                       for key, help_text in MODEL_GAUGES.items()}
+        registry.register(PrefixCacheCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -60,6 +61,33 @@ class Metrics:
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
+
+
+class PrefixCacheCollector:
+    """The engine's prefix-cache totals as Prometheus counters, read at scrape time (the engine
+    keeps the running totals, so nothing is double counted)."""
+
+    COUNTERS = (
+        ("freetoken_prefix_cache_queried_tokens", "prefix_cache_queried_tokens",
+         "Prompt tokens looked up in the prefix cache"),
+        ("freetoken_prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
+         "Prompt tokens whose KV came from the prefix cache"),
+        ("freetoken_prefix_cache_evictions", "prefix_cache_evictions",
+         "Cached KV pages evicted to make room"),
+    )
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+        self._engine_stats = engine_stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self._engine_stats()
+        for name, key, doc in self.COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+
+    def describe(self):
+        return []  # NOTE: no describe-time scrape; families are produced in collect()
 
 
 class RequestTimer:
