@@ -53,6 +53,11 @@ def _list(raw: str | None) -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.replace(";", ",").split(",") if p.strip())
 
 
+# Where ci/nightly.sh publishes each pair (under nightly-<sha9>/) and where the root
+# engine-manifest.json points: the one place that names the release location.
+RELEASE_URL = "https://github.com/FlashML-org/FreeToken/releases/download"
+
+
 def _default_cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken"
@@ -74,6 +79,7 @@ class Env:
     num_threads: int            # FREETOKEN_NUM_THREADS: CPU kernel threads (0 = all cores)
     home: Path                  # FREETOKEN_HOME: where ci/install.sh puts the venv
     log_level: str              # FREETOKEN_LOG_LEVEL
+    release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
 
 
 VARIABLES = {
@@ -90,7 +96,9 @@ VARIABLES = {
                            "(default kernel-cache/build/objects)",
     "FREETOKEN_NUM_THREADS": "threads for CPU kernels (0 = every core)",
     "FREETOKEN_HOME": "install root used by ci/install.sh (default ~/.freetoken)",
-    "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error)",
+    "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error); debug also shows "
+                           "tracebacks",
+    "FREETOKEN_RELEASE_URL": f"where ci/nightly.sh publishes pairs (default {RELEASE_URL})",
 }
 
 
@@ -115,5 +123,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         num_threads=_int("FREETOKEN_NUM_THREADS", e.get("FREETOKEN_NUM_THREADS"), 0),
         home=_path(e.get("FREETOKEN_HOME"), None) or Path.home() / ".freetoken",
         log_level=level,
+        release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
     )
 

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from freetoken.arrays import Device, DeviceError, arrays_for, canonical_dtype, parse_device
+from freetoken.arrays import CUDA_INSTALL_HINT, Device, DeviceError, arrays_for, canonical_dtype, parse_device
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.dense import DenseDecoder
 from freetoken.models.errors import ModelFormatError, ModelOptionError
@@ -32,7 +32,12 @@ def resolve_device(device: str) -> Device:
     except DeviceError as exc:
         raise ModelOptionError(str(exc)) from None
     if not resolved.is_cpu:
-        import torch
+        try:
+            import torch
+        except ImportError:
+            raise ModelOptionError(
+                f"--device {resolved} needs torch with CUDA, which is not installed (CPU "
+                f"serving needs none); fix: {CUDA_INSTALL_HINT}") from None
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (resolved.index or 0) >= count:
@@ -101,7 +106,13 @@ def _build_model(tensors, config: ModelConfig, placement: Placement) -> DenseDec
 
 
 def _load_hf(path: Path, placement: Placement):
-    from freetoken.models.hf_loader import read_hf_dir
+    try:
+        from freetoken.models.hf_loader import read_hf_dir
+    except ImportError as exc:
+        # NOTE: safetensors folders hold bf16 tensors, which numpy cannot hold; torch reads them.
+        raise ModelOptionError(f"{path}: HF safetensors folders are read through torch, which "
+                               f"is not installed ({exc}); fix: pip install torch, or serve a "
+                               f"GGUF file (needs no torch)") from None
 
     config, tensors, tokenizer, defaults = read_hf_dir(path)
     model = _build_model(tensors, config, placement)
