@@ -35,6 +35,12 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def is_debug() -> bool:
+    """Whether this `ft` run shows tracebacks (--debug or FREETOKEN_LOG_LEVEL=debug)."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and (ctx.find_root().obj or {}).get("debug"))
+
+
 def configure_logging(level: str) -> None:
     """Configure the `freetoken` loggers once per process (FREETOKEN_LOG_LEVEL or --debug)."""
     logger = logging.getLogger("freetoken")
@@ -70,7 +76,7 @@ class LazyGroup(click.Group):
                 SystemExit, KeyboardInterrupt):
             raise
         except Exception as exc:
-            if (ctx.obj or {}).get("debug"):
+            if is_debug():
                 raise
             raise click.ClickException(
                 f"{one_line(exc)}  (ft --debug shows the traceback)") from None

@@ -84,6 +84,7 @@ def seconds_since_start() -> float | None:
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig):
     """(loaded model, started and warmed-up engine); errors a user can fix become one-line
     ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
+    from freetoken.cli.main import is_debug
     from freetoken.engine.config import EngineConfigError
     from freetoken.engine.engine import Engine
     from freetoken.kernel.errors import KernelCacheError, KernelUnavailable
@@ -100,11 +101,15 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig)
         loaded = load_model(model_path, device=str(device), dtype=dtype)
         engine = Engine.from_loaded(loaded, engine_config).start()
     except (ModelError, EngineConfigError, KernelUnavailable, KernelCacheError) as exc:
+        if is_debug():
+            raise
         raise click.ClickException(str(exc)) from None
     try:
         engine.warm_up()
     except RuntimeError as exc:
         engine.shutdown()
+        if is_debug():
+            raise
         raise click.ClickException(str(exc)) from None
     return loaded, engine
 
