@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 
@@ -81,6 +82,13 @@ def seconds_since_start() -> float | None:
         return None
 
 
+def phase(name: str) -> None:
+    """Log (at debug) when a start-up phase ends, in seconds since the process started."""
+    took = seconds_since_start()
+    logging.getLogger("freetoken.serve").debug("%s at %.2f s", name,
+                                               -1.0 if took is None else took)
+
+
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig):
     """(loaded model, started and warmed-up engine); errors a user can fix become one-line
     ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
@@ -97,8 +105,10 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig)
         plan = plan_kernels(device)
         say(f"{plan.summary()} for {device}")
         load_kernels(device, plan, say)
+        phase("kernels loaded")
         say(f"loading {model_path or 'the default model'} on {device} ...")
         loaded = load_model(model_path, device=str(device), dtype=dtype)
+        phase("model loaded")
         engine = Engine.from_loaded(loaded, engine_config).start()
     except (ModelError, EngineConfigError, KernelUnavailable, KernelCacheError) as exc:
         if is_debug():
@@ -111,6 +121,7 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig)
         if is_debug():
             raise
         raise click.ClickException(str(exc)) from None
+    phase("warmed up")
     return loaded, engine
 
 
@@ -135,14 +146,17 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                server_config: ServerConfig) -> None:
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
+    phase("imports done")
     loaded, engine = load_engine(model_path, dtype, engine_config)
     importer.join()
+    phase("web stack imported")
     from freetoken.server.app import create_app
     from freetoken.server.launch import create_server
 
     name = server_config.served_model_name or loaded.name
     stats = engine.stats()
     app = create_app(engine, loaded.tokenizer, name, api_key=server_config.api_key)
+    phase("app created")
 
     def on_ready(url: str) -> None:
         took = seconds_since_start()
