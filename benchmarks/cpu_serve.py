@@ -1,17 +1,23 @@
-"""CPU serving side by side: FreeToken, llama.cpp (llama-cpp-python) and HF transformers.
+"""CPU serving side by side: FreeToken, llama.cpp (its own llama-bench and llama-server, and
+llama-cpp-python) and HF transformers.
 
 One run on this machine: the embedded SmolLM2-135M-Instruct Q4_1 GGUF, greedy, the same token
 ids for every peer, each peer in its own process. Per peer: prompt tok/s (~42 and ~520 tokens),
 time to first token (42-token prompt), decode tok/s at batch 1, start->ready (spawn until a
 request is answerable, warm-up included), load+warm-up (in-process, imports excluded), peak RSS.
 FreeToken runs in-process (its engine) and as `ft serve` (until /health is 200, then
-non-streamed completions over HTTP). The peers stay loaded side by side and each repeat visits
-every one in turn, so load from other work on a shared machine hits all alike; medians.
+non-streamed completions over HTTP). The peers stay loaded side by side and each round visits
+every one in turn (llama-bench runs one repetition per round), so load from other work on a
+shared machine hits all alike; min / median / max over the rounds. Like is compared with like:
+prompt and decode speed with llama-bench, start->ready of `ft serve` with llama-server's and
+of the in-process engine with llama-cpp-python's. llama.cpp runs with flash attention on.
 
     python benchmarks/cpu_serve.py [--threads 2] [--repeats 5] [--skip llama_cpp,transformers]
 
-llama.cpp: `pip install llama-cpp-python` (builds from source; loaded with
-use_extra_bufts=False). transformers runs float32 weights dequantized from the same GGUF.
+llama-bench and llama-server: benchmarks/build_llama_cpp.sh (the llama.cpp that
+llama-cpp-python 0.3.36 vendors; skipped when not built). llama-cpp-python: `pip install
+llama-cpp-python==0.3.36` (builds from source). transformers runs float32 weights dequantized
+from the same GGUF.
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-PEERS = ("freetoken", "ft_serve", "llama_cpp", "transformers")
+from llama_tools import LlamaServer, ToolUnavailable, bench_round, tool
+
+REQUEST_PEERS = ("freetoken", "ft_serve", "llama_cpp", "transformers")
+PEERS = REQUEST_PEERS + ("llama_bench", "llama_server")
 LABELS = {"freetoken": "FreeToken (engine, in-process)", "ft_serve": "FreeToken (ft serve, HTTP)",
-          "llama_cpp": "llama.cpp (llama-cpp-python)", "transformers": "HF transformers fp32"}
+          "llama_cpp": "llama.cpp (llama-cpp-python)", "transformers": "HF transformers fp32",
+          "llama_bench": "llama.cpp (llama-bench)", "llama_server": "llama.cpp (llama-server)"}
 REFERENCE = ("Reference, 2-vCPU Sapphire Rapids (not this machine): llama.cpp decode 120 tok/s, "
              "transformers 31.5 tok/s; start->ready 0.21 s / 14.2 s")
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
@@ -43,8 +53,19 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _spread(values: list[float]) -> dict:
+    """min / median / max of a metric's samples over the rounds."""
+    if not values:
+        return {"min": None, "median": None, "max": None, "samples": []}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "samples": values}
+
+
 class PeerUnavailable(RuntimeError):
     """A peer cannot run here (package missing, process died); the message says why."""
+
+
+UNAVAILABLE = (PeerUnavailable, ToolUnavailable)
 
 
 PEER_SCRIPT = Path(__file__).with_name("cpu_serve_peers.py")
@@ -168,13 +189,16 @@ def _http(url: str, body: dict | None = None, timeout: float = 300.0) -> dict:
 
 
 def open_peer(peer: str, spec: dict):
+    if peer == "llama_server":
+        return LlamaServer(spec["model"], spec["threads"])
     return ServeWorker(spec) if peer == "ft_serve" else Worker(peer, spec)
 
 
-def measure_rounds(live: dict, spec: dict) -> dict[str, dict]:
-    """Every repeat visits each live peer in turn; medians per peer."""
+def measure_rounds(live: dict, spec: dict, with_bench: bool) -> dict[str, dict]:
+    """Every round visits each live peer in turn, then llama-bench for one repetition."""
+    peers = list(live) + (["llama_bench"] if with_bench else [])
     samples = {peer: {"ttft": [], "decode": [], **{n: [] for n in spec["prompts"]}}
-               for peer in live}
+               for peer in peers}
     ids42 = spec["prompts"]["42"]
     for round_ in range(spec["repeats"]):
         print(f"round {round_ + 1}/{spec['repeats']} ...", file=sys.stderr, flush=True)
@@ -184,15 +208,21 @@ def measure_rounds(live: dict, spec: dict) -> dict[str, dict]:
                 got[name].append(len(ids) / proc.first_token_s(ids))
             got["ttft"].append(proc.first_token_s(ids42))
             got["decode"].append(proc.decode_tok_s(ids42, spec["gen_tokens"]))
-    return {peer: {"prompt_tok_s": {n: _median(got[n]) for n in spec["prompts"]},
-                   "ttft_s": _median(got["ttft"]), "decode_tok_s": _median(got["decode"])}
+        if with_bench:
+            bench = bench_round(spec["model"], spec["threads"],
+                                [int(n) for n in spec["prompts"]], spec["gen_tokens"])
+            for name in spec["prompts"]:
+                samples["llama_bench"][name].append(bench["prompt_tok_s"][name])
+            samples["llama_bench"]["decode"].append(bench["decode_tok_s"])
+    return {peer: {"prompt_tok_s": {n: _spread(got[n]) for n in spec["prompts"]},
+                   "ttft_s": _spread(got["ttft"]), "decode_tok_s": _spread(got["decode"])}
             for peer, got in samples.items()}
 
 
 def extra_starts(peers: list[str], spec: dict, repeats: int) -> dict[str, list[dict]]:
     """More spawn-until-ready samples, peers in turn (transformers once: ~15 s a start)."""
     starts: dict[str, list[dict]] = {peer: [] for peer in peers}
-    for _ in range(repeats - 1):
+    for _ in range(max(0, repeats - 1)):
         for peer in peers:
             if peer == "transformers":
                 continue
@@ -236,47 +266,74 @@ def machine_line() -> str:
     return f"{name}, {os.cpu_count()} CPUs, {isa}, load average {os.getloadavg()[0]:.1f}"
 
 
+def _med(result: dict, key: str):
+    value = result.get(key)
+    return value.get("median") if isinstance(value, dict) else value
+
+
 def _cell(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
-    return "-" if result.get(key) is None else fmt.format(result[key] * scale)
+    """median [min-max] of a metric (or its single value), '-' when not measured."""
+    value = result.get(key)
+    if value is None or (isinstance(value, dict) and value["median"] is None):
+        return "-"
+    if not isinstance(value, dict):
+        return fmt.format(value * scale)
+    return (f"{fmt.format(value['median'] * scale)} [{fmt.format(value['min'] * scale)}-"
+            f"{fmt.format(value['max'] * scale)}]")
 
 
 def print_table(results: dict[str, dict], spec: dict) -> None:
     names = list(spec["prompts"])
-    header = (f"{'peer':32}" + "".join(f" {'prompt' + n:>9}" for n in names)
-              + f" {'TTFT ms':>8} {'decode':>8} {'ready s':>8} {'load s':>7} {'RSS MB':>7}")
-    print(header)
-    print("-" * len(header))
+    columns = [f"prompt{n} tok/s" for n in names] + ["TTFT ms", "decode tok/s", "ready s",
+                                                     "load s", "RSS MB"]
+    print(f"{'peer':32} " + " | ".join(columns))
     for peer, r in results.items():
         if "unavailable" in r:
             print(f"{LABELS[peer]:32} unavailable: {r['unavailable']}")
             continue
         rates = r.get("prompt_tok_s", {})
-        print(f"{LABELS[peer]:32}" + "".join(f" {rates.get(n, float('nan')):9.0f}" for n in names)
-              + f" {_cell(r, 'ttft_s', 1e3):>8} {_cell(r, 'decode_tok_s'):>8} "
-              f"{_cell(r, 'start_to_ready_s', 1, '{:.2f}'):>8} "
-              f"{_cell(r, 'load_warm_s', 1, '{:.2f}'):>7} "
-              f"{_cell(r, 'peak_rss_mb', 1, '{:.0f}'):>7}")
-    print(f"prompt/decode in tok/s, medians of {spec['repeats']} interleaved rounds; decode: "
-          f"batch 1, {spec['gen_tokens']} tokens, greedy; ready: spawn until answerable; "
-          "load: load + warm-up in-process")
+        cells = [_cell(rates, n, 1, "{:.0f}") for n in names]
+        cells += [_cell(r, "ttft_s", 1e3), _cell(r, "decode_tok_s"),
+                  _cell(r, "start_to_ready_s", 1, "{:.2f}"), _cell(r, "load_warm_s", 1, "{:.2f}"),
+                  _cell(r, "peak_rss_mb", 1, "{:.0f}")]
+        print(f"{LABELS[peer]:32} " + " | ".join(cells))
+    print(f"median [min-max] over {spec['repeats']} interleaved rounds (start->ready over "
+          f"{spec['start_repeats']} spawns); decode: batch 1, {spec['gen_tokens']} tokens, "
+          "greedy; ready: spawn until answerable; load: load + warm-up in-process; llama.cpp "
+          "with flash attention on")
+
+
+def _ratio(ours: dict, other: dict, key: str, inverse: bool = False) -> str | None:
+    a, b = _med(ours, key), _med(other, key)
+    if a is None or b is None:
+        return None
+    return f"x{(b / a) if inverse else (a / b):.2f}"
 
 
 def print_ratios(results: dict[str, dict]) -> None:
-    ours = results.get("freetoken", {})
-    serve = results.get("ft_serve", {})
-    for peer in ("llama_cpp", "transformers"):
+    """Like with like: speeds against llama-bench (and the binding), starts server/server and
+    in-process/in-process. >1 = FreeToken better."""
+    ours, serve = results.get("freetoken", {}), results.get("ft_serve", {})
+    for peer in ("llama_bench", "llama_cpp", "transformers"):
         other = results.get(peer, {})
-        if "decode_tok_s" not in other or "decode_tok_s" not in ours:
+        if "unavailable" in other or _med(other, "decode_tok_s") is None or not ours:
             continue
-        parts = [f"decode x{ours['decode_tok_s'] / other['decode_tok_s']:.2f}"]
-        for n in ours["prompt_tok_s"]:
-            parts.append(f"prompt{n} x{ours['prompt_tok_s'][n] / other['prompt_tok_s'][n]:.2f}")
-        parts.append(f"TTFT x{other['ttft_s'] / ours['ttft_s']:.2f}")
-        start = serve.get("start_to_ready_s", ours["start_to_ready_s"])
-        parts.append(f"start->ready (ft serve) x{other['start_to_ready_s'] / start:.2f}")
-        rss = serve.get("peak_rss_mb", ours["peak_rss_mb"])
-        parts.append(f"peak RSS ours/theirs {rss / other['peak_rss_mb']:.2f}")
-        print(f"FreeToken vs {LABELS[peer]} (>1 = FreeToken better): " + ", ".join(parts))
+        parts = [f"decode {_ratio(ours, other, 'decode_tok_s')}"]
+        for n in ours.get("prompt_tok_s", {}):
+            parts.append(f"prompt{n} {_ratio(ours['prompt_tok_s'], other['prompt_tok_s'], n)}")
+        if _med(other, "ttft_s") is not None:
+            parts.append(f"TTFT {_ratio(ours, other, 'ttft_s', inverse=True)}")
+        if peer != "llama_bench" and _med(other, "start_to_ready_s") is not None:
+            parts.append(f"start->ready in-process "
+                         f"{_ratio(ours, other, 'start_to_ready_s', inverse=True)}, load+warm-up "
+                         f"{_ratio(ours, other, 'load_warm_s', inverse=True)}")
+        print(f"FreeToken vs {LABELS[peer]}: " + ", ".join(parts))
+    server = results.get("llama_server", {})
+    if serve and "unavailable" not in serve and _med(server, "start_to_ready_s") is not None:
+        print(f"ft serve vs llama-server: start->ready {_med(serve, 'start_to_ready_s'):.2f} s vs "
+              f"{_med(server, 'start_to_ready_s'):.2f} s "
+              f"({_ratio(serve, server, 'start_to_ready_s', inverse=True)}), peak RSS "
+              f"{_med(serve, 'peak_rss_mb'):.0f} MB vs {_med(server, 'peak_rss_mb'):.0f} MB")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -301,28 +358,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_all(peers: list[str], spec: dict, start_repeats: int) -> dict[str, dict]:
-    """Start each peer alone (start->ready), measure them in turns, stop them (peak RSS)."""
+    """Start each peer alone (start->ready), measure them in rounds, stop them (peak RSS),
+    then spawn each again for more start->ready samples."""
     results: dict[str, dict] = {}
     live = {}
     for peer in peers:
+        if peer == "llama_bench":
+            try:
+                tool("llama-bench")
+                results[peer] = {}
+            except ToolUnavailable as exc:
+                results[peer] = {"unavailable": str(exc)}
+            continue
         print(f"starting {LABELS[peer]} ...", file=sys.stderr, flush=True)
-        proc = open_peer(peer, spec)
         try:
-            results[peer] = proc.wait_ready()
+            proc = open_peer(peer, spec)
+            results[peer] = {k: [v] for k, v in proc.wait_ready().items()}
             live[peer] = proc
-        except PeerUnavailable as exc:
+        except UNAVAILABLE as exc:
             results[peer] = {"unavailable": str(exc)}
+    requests = {p: proc for p, proc in live.items() if p != "llama_server"}
     try:
-        for peer, measured in measure_rounds(live, spec).items():
-            results[peer].update(measured)
+        measured = measure_rounds(requests, spec, "unavailable" not in results.get(
+            "llama_bench", {"unavailable": "skipped"}))
+        for peer, values in measured.items():
+            results[peer].update(values)
     finally:
         for peer, proc in live.items():
             results[peer]["peak_rss_mb"] = proc.close()
     for peer, samples in extra_starts(list(live), spec, start_repeats).items():
         for key in ("start_to_ready_s", "load_warm_s"):
             if key in results[peer]:
-                values = [results[peer][key]] + [s[key] for s in samples]
-                results[peer][key] = _median(values)
+                results[peer][key] = _spread(results[peer][key] + [s[key] for s in samples])
     return results
 
 
@@ -334,6 +401,7 @@ def main(argv: list[str]) -> None:
     lengths = tuple(int(n) for n in args.prompt_lens.split(","))
     spec = {"model": str(model), "model_arg": args.model is not None, "threads": args.threads,
             "repeats": args.repeats, "gen_tokens": args.gen_tokens,
+            "start_repeats": args.start_repeats,
             "prompts": prompts_for(model, lengths)}
     os.environ.setdefault("FREETOKEN_NUM_THREADS", str(args.threads))
     peers = [p for p in PEERS if p not in set(args.skip.split(","))]

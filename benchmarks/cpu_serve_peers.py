@@ -53,16 +53,37 @@ def setup_freetoken(spec: dict):
     return (lambda ids, n: asyncio.run(generate(ids, n))), time.perf_counter() - start
 
 
+def _llama_cpp_kwargs(llama_cls, threads: int) -> dict:
+    """Llama() settings, each one its signature names (it takes **kwargs and drops unknown
+    ones silently): flash attention on, as llama.cpp's own tools run here."""
+    import inspect
+
+    accepted = inspect.signature(llama_cls.__init__).parameters
+    kwargs = dict(n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024,
+                  n_ubatch=1024, verbose=False, seed=0)
+    if "flash_attn_type" in accepted:
+        kwargs["flash_attn_type"] = 1          # LLAMA_FLASH_ATTN_TYPE_ENABLED
+    else:
+        kwargs["flash_attn"] = True
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise PeerUnavailable(f"llama-cpp-python's Llama() takes no {unknown}; the benchmark "
+                              "would run with settings it ignores")
+    return kwargs
+
+
 def setup_llama_cpp(spec: dict):
     try:
         from llama_cpp import Llama
     except ImportError as exc:
         raise PeerUnavailable(f"llama-cpp-python is not installed ({exc}); "
-                              "`pip install llama-cpp-python` (builds from source)") from None
+                              "`pip install llama-cpp-python==0.3.36` (builds from source)") from None
+    kwargs = _llama_cpp_kwargs(Llama, spec["threads"])
     start = time.perf_counter()
-    llm = Llama(model_path=spec["model"], n_threads=spec["threads"],
-                n_threads_batch=spec["threads"], n_ctx=2048, n_batch=1024, n_ubatch=1024,
-                use_extra_bufts=False, verbose=False, seed=0)
+    llm = Llama(model_path=spec["model"], **kwargs)
+    params = llm.context_params
+    if not (getattr(params, "flash_attn", False) or getattr(params, "flash_attn_type", 0) == 1):
+        raise PeerUnavailable("llama-cpp-python did not turn flash attention on")
 
     def run(ids: list[int], max_tokens: int) -> list[float]:
         llm.reset()             # no prefix reuse between runs: every prompt is prefilled

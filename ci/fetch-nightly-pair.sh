@@ -49,8 +49,8 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/freetoken-fetch.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
 # Download and verify everything first: a refused pair leaves the venv untouched.
-"$PY" "$HERE/fetch_pair.py" --manifest "$MANIFEST" --dest "$WORK" >"$WORK/wheels.txt" \
-  || die "the pair was refused (see above); nothing was installed"
+# fetch_pair.py's one `error:` line says why a pair is refused; nothing is installed then.
+"$PY" "$HERE/fetch_pair.py" --manifest "$MANIFEST" --dest "$WORK" >"$WORK/wheels.txt" || exit 1
 mapfile -t WHEELS <"$WORK/wheels.txt"
 [ "${#WHEELS[@]}" -eq 2 ] || die "internal: expected two verified wheels, got ${#WHEELS[@]}"
 

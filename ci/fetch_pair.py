@@ -41,8 +41,11 @@ def open_source(source: str):
                         "in the manifest and that the release is published") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise PairError(f"cannot read {source}: {reason}; check the path or url and the "
-                        "network") from None
+        if is_url(source):
+            raise PairError(f"cannot reach {source} ({reason}): the release location is "
+                            "unreachable from here; fix: --manifest PATH|URL with a manifest "
+                            "whose wheels you can reach (ci/nightly.sh OUT writes one)") from None
+        raise PairError(f"cannot read {source}: {reason}; check the path") from None
 
 
 def copy_limited(source: str, path: Path, limit: int) -> int:
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = fetch(args.manifest, args.dest)
     except PairError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}; nothing was installed", file=sys.stderr)
         return 1
     print("\n".join(str(p) for p in paths))
     return 0

@@ -21,7 +21,8 @@ OUT/engine-linux_x86_64.json (schema 1: name, url, sha256 and size of each wheel
   --allow-dirty    build the working tree as it is (tracked and untracked, not ignored files);
                    the stamp gets a '.dirty' part. Without it a modified tree is refused.
   --base-url URL   prefix of each wheel url in the manifest, where OUT will be published
-                   (default: bare file names, which resolve next to the manifest)
+                   (default: <release location>/nightly-<sha9>/, the release location being
+                   FREETOKEN_RELEASE_URL or the default named in runtime/freetoken/env.py)
   --builder B      pip (default): build the cache here with 'pip wheel';
                    cibuildwheel: build it in the manylinux_2_28 + CUDA 13 container
                    (ci/cibuildwheel.toml; needs docker or podman)
@@ -61,6 +62,11 @@ if [ -n "$DIRTY" ]; then
   [ "$ALLOW_DIRTY" = 1 ] || die "the working tree has uncommitted changes; commit them, or pass --allow-dirty to build the tree as it is:
 $(echo "$DIRTY" | head -n 10)"
   STAMP="$STAMP.dirty"
+fi
+
+if [ -z "$BASE_URL" ]; then
+  RELEASE=$("$PY" "$REPO/ci/release_url.py") || die "no release location (see above)"
+  BASE_URL="$RELEASE/nightly-$SHA/"
 fi
 
 mkdir -p "$OUT" || die "cannot create $OUT"
@@ -157,6 +163,6 @@ done
 "$PY" "$REPO/ci/write_manifest.py" --runtime "$OUT/$(basename "${RUNTIME[0]}")" \
   --kernel-cache "$OUT/$(basename "${CACHE[0]}")" --commit "$SHA" --base-url "$BASE_URL" \
   --out "$OUT/engine-linux_x86_64.json" >/dev/null
-say "wrote $OUT/engine-linux_x86_64.json:"
+say "wrote $OUT/engine-linux_x86_64.json (wheels expected at $BASE_URL):"
 say "  $(basename "${RUNTIME[0]}")"
 say "  $(basename "${CACHE[0]}")"

@@ -9,6 +9,7 @@ both paths uses this small surface plus what numpy and torch have in common: sli
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -51,12 +52,36 @@ def parse_device(name: str) -> Device:
     return Device(kind, int(index) if index else None)
 
 
+# What fixes a GPU request on a machine without torch (the CPU path never needs it).
+CUDA_INSTALL_HINT = ("pip install 'freetoken[cuda]' --extra-index-url "
+                     "https://download.pytorch.org/whl/cu130")
+
+
+def torch_installed() -> bool:
+    """Whether `import torch` can work, found without importing it (seconds, ~200 MB)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def gpu_device_files() -> bool:
+    """NVIDIA, WSL2's GPU bridge or AMD ROCm device files: a GPU may be here."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg",
+                                           "/dev/kfd"))
+
+
 def gpu_available() -> bool:
-    """True when torch sees a GPU. Machines without GPU device files answer without importing
-    torch, so CPU-only serving starts fast."""
-    # NVIDIA, WSL2's GPU bridge, AMD ROCm
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg",
-                                           "/dev/kfd")):
+    """True when torch sees a GPU. Machines without GPU device files, or without torch, answer
+    without importing torch, so CPU-only serving starts fast."""
+    if not gpu_device_files():
+        return False
+    if not torch_installed():
+        logging.getLogger("freetoken").warning(
+            "a GPU is present but torch is not installed, so FreeToken serves on the CPU; "
+            "for GPU serving: %s", CUDA_INSTALL_HINT)
         return False
     import torch
 

@@ -53,6 +53,11 @@ def _list(raw: str | None) -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.replace(";", ",").split(",") if p.strip())
 
 
+# Where ci/nightly.sh publishes each pair (under nightly-<sha9>/) and where the root
+# engine-manifest.json points: the one place that names the release location.
+RELEASE_URL = "https://github.com/FlashML-org/FreeToken/releases/download"
+
+
 def _default_cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken"
@@ -75,6 +80,7 @@ class Env:
     home: Path                  # FREETOKEN_HOME: where ci/install.sh puts the venv
     hip_clang: str | None       # FREETOKEN_HIP_CLANG: the clang that compiles HIP (path or name)
     log_level: str              # FREETOKEN_LOG_LEVEL
+    release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
 
 
 VARIABLES = {
@@ -93,7 +99,9 @@ VARIABLES = {
     "FREETOKEN_HOME": "install root used by ci/install.sh (default ~/.freetoken)",
     "FREETOKEN_HIP_CLANG": "the clang that compiles ROCm kernels, for cache builds and JIT "
                            "(default: ROCm's, then clang-19/18/17 on PATH)",
-    "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error)",
+    "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error); debug also shows "
+                           "tracebacks",
+    "FREETOKEN_RELEASE_URL": f"where ci/nightly.sh publishes pairs (default {RELEASE_URL})",
 }
 
 
@@ -119,5 +127,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         home=_path(e.get("FREETOKEN_HOME"), None) or Path.home() / ".freetoken",
         hip_clang=(e.get("FREETOKEN_HIP_CLANG") or "").strip() or None,
         log_level=level,
+        release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
     )
 

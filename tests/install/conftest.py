@@ -84,12 +84,14 @@ class NightlyPair:
 
 
 @pytest.fixture(scope="session")
-def nightly_pair(source_repo, tmp_path_factory) -> NightlyPair:
-    """ci/nightly.sh run once on the clean copy, CPU targets only (fast on two cores)."""
+def nightly_pair(source_repo, release_server, tmp_path_factory) -> NightlyPair:
+    """ci/nightly.sh run once on the clean copy, CPU targets only (fast on two cores), with the
+    loopback server as the release location: the manifest's URLs point under it."""
     out = tmp_path_factory.mktemp("release") / "nightly"
     tmp = tmp_path_factory.mktemp("nightly-tmp")
     result = run_script("nightly.sh", str(out), repo=source_repo,
-                        env=script_env(FREETOKEN_CACHE_TARGETS="cpu", TMPDIR=str(tmp)))
+                        env=script_env(FREETOKEN_CACHE_TARGETS="cpu", TMPDIR=str(tmp),
+                                       FREETOKEN_RELEASE_URL=release_server.url))
     if result.returncode != 0:
         pytest.fail(f"ci/nightly.sh failed ({result.returncode}):\n{result.stderr[-4000:]}")
     manifest_path = out / "engine-linux_x86_64.json"
@@ -156,7 +158,9 @@ def installed_pair(nightly_pair, release_server, tmp_path_factory) -> InstalledP
     if torch.returncode != 0:
         pytest.fail(f"could not install torch==2.13.0 into the fresh venv:\n{torch.stderr[-2000:]}")
     torch_version = venv_versions(venv, "torch")["torch"]
-    url = release_server.publish(nightly_pair.out, "nightly") + "engine-linux_x86_64.json"
+    # Published where the manifest says: <release location>/nightly-<sha9>/.
+    url = (release_server.publish(nightly_pair.out, f"nightly-{nightly_pair.commit}")
+           + "engine-linux_x86_64.json")
     result = run_script("fetch-nightly-pair.sh", "--manifest", url, "--venv", str(venv))
     if result.returncode != 0:
         pytest.fail(f"ci/fetch-nightly-pair.sh failed ({result.returncode}):\n{result.stderr[-4000:]}")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
-from tests.install.conftest import run_script, script_env
+import json
+import socket
+
+from tests.install.conftest import REPO, run_script, script_env
 
 
 def test_help_and_bad_arguments():
@@ -45,3 +48,20 @@ def test_installs_links_ft_and_runs_doctor(installed_pair, nightly_pair, tmp_pat
         assert "pairing with runtime: ok" in result.stdout
         assert "next: ft serve" in result.stdout
         assert f"note: {bin_dir} is not on PATH" in result.stdout
+
+
+def test_unreachable_release_fails_with_one_line_naming_the_url_and_the_fix(tmp_path):
+    """The root manifest with its release host swapped for a closed loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    manifest = json.loads((REPO / "engine-manifest.json").read_text())
+    for key in ("runtime", "kernel_cache"):
+        manifest[key]["url"] = f"{closed}/nightly/{manifest[key]['name']}"
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    env = script_env(FREETOKEN_HOME=str(tmp_path / "home"), XDG_BIN_HOME=str(tmp_path / "bin"))
+    result = run_script("install.sh", "--yes", "--manifest", str(tmp_path / "m.json"), env=env)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr
+    assert f"cannot reach {manifest['runtime']['url']}" in errors[0]
+    assert "--manifest" in errors[0] and "Traceback" not in result.stderr

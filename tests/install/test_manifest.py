@@ -41,6 +41,16 @@ def test_pinned_manifest_pins_a_clean_pair_of_this_history():
     assert found.returncode == 0, f"engine-manifest.json pins commit {pinned['commit']}, not in this history"
 
 
+def test_pinned_manifest_points_at_the_release_location():
+    """Installable from a checkout: absolute URLs where ci/nightly.sh publishes that commit."""
+    from freetoken.env import RELEASE_URL
+
+    pinned = json.loads((REPO / "engine-manifest.json").read_text())
+    for key in ("runtime", "kernel_cache"):
+        entry = pinned[key]
+        assert entry["url"] == f"{RELEASE_URL}/nightly-{pinned['commit']}/{entry['name']}"
+
+
 @pytest.fixture
 def fake_manifest(tmp_path) -> dict:
     runtime, cache = fake_pair(tmp_path, COMMIT)

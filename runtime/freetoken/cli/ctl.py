@@ -1,8 +1,12 @@
-"""`ft ctl`: ask a running server for its health or its statistics."""
+"""`ft ctl`: ask a running server for its health or its statistics (stdlib HTTP only)."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
+import urllib.error
+import urllib.request
 
 import click
 
@@ -11,22 +15,70 @@ from freetoken.server.config import ServerConfig
 DEFAULT_URL = ServerConfig().url
 
 
+class Unreachable(click.ClickException):
+    """No server answered at the URL."""
+
+
+def open_url(url: str, path: str, api_key: str | None, timeout: float | None,
+             body: dict | None = None):
+    """The HTTP response to GET (or POST `body` as JSON); an HTTP error status is returned as
+    a response too, and an unreachable server raises Unreachable."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    data = None
+    if body is not None:
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers)
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        return exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise Unreachable(f"cannot reach a FreeToken server at {url} ({reason}); is `ft serve` "
+                          "running there? Pass --url to point elsewhere.") from None
+
+
 def fetch_json(url: str, path: str, api_key: str | None, timeout: float = 10.0):
     """(status, JSON body) of GET url+path; unreachable servers raise a ClickException."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with open_url(url, path, api_key, timeout) as response:
+        status, raw = response.status, response.read()
     try:
-        response = httpx.get(url.rstrip("/") + path, headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise click.ClickException(
-            f"cannot reach a FreeToken server at {url} ({exc.__class__.__name__}: {exc}); "
-            "is `ft serve` running there? Pass --url to point elsewhere.") from None
-    try:
-        return response.status_code, response.json()
+        return status, json.loads(raw)
     except ValueError:
-        raise click.ClickException(f"{url}{path} answered {response.status_code} with a body "
-                                   "that is not JSON; is this a FreeToken server?") from None
+        raise click.ClickException(f"{url}{path} answered {status} with a body that is not "
+                                   "JSON; is this a FreeToken server?") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A child that exited but was not reaped yet (the shell reaps it later) is a zombie.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_for_health(url: str, wait: float, pid: int | None) -> tuple[int, dict]:
+    """Poll /health until it answers 200, `wait` seconds pass, or process `pid` exits."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            status, body = fetch_json(url, "/health", None, timeout=5.0)
+            if status == 200 or time.monotonic() >= deadline:
+                return status, body
+        except Unreachable:
+            if time.monotonic() >= deadline:
+                raise
+        if pid is not None and not _alive(pid):
+            raise click.ClickException(f"the server (pid {pid}) exited before it was ready; "
+                                       "its reason is printed above")
+        time.sleep(0.2)
 
 
 url_option = click.option("--url", default=DEFAULT_URL, show_default=True,
@@ -41,9 +93,13 @@ def ctl_command() -> None:
 
 @ctl_command.command("health")
 @url_option
-def health_command(url: str) -> None:
+@click.option("--wait", default=0.0, type=click.FloatRange(0), metavar="SECONDS",
+              help="Keep asking until the server is ready, up to SECONDS.")
+@click.option("--pid", default=None, type=int,
+              help="With --wait: stop waiting as soon as this process (the server) exits.")
+def health_command(url: str, wait: float, pid: int | None) -> None:
     """Exit 0 when the server and its engine are up."""
-    status, body = fetch_json(url, "/health", None)
+    status, body = wait_for_health(url, wait, pid)
     if status != 200:
         raise click.ClickException(f"{url} is unhealthy ({status}): {json.dumps(body)}")
     click.echo(f"ok: {body.get('model')} at {url}")

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
 
 def _devices():
-    import torch
-
+    from freetoken.arrays import gpu_available, torch_installed
     from freetoken.kernel.targets import device_spec
 
     specs = [("cpu", device_spec("cpu"))]
-    if torch.cuda.is_available():
+    if torch_installed() and gpu_available():
         specs.append(("cuda", device_spec("cuda")))
     return specs
+
+
+def sources_line() -> str:
+    """Where kernels may come from here: the cache (or why not) and whether JIT may compile."""
+    from freetoken import env as ft_env
+    from freetoken.kernel.loader import describe_cache
+
+    env = ft_env.read()
+    jit = "disabled (FREETOKEN_DISABLE_JIT is set)" if env.disable_jit else f"allowed ({env.jit_dir})"
+    return f"kernel cache: {describe_cache(env)}; JIT: {jit}"
 
 
 def kernel_rows(verify: bool = True) -> list[dict]:
@@ -72,6 +80,7 @@ def kernels_command(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps({"kernels": rows, "cache": cache}, indent=1))
         return
     width = max(len(r["kernel"]) for r in rows)
+    click.echo(sources_line())
     for r in rows:
         status = STATUS_TEXT[r["status"]].format(target=r["target"])
         click.echo(f"{r['kernel']:<{width}}  {r['device']:<4}  {status}"
@@ -103,6 +112,7 @@ def _verify_row(row: dict) -> str | None:
 def verify_command() -> None:
     """Load every kernel this machine's devices need; fail naming each that would compile."""
     rows = kernel_rows()
+    click.echo(sources_line())
     failures = []
     for row in rows:
         problem = _verify_row(row)
@@ -113,5 +123,6 @@ def verify_command() -> None:
             failures.append(f"{row['kernel']} ({row['device']}, {row['target']}): {problem}")
     if failures:
         click.echo("\n".join(["", f"{len(failures)} kernel(s) cannot load:"] + failures), err=True)
-        sys.exit(1)
+        raise click.ClickException(f"{len(failures)} of {len(rows)} kernels cannot load without "
+                                   f"compiling; {sources_line()}")
     click.echo(f"all {len(rows)} kernels load without compiling")

@@ -1,8 +1,13 @@
-"""`ft`: the command group. Subcommands are imported on first use, so `ft --version` is instant."""
+"""`ft`: the command group. Subcommands are imported on first use, so `ft --version` is instant.
+
+Every failure ends as one line on stderr and a non-zero exit; `ft --debug ...` (or
+FREETOKEN_LOG_LEVEL=debug) shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import importlib
+import logging
 
 import click
 
@@ -17,6 +22,37 @@ COMMANDS = {
     "kernels": "freetoken.cli.kernels:kernels_command",
     "doctor": "freetoken.cli.doctor:doctor_command",
 }
+
+# Exceptions whose message is written for the user; anything else also names its type.
+_OWN_ERRORS = ("freetoken.",)
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of `exc` as a single line (a compiler's output keeps its first lines)."""
+    text = " ".join(str(exc).split()) or repr(exc)
+    if type(exc).__module__.startswith(_OWN_ERRORS):
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
+def is_debug() -> bool:
+    """Whether this `ft` run shows tracebacks (--debug or FREETOKEN_LOG_LEVEL=debug)."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and (ctx.find_root().obj or {}).get("debug"))
+
+
+def configure_logging(level: str) -> None:
+    """Configure the `freetoken` loggers once per process (FREETOKEN_LOG_LEVEL or --debug)."""
+    logger = logging.getLogger("freetoken")
+    if getattr(logger, "_ft_configured", False):
+        logger.setLevel(level.upper())
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("freetoken: %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    logger._ft_configured = True  # type: ignore[attr-defined]
 
 
 class LazyGroup(click.Group):
@@ -33,8 +69,31 @@ class LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             raise click.ClickException(f"`ft {name}` is not available in this build: {exc}")
 
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort,
+                SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if is_debug():
+                raise
+            raise click.ClickException(
+                f"{one_line(exc)}  (ft --debug shows the traceback)") from None
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="freetoken")
-def main() -> None:
+@click.option("--debug", is_flag=True,
+              help="Show tracebacks and debug logs (same as FREETOKEN_LOG_LEVEL=debug).")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
     """FreeToken: serve LLMs through OpenAI- and Anthropic-compatible APIs."""
+    from freetoken import env as ft_env
+
+    try:
+        level = "debug" if debug else ft_env.read().log_level
+    except ft_env.EnvError as exc:
+        raise click.ClickException(str(exc)) from None
+    configure_logging(level)
+    ctx.obj = {"debug": level == "debug", "log_level": level}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import threading
 
 import click
@@ -39,8 +41,9 @@ from freetoken.server.config import ServerConfig
               help="Require `Authorization: Bearer KEY` (or x-api-key) on /v1/*.")
 @click.option("--served-model-name", default=ServerConfig.served_model_name,
               help="The model id clients use (default: the model's name).")
-@click.option("--log-level", default=ServerConfig.log_level, show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default=None,
+              type=click.Choice(["debug", "info", "warning", "error"]),
+              help="HTTP server log level (default: FREETOKEN_LOG_LEVEL, else info).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs,
               show_default=True, help="Capture decode steps as CUDA graphs (GPU only).")
 @click.option("--kv-dtype", default=EngineConfig.kv_dtype, show_default=True,
@@ -61,6 +64,8 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                   prefix_cache) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
+    ctx = click.get_current_context()
+    log_level = log_level or (ctx.find_root().obj or {}).get("log_level", ServerConfig.log_level)
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
                                  served_model_name=served_model_name, log_level=log_level,
                                  max_output_tokens=max_output_tokens,
@@ -73,31 +78,63 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
     run_server(model_path, dtype, engine_config, server_config)
 
 
+def say(message: str) -> None:
+    """A start-up step on stderr (stdout carries only the ready line)."""
+    click.echo(f"freetoken: {message}", err=True)
+
+
+def seconds_since_start() -> float | None:
+    """Seconds since this process started (Linux: /proc), so `ready in` counts the imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def phase(name: str) -> None:
+    """Log (at debug) when a start-up phase ends, in seconds since the process started."""
+    took = seconds_since_start()
+    logging.getLogger("freetoken.serve").debug("%s at %.2f s", name,
+                                               -1.0 if took is None else took)
+
+
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig):
-    """(loaded model, started and warmed-up engine); errors become ClickExceptions."""
-    from freetoken.engine.config import EngineConfigError, resolve_device
+    """(loaded model, started and warmed-up engine); errors a user can fix become one-line
+    ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
+    from freetoken.cli.main import is_debug
+    from freetoken.engine.config import EngineConfigError
     from freetoken.engine.engine import Engine
+    from freetoken.kernel.errors import KernelCacheError, KernelUnavailable
+    from freetoken.kernel.preload import load_kernels, plan_kernels
     from freetoken.models.errors import ModelError
+    from freetoken.models.loader import load_model, resolve_device
 
-    device = resolve_device(engine_config.device)
-    click.echo(f"freetoken: loading {model_path or 'the default model'} on {device} ...",
-               err=True)
     try:
-        from freetoken.models.loader import load_model
-
-        loaded = load_model(model_path, device=device, dtype=dtype)
-    except ModelError as exc:
-        raise click.ClickException(str(exc)) from None
-    try:
+        device = resolve_device(engine_config.device)
+        plan = plan_kernels(device)
+        say(f"{plan.summary()} for {device}")
+        load_kernels(device, plan, say)
+        phase("kernels loaded")
+        say(f"loading {model_path or 'the default model'} on {device} ...")
+        loaded = load_model(model_path, device=str(device), dtype=dtype)
+        phase("model loaded")
         engine = Engine.from_loaded(loaded, engine_config).start()
-    except EngineConfigError as exc:
+    except (ModelError, EngineConfigError, KernelUnavailable, KernelCacheError) as exc:
+        if is_debug():
+            raise
         raise click.ClickException(str(exc)) from None
-    click.echo("freetoken: warming up (the first run may compile kernels) ...", err=True)
     try:
         engine.warm_up()
     except RuntimeError as exc:
         engine.shutdown()
+        if is_debug():
+            raise
         raise click.ClickException(str(exc)) from None
+    phase("warmed up")
     return loaded, engine
 
 
@@ -122,8 +159,10 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                server_config: ServerConfig) -> None:
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
+    phase("imports done")
     loaded, engine = load_engine(model_path, dtype, engine_config)
     importer.join()
+    phase("web stack imported")
     from freetoken.server.app import create_app
     from freetoken.server.launch import create_server
 
@@ -137,11 +176,14 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
     app = create_app(engine, loaded.tokenizer, name, api_key=server_config.api_key,
                      max_output_tokens=server_config.max_output_tokens,
                      cors_origins=server_config.cors_origins)
+    phase("app created")
 
     def on_ready(url: str) -> None:
+        took = seconds_since_start()
         click.echo(f"FreeToken serving {name} at {url}  (OpenAI: {url}/v1, Anthropic: "
                    f"{url}/v1/messages; KV pool {stats['kv_pages_total'] * stats['kv_block_size']}"
-                   f" tokens, sampling defaults: {stats['sampling_defaults']})", nl=True)
+                   f" tokens, sampling defaults: {stats['sampling_defaults']})"
+                   + (f"; ready {took:.1f} s after start" if took is not None else ""), nl=True)
 
     server = create_server(app, server_config.host, server_config.port, server_config.log_level,
                            on_ready=on_ready)

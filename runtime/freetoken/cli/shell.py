@@ -18,28 +18,23 @@ class RemoteChat:
 
     def __init__(self, url: str, api_key: str | None, sampling: dict):
         self.url = url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key
         self.sampling = sampling
 
     def reply(self, messages: list[dict], on_text: OnText) -> str:
-        import httpx
+        from freetoken.cli.ctl import open_url
 
         body = {"messages": messages, "stream": True, **self.sampling}
         pieces = []
-        try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
-                              headers=self.headers, timeout=None) as response:
-                if response.status_code != 200:
-                    detail = json.loads(response.read()).get("error", {}).get("message")
-                    raise click.ClickException(f"the server answered {response.status_code}: "
-                                               f"{detail}")
-                for line in response.iter_lines():
-                    text = _delta_text(line)
-                    if text:
-                        pieces.append(text)
-                        on_text(text)
-        except httpx.HTTPError as exc:
-            raise click.ClickException(f"cannot reach {self.url}: {exc}") from None
+        with open_url(self.url, "/v1/chat/completions", self.api_key, None, body) as response:
+            if response.status != 200:
+                detail = json.loads(response.read()).get("error", {}).get("message")
+                raise click.ClickException(f"the server answered {response.status}: {detail}")
+            for raw in response:
+                text = _delta_text(raw.decode("utf-8").rstrip("\r\n"))
+                if text:
+                    pieces.append(text)
+                    on_text(text)
         return "".join(pieces)
 
 

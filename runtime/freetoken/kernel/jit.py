@@ -70,7 +70,7 @@ def jit_build(job: build.BuildJob, tc: build.Toolchain, jit_dir: Path) -> Path:
     try:
         staged = stage / f"{job.key}.so"
         cmd = build.compile_command(job, staged, tc)
-        log.warning("compiling kernel %s for %s (not in the kernel cache) ...", job.kernel,
+        log.info("compiling kernel %s for %s (not in the kernel cache) ...", job.kernel,
                     job.target)
         env = dict(os.environ)
         if tc.nvcc:

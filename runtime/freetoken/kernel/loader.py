@@ -60,7 +60,8 @@ def _cache_index(env: ft_env.Env, spec: DeviceSpec) -> tuple[kcache.CacheIndex |
     """The usable cache index, or None and the reason it is refused / absent."""
     root = kcache.locate_cache(env)
     if root is None:
-        return None, ("the kernel cache is disabled" if env.disable_kernel_cache
+        return None, ("the kernel cache is disabled (FREETOKEN_DISABLE_KERNEL_CACHE)"
+                      if env.disable_kernel_cache
                       else "no freetoken-kernel-cache wheel is installed")
     index = kcache.load_index(root)
     problem = kcache.pairing_problem(index.version, __version__, torch_cuda_version(spec))
@@ -97,20 +98,33 @@ def resolve(kernel: str, spec: DeviceSpec, variant: str = "default",
     return Resolution(kernel, key, "jit", target, reason=why)
 
 
-def _unavailable_message(res: Resolution, env: ft_env.Env) -> str:
+def describe_cache(env: ft_env.Env) -> str:
+    """The kernel cache in a few words: disabled, not installed, or its version and targets."""
+    if env.disable_kernel_cache:
+        return "disabled (FREETOKEN_DISABLE_KERNEL_CACHE is set)"
     root = kcache.locate_cache(env)
-    cache_desc = "none installed"
-    if root is not None:
-        try:
-            idx = kcache.load_index(root)
-            cache_desc = f"{idx.version} at {root} (targets: {', '.join(idx.targets) or 'none'})"
-        except KernelCacheError as exc:
-            cache_desc = str(exc)
+    if root is None:
+        return "none installed"
+    try:
+        idx = kcache.load_index(root)
+    except KernelCacheError as exc:
+        return str(exc)
+    return f"{idx.version} at {root} (targets: {', '.join(idx.targets) or 'none'})"
+
+
+def unavailable_message(res: Resolution, env: ft_env.Env) -> str:
+    """Why a kernel cannot load here, with the fix, on one line."""
+    if env.disable_kernel_cache:
+        fix = ("unset FREETOKEN_DISABLE_KERNEL_CACHE (and install the freetoken-kernel-cache "
+               "wheel paired with this runtime), or unset FREETOKEN_DISABLE_JIT on a machine "
+               "with a compiler")
+    else:
+        fix = ("install the freetoken-kernel-cache wheel paired with this runtime (same "
+               "version and build stamp) that includes this target, or unset "
+               "FREETOKEN_DISABLE_JIT on a machine with a compiler")
     return (f"kernel '{res.kernel}' ({res.key}) is unavailable for target {res.target}: "
-            f"{res.reason}. Kernel cache: {cache_desc}; runtime: freetoken {__version__}. "
-            "JIT is disabled (FREETOKEN_DISABLE_JIT). Fix: install the freetoken-kernel-cache "
-            "wheel paired with this runtime (same version and build stamp) that includes this "
-            "target, or unset FREETOKEN_DISABLE_JIT on a machine with a compiler.")
+            f"{res.reason}. Kernel cache: {describe_cache(env)}; runtime: freetoken "
+            f"{__version__}; JIT is disabled (FREETOKEN_DISABLE_JIT). Fix: {fix}.")
 
 
 def get_module(kernel: str, device: Any = "cpu", variant: str = "default"):
@@ -123,7 +137,7 @@ def get_module(kernel: str, device: Any = "cpu", variant: str = "default"):
         env = ft_env.read()
         res = resolve(kernel, spec, variant, env)
         if res.source == "unavailable":
-            raise KernelUnavailable(_unavailable_message(res, env))
+            raise KernelUnavailable(unavailable_message(res, env))
         path = res.path
         if res.source == "jit":
             from freetoken.kernel import jit

