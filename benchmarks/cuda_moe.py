@@ -15,43 +15,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from freetoken.kernel import ops
 
-
-def graph_time_us(fn, calls: int = 20, reps: int = 7) -> float:
-    """Median GPU microseconds per call of `fn`, measured by replaying a captured graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture (module load)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second) in GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src), calls=5)
-    return 2 * nbytes / us / 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.cuda_kernels import graph_time_us  # noqa: E402
+from benchmarks.gpu_decode import d2d_bandwidth  # noqa: E402
 
 
 def reference(x, w13, w2, ids, weights):
@@ -141,7 +115,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * inter, H, device="cuda", generator=gen) / math.sqrt(H)).to(dtype)
     w2 = (torch.randn(E, H, inter, device="cuda", generator=gen) / math.sqrt(inter)).to(dtype)
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = d2d_bandwidth() / 1e9  # the same measure as the other GPU benchmarks
     print(f"{torch.cuda.get_device_name()}  E={E} K={K} H={H} I={inter} {args.dtype}  "
           f"D2D copy {copy_gbs:,.0f} GB/s")
     head = (f"{'T':>5} {'route us':>9} {'experts us':>11} {'experts':>8} {'GB/s':>7} "
