@@ -147,7 +147,7 @@ def parse_args(argv):
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     os.environ.setdefault("FREETOKEN_NUM_THREADS", str(args.threads))
-    from freetoken.models.default import default_model_path
+    from freetoken.models.checkpoint.default import default_model_path
     from freetoken.models.loader import load_model
 
     model = args.model or str(default_model_path())
