@@ -48,6 +48,15 @@ def test_chat_non_stream_and_stream_agree(client, server):
     assert text == choice.message.content
 
 
+def test_chat_message_has_every_field_openai_requires(server):
+    """OpenAI's schema requires role, content and refusal (null when none) on the message."""
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    reply = httpx.post(server.v1 + "/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert set(message) >= {"role", "content", "refusal"} and message["refusal"] is None
+
+
 def test_chat_matches_completion_of_the_rendered_prompt(client, server):
     rendered = server.loaded.tokenizer.apply_chat_template(MESSAGES)
     chat = greedy_chat(client, server.loaded.name)

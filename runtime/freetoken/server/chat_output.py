@@ -25,12 +25,13 @@ class ChatShaper:
     def message(self, text: str) -> dict:
         """The non-streamed assistant message for the whole text."""
         if self.parser is None:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text, "refusal": None}
         events = self.parser.feed(text) + self.parser.finish()
         reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
         content = "".join(e.text for e in events if isinstance(e, Content))
         calls = [self._call(e) for e in events if isinstance(e, ToolCall)]
-        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+        message: dict = {"role": "assistant", "content": content or (None if calls else ""),
+                         "refusal": None}   # OpenAI's schema requires it: null when none
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
