@@ -34,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from llama_tools import LlamaServer, ToolUnavailable, bench_round, tool
+from llama_tools import LlamaServer, ToolUnavailable, bench_round, stop_and_peak_rss_mb, tool
 
 REQUEST_PEERS = ("freetoken", "ft_serve", "llama_cpp", "transformers")
 PEERS = REQUEST_PEERS + ("llama_bench", "llama_server")
@@ -161,11 +161,7 @@ class ServeWorker:
 
     def close(self) -> float:
         """Stop the server; its peak RSS in MB."""
-        status = Path(f"/proc/{self._proc.pid}/status").read_text()
-        self._proc.terminate()
-        self._proc.wait(timeout=60)
-        self._log.close()
-        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+        return stop_and_peak_rss_mb(self._proc, self._log)
 
     def _seconds(self, ids: list[int], n: int) -> float:
         body = {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True}

@@ -97,8 +97,13 @@ class LlamaServer:
             time.sleep(0.01)
 
     def close(self) -> float:
-        status = Path(f"/proc/{self._proc.pid}/status").read_text()
-        self._proc.terminate()
-        self._proc.wait(timeout=60)
-        self._log.close()
-        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+        return stop_and_peak_rss_mb(self._proc, self._log)
+
+
+def stop_and_peak_rss_mb(proc: subprocess.Popen, log) -> float:
+    """Stop a server process (closing its log file); its peak RSS in MB."""
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    proc.terminate()
+    proc.wait(timeout=60)
+    log.close()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
