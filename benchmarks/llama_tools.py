@@ -70,8 +70,9 @@ def bench_round(model: str, threads: int, prompt_lens: list[int], gen_tokens: in
 class LlamaServer:
     """`llama-server` as a subprocess: start->ready until /health is 200, peak RSS at close."""
 
-    def __init__(self, model: str, threads: int, ctx: int = 4096):
+    def __init__(self, model: str, threads: int, ctx: int = 4096, gpu: bool = False):
         binary = tool("llama-server")
+        offload = ["-ngl", "99"] if gpu else []
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -79,7 +80,7 @@ class LlamaServer:
         self.spawned = time.perf_counter()
         self._proc = subprocess.Popen(
             [str(binary), "-m", model, "-t", str(threads), "-c", str(ctx), "--port",
-             str(self.port), "--host", "127.0.0.1", *_flash_attn_args(binary)],
+             str(self.port), "--host", "127.0.0.1", *offload, *_flash_attn_args(binary)],
             stdout=subprocess.DEVNULL, stderr=self._log)
 
     def wait_ready(self) -> dict:
@@ -95,6 +96,13 @@ class LlamaServer:
             except OSError:
                 pass
             time.sleep(0.01)
+
+    def post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
 
     def close(self) -> float:
         return stop_and_peak_rss_mb(self._proc, self._log)

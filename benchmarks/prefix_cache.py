@@ -9,6 +9,7 @@ Goal: from turn 2 on, TTFT follows the new tokens, not the history.
 
     python benchmarks/prefix_cache.py [--threads 2] [--turns 10] [--system-tokens 4000]
     python benchmarks/prefix_cache.py --device cuda --model PATH   # a GPU model (HF or GGUF)
+    ... --llama-server [--llama-gguf F.gguf]   # llama.cpp's llama-server (LLAMA_CPP_BIN) as peer
 """
 
 from __future__ import annotations
@@ -114,6 +115,31 @@ def llama_cpp_ttfts(model: str, prompts, threads: int, gpu: bool) -> list[float]
     return stamps
 
 
+def llama_server_ttfts(model: str, prompts, threads: int, gpu: bool) -> list[float] | str:
+    """llama-server TTFT per turn with `cache_prompt` (its slot keeps the last prompt's KV and
+    reuses the common prefix), prompts sent as token ids; or why it cannot run here."""
+    from llama_tools import LlamaServer, ToolUnavailable
+
+    if not model.endswith(".gguf"):
+        return "llama.cpp needs a GGUF model: pass --llama-gguf"
+    try:
+        server = LlamaServer(model, threads, ctx=max(len(p) for p in prompts) + 64, gpu=gpu)
+        server.wait_ready()
+    except ToolUnavailable as exc:
+        return str(exc)
+    try:
+        body = {"n_predict": 1, "temperature": 0.0, "cache_prompt": True}
+        server.post("/completion", {**body, "prompt": prompts[0][:4]})      # warm-up
+        stamps = []
+        for ids in prompts:
+            start = time.perf_counter()
+            server.post("/completion", {**body, "prompt": ids})
+            stamps.append(time.perf_counter() - start)
+        return stamps
+    finally:
+        server.close()
+
+
 def print_table(prompts, off, on, llama) -> None:
     has_llama = not isinstance(llama, str)
     print(f"{'turn':>4} {'prompt':>7} {'new':>5} {'no cache ms':>12} {'cache ms':>9} "
@@ -140,6 +166,12 @@ def parse_args(argv):
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--system-tokens", type=int, default=4000)
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--llama-gguf", default=None,
+                        help="the same weights as GGUF for llama.cpp (default: --model when it "
+                             "is a GGUF file)")
+    parser.add_argument("--llama-server", action="store_true",
+                        help="measure llama.cpp through llama-server (LLAMA_CPP_BIN) instead "
+                             "of llama-cpp-python")
     parser.add_argument("--json", dest="json_path", default=None)
     return parser.parse_args(argv)
 
@@ -161,8 +193,9 @@ def main(argv: list[str]) -> None:
           "prompt tokens", flush=True)
     off = freetoken_ttfts(loaded, prompts, args.device, cache=False)
     on = freetoken_ttfts(loaded, prompts, args.device, cache=True)
+    peer = llama_server_ttfts if args.llama_server else llama_cpp_ttfts
     llama = ("skipped (--skip-llama-cpp)" if args.skip_llama_cpp else
-             llama_cpp_ttfts(model, prompts, args.threads, args.device == "cuda"))
+             peer(args.llama_gguf or model, prompts, args.threads, args.device == "cuda"))
     print_table(prompts, off, on, llama)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
