@@ -11,6 +11,29 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _import_installed_kernels_package() -> None:
+    """transformers >= 5.25 imports the `kernels` package (hub kernels) when it is installed.
+    This repository's kernels/ folder (the kernel sources) has the same name and, with the
+    repository root first on sys.path, would be imported in its place: import the installed
+    package first, from a path without the repository, so every later import gets it."""
+    import importlib
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    try:
+        importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed_kernels_package()
+
+
 def compiler_free_env(extra: dict | None = None) -> dict:
     """os.environ with no compiler reachable: PATH holds only this interpreter's folder."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH", "CXX", "CC")}
