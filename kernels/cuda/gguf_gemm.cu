@@ -1,0 +1,373 @@
+// GGUF-quantized projections on the GPU: the weight stays in its blocks in VRAM and is decoded
+// in registers or shared memory on every call (freetoken/gguf_blocks.h, shared with a host
+// test). Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; activations bf16; output bf16 or f32.
+//
+// gguf_matmul dispatches on the activation rows M:
+//  - M <= 8 (decode): GEMV. Each warp owns kRows weight rows and streams them once: a chunk of
+//    whole blocks per row goes global -> shared memory in 16-byte loads (2-byte loads when rows
+//    are not 16-byte multiples), then every lane decodes 8-weight groups and dots them with
+//    each activation row, so one x load serves kRows weight rows.
+//  - M > 8 (prefill): a 64 x 64 output tile per block; each 32-wide k-slice of the weight is
+//    decoded into shared memory as bf16 and multiplied with wmma 16x16x16 bf16 tensor cores (f32
+//    accumulation). HIP builds use a CUDA-core FMA tile instead (no wmma there).
+// gguf_dequantize_rows gathers whole rows (the quantized embedding lookup).
+// No allocation and no host sync: both are capturable in a CUDA graph.
+#include "freetoken/cuda_common.cuh"
+#include "freetoken/gguf_blocks.h"
+
+#if !defined(__HIP_PLATFORM_AMD__)
+#include <mma.h>
+#endif
+
+namespace freetoken {
+namespace {
+
+using gguf::Block;
+using gguf::decode8;
+
+constexpr int kGemvMaxM = 8, kGemvWarps = 4, kRows = 2;
+constexpr int kTile = 64, kTK = 32, kLd = kTK + 8, kLdc = kTile + 4, kThreads = 128;
+
+__device__ __forceinline__ void warp_sync() {
+#if defined(__HIP_PLATFORM_AMD__)
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+// Blocks staged per row and step: whole blocks, a multiple of 16 bytes, 544..1680 bytes.
+template <int QT>
+constexpr int chunk_blocks() {
+  return QT == gguf::kQ4_0 || QT == gguf::kQ4_1 ? 32
+         : QT == gguf::kQ8_0                   ? 16
+         : QT == gguf::kQ6_K                   ? 8
+                                               : 4;
+}
+
+__device__ __forceinline__ void store_out(void* out, bool out_f32, int64_t i, float v) {
+  if (out_f32) {
+    static_cast<float*>(out)[i] = v;
+  } else {
+    static_cast<bf16*>(out)[i] = from_float<bf16>(v);
+  }
+}
+
+__device__ __forceinline__ void load8(const bf16* p, float* f) {
+  Vec<bf16, 8> v = load_vec<bf16, 8>(p);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = to_float(v.v[e]);
+}
+
+template <int QT, bool kVec16>
+__global__ void __launch_bounds__(kGemvWarps * kWarp)
+    gemv_kernel(void* out, bool out_f32, const bf16* __restrict__ x,
+                const uint8_t* __restrict__ w, int m_rows, int64_t n, int64_t k,
+                int64_t row_bytes, int64_t ldx, int64_t ldo) {
+  using B = Block<QT>;
+  constexpr int kCB = chunk_blocks<QT>(), kChunk = kCB * B::kBytes, kGroups = B::kWeights / 8;
+  __shared__ __attribute__((aligned(16))) uint8_t smem[kGemvWarps][kRows][kChunk];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * kRows;
+  if (n0 >= n) return;  // whole warps leave: the kernel only synchronises within a warp
+  const int64_t nblocks = k / B::kWeights;
+  float acc[kRows][kGemvMaxM];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int m = 0; m < kGemvMaxM; ++m) acc[r][m] = 0.f;
+  for (int64_t b0 = 0; b0 < nblocks; b0 += kCB) {
+    const int nb = static_cast<int>(nblocks - b0 < kCB ? nblocks - b0 : kCB);
+    const int bytes = nb * B::kBytes;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (n0 + r >= n) break;
+      const uint8_t* src = w + (n0 + r) * row_bytes + b0 * B::kBytes;
+      if constexpr (kVec16) {
+        using V = Vec<uint32_t, 4>;
+        for (int i = lane; i < bytes / 16; i += kWarp)
+          reinterpret_cast<V*>(smem[warp][r])[i] = reinterpret_cast<const V*>(src)[i];
+      } else {
+        for (int i = lane; i < bytes / 2; i += kWarp)
+          reinterpret_cast<uint16_t*>(smem[warp][r])[i] =
+              reinterpret_cast<const uint16_t*>(src)[i];
+      }
+    }
+    warp_sync();
+    for (int gi = lane; gi < nb * kGroups; gi += kWarp) {
+      const int blk = gi / kGroups, g = gi % kGroups;
+      const int64_t col = (b0 + blk) * B::kWeights + g * 8;
+      float wv[kRows][8];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) decode8<QT>(smem[warp][r] + blk * B::kBytes, g, wv[r]);
+#pragma unroll
+      for (int m = 0; m < kGemvMaxM; ++m) {
+        if (m >= m_rows) break;
+        float xv[8];
+        load8(x + m * ldx + col, xv);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][m] += wv[r][e] * xv[e];
+      }
+    }
+    warp_sync();
+  }
+#pragma unroll
+  for (int m = 0; m < kGemvMaxM; ++m) {
+    if (m >= m_rows) break;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float v = warp_sum(acc[r][m]);
+      if (lane == 0 && n0 + r < n) store_out(out, out_f32, m * ldo + n0 + r, v);
+    }
+  }
+}
+
+// Stages the 64 x 32 activation slice and the decoded 64 x 32 weight slice as bf16.
+template <int QT>
+__device__ __forceinline__ void stage_tile(bf16* As, bf16* Bs, const bf16* __restrict__ x,
+                                           const uint8_t* __restrict__ w, int64_t m0,
+                                           int64_t n0, int64_t k0, int64_t m_rows, int64_t n,
+                                           int64_t row_bytes, int64_t ldx) {
+  using B = Block<QT>;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int idx = threadIdx.x + i * kThreads, r = idx / 4, c = (idx % 4) * 8;
+    Vec<bf16, 8> v;
+    if (m0 + r < m_rows) {
+      v = load_vec<bf16, 8>(x + (m0 + r) * ldx + k0 + c);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v.v[e] = from_float<bf16>(0.f);
+    }
+    store_vec<bf16, 8>(As + r * kLd + c, v);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int idx = threadIdx.x + i * kThreads, r = idx / 4;
+    const int64_t col = k0 + (idx % 4) * 8;
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (n0 + r < n)
+      decode8<QT>(w + (n0 + r) * row_bytes + (col / B::kWeights) * B::kBytes,
+                  static_cast<int>((col % B::kWeights) / 8), f);
+    Vec<bf16, 8> v;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v.v[e] = from_float<bf16>(f[e]);
+    store_vec<bf16, 8>(Bs + r * kLd + (idx % 4) * 8, v);
+  }
+}
+
+template <int QT>
+__global__ void __launch_bounds__(kThreads)
+    gemm_kernel(void* out, bool out_f32, const bf16* __restrict__ x,
+                const uint8_t* __restrict__ w, int64_t m_rows, int64_t n, int64_t k,
+                int64_t row_bytes, int64_t ldx, int64_t ldo) {
+  constexpr int kStage = 2 * kTile * kLd * 2, kC = kTile * kLdc * 4;
+  __shared__ __attribute__((aligned(128))) unsigned char smem[kStage > kC ? kStage : kC];
+  bf16* As = reinterpret_cast<bf16*>(smem);
+  bf16* Bs = As + kTile * kLd;
+  float* C = reinterpret_cast<float*>(smem);
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int tid = threadIdx.x;
+#if !defined(__HIP_PLATFORM_AMD__)
+  // 4 warps as 2 x 2, each owning 32 x 32 of the tile as 2 x 2 fragments.
+  namespace wmma = nvcuda::wmma;
+  const int warp = tid / kWarp, wm = warp / 2, wn = warp % 2;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+  for (int64_t k0 = 0; k0 < k; k0 += kTK) {
+    stage_tile<QT>(As, Bs, x, w, m0, n0, k0, m_rows, n, row_bytes, ldx);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        wmma::load_matrix_sync(fa[i], As + (wm * 32 + i * 16) * kLd + kk, kLd);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        wmma::load_matrix_sync(fb[j], Bs + (wn * 32 + j * 16) * kLd + kk, kLd);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      wmma::store_matrix_sync(C + (wm * 32 + i * 16) * kLdc + wn * 32 + j * 16, acc[i][j], kLdc,
+                              wmma::mem_row_major);
+#else
+  // CUDA-core tile: thread (ty, tx) of 8 x 16 owns rows ty + 8i and columns tx + 16j.
+  const int tx = tid % 16, ty = tid / 16;
+  float acc[8][4] = {};
+  for (int64_t k0 = 0; k0 < k; k0 += kTK) {
+    stage_tile<QT>(As, Bs, x, w, m0, n0, k0, m_rows, n, row_bytes, ldx);
+    __syncthreads();
+    for (int kk = 0; kk < kTK; ++kk) {
+      float av[8], bv[4];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) av[i] = to_float(As[(ty + 8 * i) * kLd + kk]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bv[j] = to_float(Bs[(tx + 16 * j) * kLd + kk]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) C[(ty + 8 * i) * kLdc + tx + 16 * j] = acc[i][j];
+#endif
+  __syncthreads();
+  for (int idx = tid; idx < kTile * kTile; idx += kThreads) {
+    const int r = idx / kTile, c = idx % kTile;
+    if (m0 + r < m_rows && n0 + c < n) store_out(out, out_f32, (m0 + r) * ldo + n0 + c,
+                                                 C[r * kLdc + c]);
+  }
+}
+
+template <int QT>
+__global__ void rows_kernel(void* out, bool out_f32, const int64_t* __restrict__ ids,
+                            const uint8_t* __restrict__ w, int64_t vocab, int64_t k,
+                            int64_t row_bytes, int64_t ldo) {
+  using B = Block<QT>;
+  constexpr int kGroups = B::kWeights / 8;
+  const int64_t t = blockIdx.x, id = ids[t];
+  const bool valid = id >= 0 && id < vocab;  // else a zero row: raising would need a sync
+  const uint8_t* row = w + (valid ? id : 0) * row_bytes;
+  for (int64_t gi = threadIdx.x; gi < k / 8; gi += blockDim.x) {
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (valid) decode8<QT>(row + (gi / kGroups) * B::kBytes, static_cast<int>(gi % kGroups), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) store_out(out, out_f32, t * ldo + gi * 8 + e, f[e]);
+  }
+}
+
+#define FT_GGUF_DISPATCH(qtype, QT, ...)                                                     \
+  switch (qtype) {                                                                          \
+    case gguf::kQ4_0: { constexpr int QT = gguf::kQ4_0; __VA_ARGS__; break; }              \
+    case gguf::kQ4_1: { constexpr int QT = gguf::kQ4_1; __VA_ARGS__; break; }              \
+    case gguf::kQ8_0: { constexpr int QT = gguf::kQ8_0; __VA_ARGS__; break; }              \
+    case gguf::kQ4_K: { constexpr int QT = gguf::kQ4_K; __VA_ARGS__; break; }              \
+    case gguf::kQ5_K: { constexpr int QT = gguf::kQ5_K; __VA_ARGS__; break; }              \
+    case gguf::kQ6_K: { constexpr int QT = gguf::kQ6_K; __VA_ARGS__; break; }              \
+    default: TVM_FFI_ICHECK(false) << "unsupported GGUF type " << qtype;                   \
+  }
+
+/*! \brief Checks qweight [rows, row_bytes] (uint8, contiguous) against `k` weights per row. */
+void check_qweight(const TensorView& qweight, int64_t qtype, int64_t k, int dev) {
+  check_gpu(qweight, "qweight", dev);
+  check_dtype(qweight, kDLUInt, 8, "qweight", "uint8");
+  check_ndim(qweight, 2, "qweight");
+  check_contiguous(qweight, "qweight");
+  int weights = 0, bytes = 0;
+  gguf::block_shape(static_cast<int>(qtype), &weights, &bytes);
+  TVM_FFI_ICHECK(weights > 0) << "qtype " << qtype
+                              << " is not a GGUF type the GPU reads (Q4_0 2, Q4_1 3, Q8_0 8, "
+                                 "Q4_K 12, Q5_K 13, Q6_K 14)";
+  TVM_FFI_ICHECK(k % weights == 0 && qweight.size(1) == k / weights * bytes)
+      << "qweight rows must hold " << k << " weights: " << k / weights * bytes << " bytes of "
+      << weights << "-weight blocks (k a multiple of " << weights << "), got "
+      << qweight.size(1) << " bytes";
+}
+
+bool out_is_f32(const TensorView& out) {
+  if (has_dtype(out, kDLFloat, 32)) return true;
+  TVM_FFI_ICHECK(has_dtype(out, kDLBfloat, 16))
+      << "out must be float32 or bfloat16, got " << dtype_name(out.dtype());
+  return false;
+}
+
+/*! \brief out[M, N] = x[M, K] @ dequant(qweight).T; x bf16 with contiguous rows (16-byte
+ * aligned), qweight uint8 [N, row_bytes] of GGUF blocks of type qtype, out f32 or bf16 with
+ * contiguous rows (a column slice of a wider buffer is fine). */
+void gguf_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtype) {
+  int dev = qweight.device().device_id;
+  check_gpu(out, "out", dev);
+  check_gpu(x, "x", dev);
+  check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
+  check_ndim(x, 2, "x");
+  check_ndim(out, 2, "out");
+  RowView rx = row_view(x, 1, "x"), ro = row_view(out, 1, "out");
+  check_qweight(qweight, qtype, rx.width, dev);
+  const int64_t n = qweight.size(0);
+  TVM_FFI_ICHECK(ro.rows == rx.rows && ro.width == n)
+      << "out must be [" << rx.rows << ", " << n << "] (x rows, qweight rows)";
+  TVM_FFI_ICHECK(rx.stride % 8 == 0 && aligned16(x)) << "x rows must start 16-byte aligned";
+  const bool f32 = out_is_f32(out);
+  if (rx.rows == 0 || n == 0) return;
+  DeviceGuard guard(dev);
+  cudaStream_t stream = stream_for(qweight);
+  const int64_t rb = qweight.size(1);
+  void* o = data_of<char>(out);
+  const bf16* xp = data_of<bf16>(x);
+  const uint8_t* wp = data_of<uint8_t>(qweight);
+  if (rx.rows <= kGemvMaxM) {
+    const bool vec16 = rb % 16 == 0 && aligned16(qweight);
+    dim3 grid(static_cast<unsigned>(ceil_div(n, kGemvWarps * kRows)));
+    const int m = static_cast<int>(rx.rows);
+    FT_GGUF_DISPATCH(qtype, QT, {
+      if (vec16) {
+        gemv_kernel<QT, true><<<grid, kGemvWarps * kWarp, 0, stream>>>(
+            o, f32, xp, wp, m, n, rx.width, rb, rx.stride, ro.stride);
+      } else {
+        gemv_kernel<QT, false><<<grid, kGemvWarps * kWarp, 0, stream>>>(
+            o, f32, xp, wp, m, n, rx.width, rb, rx.stride, ro.stride);
+      }
+    });
+    check_launch("gguf_matmul (gemv)");
+    return;
+  }
+  TVM_FFI_ICHECK(ceil_div(rx.rows, kTile) < 65536) << "gguf_matmul: too many rows of x";
+  dim3 grid(static_cast<unsigned>(ceil_div(n, kTile)), static_cast<unsigned>(ceil_div(rx.rows, kTile)));
+  FT_GGUF_DISPATCH(qtype, QT, {
+    gemm_kernel<QT><<<grid, kThreads, 0, stream>>>(o, f32, xp, wp, rx.rows, n, rx.width, rb,
+                                                   rx.stride, ro.stride);
+  });
+  check_launch("gguf_matmul (gemm)");
+}
+
+/*! \brief out[T, K] = dequant(qweight[ids]) (f32 or bf16); ids int64 [T]; an id outside the
+ * table writes a zero row (raising would need a device sync). */
+void gguf_dequantize_rows(TensorView out, TensorView ids, TensorView qweight, int64_t qtype) {
+  int dev = qweight.device().device_id;
+  check_gpu(out, "out", dev);
+  check_gpu(ids, "ids", dev);
+  check_dtype(ids, kDLInt, 64, "ids", "int64");
+  TVM_FFI_ICHECK(ids.ndim() == 1 && ids.IsContiguous()) << "ids must be a contiguous 1-D tensor";
+  check_ndim(out, 2, "out");
+  RowView ro = row_view(out, 1, "out");
+  check_qweight(qweight, qtype, ro.width, dev);
+  TVM_FFI_ICHECK(ro.rows == ids.size(0)) << "out must have len(ids) = " << ids.size(0) << " rows";
+  const bool f32 = out_is_f32(out);
+  if (ro.rows == 0 || ro.width == 0) return;
+  DeviceGuard guard(dev);
+  cudaStream_t stream = stream_for(qweight);
+  FT_GGUF_DISPATCH(qtype, QT, {
+    rows_kernel<QT><<<static_cast<unsigned>(ro.rows), 128, 0, stream>>>(
+        data_of<char>(out), f32, data_of<int64_t>(ids), data_of<uint8_t>(qweight),
+        qweight.size(0), ro.width, qweight.size(1), ro.stride);
+  });
+  check_launch("gguf_dequantize_rows");
+}
+
+}  // namespace
+}  // namespace freetoken
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_matmul, freetoken::gguf_matmul);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_dequantize_rows, freetoken::gguf_dequantize_rows);
