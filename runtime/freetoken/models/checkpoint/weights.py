@@ -139,11 +139,11 @@ class _Reader:
             raise MissingTensorError(
                 f"{self.src.source}: missing tensor {self.src.file_name(name)!r}; the "
                 f"checkpoint is incomplete or does not match its {self.where_config} config")
+        self.servable(name, weight)
         if _shape(weight) != shape:
             raise ModelFormatError(
                 f"{self.src.source}: tensor {self.src.file_name(name)!r} has shape "
                 f"{list(_shape(weight))}, expected {list(shape)} from the model config")
-        self.servable(name, weight)
         return _place(weight, self.where)
 
     def servable(self, name: str, weight: Weight) -> None:
