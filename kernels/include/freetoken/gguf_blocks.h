@@ -20,8 +20,10 @@
 
 #if defined(__CUDACC__) || defined(__HIP__)
 #define FT_GGUF_HD __host__ __device__ __forceinline__
+#define FT_GGUF_UNROLL _Pragma("unroll")
 #else
 #define FT_GGUF_HD inline
+#define FT_GGUF_UNROLL
 #endif
 
 namespace freetoken {
@@ -99,12 +101,12 @@ FT_GGUF_HD void decode8(const uint8_t* blk, int g, float* out) {
     const float m = QT == kQ4_1 ? half_at(blk + 2) : -8.f * d;
     const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2) + (g & 1) * 8;
     const int shift = (g >> 1) * 4;
-#pragma unroll
+FT_GGUF_UNROLL
     for (int i = 0; i < 8; ++i) out[i] = d * static_cast<float>((qs[i] >> shift) & 0xF) + m;
   } else if constexpr (QT == kQ8_0) {
     const float d = half_at(blk);
     const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2) + g * 8;
-#pragma unroll
+FT_GGUF_UNROLL
     for (int i = 0; i < 8; ++i) out[i] = d * static_cast<float>(q[i]);
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const int s = g >> 2, l0 = (g & 3) * 8;
@@ -114,7 +116,7 @@ FT_GGUF_HD void decode8(const uint8_t* blk, int g, float* out) {
     const float m = half_at(blk + 2) * static_cast<float>(mn);
     const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + (s >> 1) * 32 + l0;
     const int shift = (s & 1) * 4;
-#pragma unroll
+FT_GGUF_UNROLL
     for (int i = 0; i < 8; ++i) {
       int q = (qs[i] >> shift) & 0xF;
       if constexpr (QT == kQ5_K) q += ((blk[16 + l0 + i] >> s) & 1) << 4;
@@ -130,7 +132,7 @@ FT_GGUF_HD void decode8(const uint8_t* blk, int g, float* out) {
     const int8_t sc = static_cast<int8_t>(blk[192 + 8 * h + (l0 >> 4) + 2 * j]);
     const float d = half_at(blk + 208) * static_cast<float>(sc);
     const int lshift = (j >> 1) * 4, hshift = 2 * j;
-#pragma unroll
+FT_GGUF_UNROLL
     for (int i = 0; i < 8; ++i) {
       int q = ((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4);
       out[i] = d * static_cast<float>(q - 32);
