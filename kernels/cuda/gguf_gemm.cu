@@ -5,8 +5,9 @@
 // gguf_matmul dispatches on the activation rows M:
 //  - M <= 8 (decode): GEMV. Each warp owns kRows weight rows and streams them once: a chunk of
 //    whole blocks per row goes global -> shared memory in 16-byte loads (2-byte loads when rows
-//    are not 16-byte multiples), then every lane decodes 8-weight groups and dots them with
-//    each activation row, so one x load serves kRows weight rows.
+//    are not 16-byte multiples), then every lane takes 32-weight units and dots them with each
+//    activation row (gguf::dot32: scales applied once per unit), so one x load serves kRows
+//    weight rows.
 //  - M > 8 (prefill): a 64 x 64 output tile per block; each 32-wide k-slice of the weight is
 //    decoded into shared memory as bf16 and multiplied with wmma 16x16x16 bf16 tensor cores (f32
 //    accumulation). HIP builds use a CUDA-core FMA tile instead (no wmma there).
@@ -38,13 +39,11 @@ __device__ __forceinline__ void warp_sync() {
 #endif
 }
 
-// Blocks staged per row and step: whole blocks, a multiple of 16 bytes, 544..1680 bytes.
+// Blocks staged per row and step: whole blocks, a multiple of 16 bytes (576..1680), and 32 or
+// 64 units of 32 weights, so every lane has work.
 template <int QT>
 constexpr int chunk_blocks() {
-  return QT == gguf::kQ4_0 || QT == gguf::kQ4_1 ? 32
-         : QT == gguf::kQ8_0                   ? 16
-         : QT == gguf::kQ6_K                   ? 8
-                                               : 4;
+  return QT == gguf::kQ6_K ? 8 : Block<QT>::kWeights == 32 ? 32 : 4;
 }
 
 __device__ __forceinline__ void store_out(void* out, bool out_f32, int64_t i, float v) {
@@ -61,23 +60,25 @@ __device__ __forceinline__ void load8(const bf16* p, float* f) {
   for (int e = 0; e < 8; ++e) f[e] = to_float(v.v[e]);
 }
 
-template <int QT, bool kVec16>
+// kM: activation rows the kernel is built for (1: the batch-1 decode, with the fewest
+// registers and so the most warps in flight; 8: up to 8 rows, m_rows at run time).
+template <int QT, bool kVec16, int kM>
 __global__ void __launch_bounds__(kGemvWarps * kWarp)
     gemv_kernel(void* out, bool out_f32, const bf16* __restrict__ x,
                 const uint8_t* __restrict__ w, int m_rows, int64_t n, int64_t k,
                 int64_t row_bytes, int64_t ldx, int64_t ldo) {
   using B = Block<QT>;
-  constexpr int kCB = chunk_blocks<QT>(), kChunk = kCB * B::kBytes, kGroups = B::kWeights / 8;
+  constexpr int kCB = chunk_blocks<QT>(), kChunk = kCB * B::kBytes, kUnits = B::kWeights / 32;
   __shared__ __attribute__((aligned(16))) uint8_t smem[kGemvWarps][kRows][kChunk];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * kRows;
   if (n0 >= n) return;  // whole warps leave: the kernel only synchronises within a warp
   const int64_t nblocks = k / B::kWeights;
-  float acc[kRows][kGemvMaxM];
+  float acc[kRows][kM];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int m = 0; m < kGemvMaxM; ++m) acc[r][m] = 0.f;
+    for (int m = 0; m < kM; ++m) acc[r][m] = 0.f;
   for (int64_t b0 = 0; b0 < nblocks; b0 += kCB) {
     const int nb = static_cast<int>(nblocks - b0 < kCB ? nblocks - b0 : kCB);
     const int bytes = nb * B::kBytes;
@@ -96,27 +97,32 @@ __global__ void __launch_bounds__(kGemvWarps * kWarp)
       }
     }
     warp_sync();
-    for (int gi = lane; gi < nb * kGroups; gi += kWarp) {
-      const int blk = gi / kGroups, g = gi % kGroups;
-      const int64_t col = (b0 + blk) * B::kWeights + g * 8;
-      float wv[kRows][8];
+    // one 32-weight unit per lane and step: its x is loaded and summed once per row of x,
+    // then dotted with every weight row of the warp
+    for (int gi = lane; gi < nb * kUnits; gi += kWarp) {
+      const int blk = gi / kUnits, u = gi % kUnits;
+      const int64_t col = (b0 + blk) * B::kWeights + u * 32;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) decode8<QT>(smem[warp][r] + blk * B::kBytes, g, wv[r]);
-#pragma unroll
-      for (int m = 0; m < kGemvMaxM; ++m) {
+      for (int m = 0; m < kM; ++m) {
         if (m >= m_rows) break;
-        float xv[8];
-        load8(x + m * ldx + col, xv);
+        float xv[32];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) load8(x + m * ldx + col + 8 * i, xv + 8 * i);
+        float xlo = 0.f, xhi = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          xlo += xv[i];
+          xhi += xv[16 + i];
+        }
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r][m] += wv[r][e] * xv[e];
+          acc[r][m] += gguf::dot32<QT>(smem[warp][r] + blk * B::kBytes, u, xv, xlo, xhi);
       }
     }
     warp_sync();
   }
 #pragma unroll
-  for (int m = 0; m < kGemvMaxM; ++m) {
+  for (int m = 0; m < kM; ++m) {
     if (m >= m_rows) break;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -321,13 +327,15 @@ void gguf_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtype
     const bool vec16 = rb % 16 == 0 && aligned16(qweight);
     dim3 grid(static_cast<unsigned>(ceil_div(n, kGemvWarps * kRows)));
     const int m = static_cast<int>(rx.rows);
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, kGemvWarps * kWarp, 0, stream>>>(o, f32, xp, wp, m, n, rx.width, rb,
+                                                      rx.stride, ro.stride);
+    };
     FT_GGUF_DISPATCH(qtype, QT, {
-      if (vec16) {
-        gemv_kernel<QT, true><<<grid, kGemvWarps * kWarp, 0, stream>>>(
-            o, f32, xp, wp, m, n, rx.width, rb, rx.stride, ro.stride);
+      if (m == 1) {
+        launch(vec16 ? gemv_kernel<QT, true, 1> : gemv_kernel<QT, false, 1>);
       } else {
-        gemv_kernel<QT, false><<<grid, kGemvWarps * kWarp, 0, stream>>>(
-            o, f32, xp, wp, m, n, rx.width, rb, rx.stride, ro.stride);
+        launch(vec16 ? gemv_kernel<QT, true, kGemvMaxM> : gemv_kernel<QT, false, kGemvMaxM>);
       }
     });
     check_launch("gguf_matmul (gemv)");

@@ -33,6 +33,11 @@ def host_decoder(tmp_path_factory):
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_void_p]
 
+    lib = ctypes.CDLL(str(so))
+    dot = lib.ft_gguf_dot
+    dot.restype = ctypes.c_int
+    dot.argtypes = fn.argtypes[:5] + [ctypes.c_void_p, ctypes.c_void_p]
+
     def decode(blocks: np.ndarray, qtype: int, cols: int) -> np.ndarray | None:
         blocks = np.ascontiguousarray(blocks)
         out = np.full((blocks.shape[0], cols), np.nan, dtype=np.float32)
@@ -40,6 +45,14 @@ def host_decoder(tmp_path_factory):
                 out.ctypes.data)
         return out if ok else None
 
+    def dot_rows(blocks: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
+        blocks, x = np.ascontiguousarray(blocks), np.ascontiguousarray(x, dtype=np.float32)
+        out = np.full(blocks.shape[0], np.nan, dtype=np.float32)
+        assert dot(blocks.ctypes.data, qtype, blocks.shape[0], x.size, blocks.shape[1],
+                   x.ctypes.data, out.ctypes.data)
+        return out
+
+    decode.dot = dot_rows
     return decode
 
 
@@ -73,3 +86,22 @@ def test_unknown_type_or_ragged_row_is_refused(host_decoder):
     blocks = np.zeros((2, row_bytes(12, 256)), np.uint8)
     assert host_decoder(blocks, 6, 256) is None            # Q5_0: not read here
     assert host_decoder(blocks, 12, 128) is None           # half a Q4_K block
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
+def test_gemv_dot_products_match_gguf(host_decoder, qtype):
+    """dot32 (the GEMV's inner product: scales folded out of float sums) against float64
+    products of gguf's dequantized rows. float32 sums of K terms of |q x|, each within a few
+    ulps, plus Q8_0's offset of 128 * sum(x) (q read as q + 128) and the K-quant minimums:
+    bounded by K * eps32 * sum |x| * (max |w| + the offset it carries)."""
+    rng = np.random.default_rng(qtype + 50)
+    cols = 2048
+    blocks = random_blocks(qtype, 32, cols, rng)
+    x = rng.standard_normal(cols).astype(np.float32)
+    w = dequantize(blocks, qtype).astype(np.float64)
+    expected = w @ x.astype(np.float64)
+    ours = host_decoder.dot(blocks, qtype, x)
+    offset = 256 * np.abs(w).max(axis=1, keepdims=True)   # what any folded offset can reach
+    tol = cols * 2.0 ** -23 * (np.abs(x) * (np.abs(w) + offset)).sum(axis=1)
+    assert (np.abs(ours - expected) <= tol).all(), np.abs(ours - expected).max()
+    assert np.abs(ours - expected).max() < 1e-3 * np.abs(expected).max()   # far below a bug

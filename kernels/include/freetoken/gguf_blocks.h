@@ -140,6 +140,116 @@ FT_GGUF_UNROLL
   }
 }
 
+// ---------------------------------------------------------------- dot products (the GEMV)
+// dot32 folds the scales out of the sum: per 32-weight unit, sum(q * x) in float, then one
+// scale and one offset times sum(x). Quants are read 4 at a time as 32-bit words (every field
+// offset of these blocks is even, so two 16-bit loads make a word) and turned into floats
+// exactly: on NVIDIA GPUs by placing the byte in the mantissa of 2^23 (one byte permute and one
+// subtract, instead of a slower integer conversion).
+
+FT_GGUF_HD uint32_t load_u32(const uint8_t* p) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  return static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+#else
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+#endif
+}
+
+/*! \brief Byte b (0..3) of v as a float (0..255, exact). */
+template <int B>
+FT_GGUF_HD float byte_float(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7540 | B)) - 8388608.f;
+#else
+  return static_cast<float>((v >> (8 * B)) & 0xFFu);
+#endif
+}
+
+FT_GGUF_HD float dot4(uint32_t v, const float* x, float acc) {
+  acc += byte_float<0>(v) * x[0];
+  acc += byte_float<1>(v) * x[1];
+  acc += byte_float<2>(v) * x[2];
+  acc += byte_float<3>(v) * x[3];
+  return acc;
+}
+
+/*!
+ * \brief sum over the 32 weights of unit u of the block (u < Block<QT>::kWeights / 32) times
+ * x[0..32); xlo / xhi are the sums of x[0..16) and x[16..32).
+ */
+template <int QT>
+FT_GGUF_HD float dot32(const uint8_t* blk, int u, const float* x, float xlo, float xhi) {
+  float s = 0.f;
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = load_u32(qs + 4 * j);
+      s = dot4(v & 0x0F0F0F0Fu, x + 4 * j, s);
+      s = dot4((v >> 4) & 0x0F0F0F0Fu, x + 16 + 4 * j, s);
+    }
+    const float d = half_at(blk);
+    return QT == kQ4_1 ? d * s + half_at(blk + 2) * (xlo + xhi) : d * (s - 8.f * (xlo + xhi));
+  } else if constexpr (QT == kQ8_0) {
+    // int8 q read as q + 128 (flipping the sign bit), the 128 taken back with sum(x)
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 8; ++j) s = dot4(load_u32(blk + 2 + 4 * j) ^ 0x80808080u, x + 4 * j, s);
+    return half_at(blk) * (s - 128.f * (xlo + xhi));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    int sc, mn;
+    scale_min_k4(blk + 4, u, &sc, &mn);
+    const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + (u >> 1) * 32;
+    const int shift = (u & 1) * 4;
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      uint32_t v = (load_u32(qs + 4 * j) >> shift) & 0x0F0F0F0Fu;
+      if constexpr (QT == kQ5_K) v |= ((load_u32(blk + 16 + 4 * j) >> u) & 0x01010101u) << 4;
+      s = dot4(v, x + 4 * j, s);
+    }
+    return half_at(blk) * static_cast<float>(sc) * s -
+           half_at(blk + 2) * static_cast<float>(mn) * (xlo + xhi);
+  } else {  // Q6_K: unit u = 4h + j covers weights 128h + 32j + l (decode8's layout)
+    const int h = u >> 2, j = u & 3;
+    const uint8_t* ql = blk + 64 * h + 32 * (j & 1);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const int lshift = (j >> 1) * 4, hshift = 2 * j;
+    float s1 = 0.f;
+    FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = ((load_u32(ql + 4 * i) >> lshift) & 0x0F0F0F0Fu) |
+                         (((load_u32(qh + 4 * i) >> hshift) & 0x03030303u) << 4);
+      if (i < 4) {
+        s = dot4(v, x + 4 * i, s);
+      } else {
+        s1 = dot4(v, x + 4 * i, s1);
+      }
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + 2 * j);
+    return half_at(blk + 208) * (static_cast<float>(sc[0]) * (s - 32.f * xlo) +
+                                 static_cast<float>(sc[1]) * (s1 - 32.f * xhi));
+  }
+}
+
+/*! \brief dot32 by run-time type (the host test's entry point); 0 for an unknown type. */
+inline float dot32_any(const uint8_t* blk, int qtype, int u, const float* x) {
+  float xlo = 0.f, xhi = 0.f;
+  for (int i = 0; i < 16; ++i) {
+    xlo += x[i];
+    xhi += x[16 + i];
+  }
+  switch (qtype) {
+    case kQ4_0: return dot32<kQ4_0>(blk, u, x, xlo, xhi);
+    case kQ4_1: return dot32<kQ4_1>(blk, u, x, xlo, xhi);
+    case kQ8_0: return dot32<kQ8_0>(blk, u, x, xlo, xhi);
+    case kQ4_K: return dot32<kQ4_K>(blk, u, x, xlo, xhi);
+    case kQ5_K: return dot32<kQ5_K>(blk, u, x, xlo, xhi);
+    case kQ6_K: return dot32<kQ6_K>(blk, u, x, xlo, xhi);
+    default: return 0.f;
+  }
+}
+
 /*! \brief Weights [0, n) of a row of blocks of `qtype` into out (n a multiple of the block's
  * weights); false for a type this header does not read. The host test's entry point. */
 inline bool dequantize_row(const uint8_t* row, int qtype, int64_t n, float* out) {
