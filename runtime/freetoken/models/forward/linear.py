@@ -62,9 +62,10 @@ class QuantLinear:
 
 
 class PartsLinear:
-    """Row blocks that could not be concatenated (mixed GGUF types): one product per part.
+    """Row blocks that could not be concatenated (mixed GGUF types, as in the _M mixes): one
+    product per part. A part that writes strided rows (gguf_matmul) writes its columns in place.
 
-    # NOTE: allocates a scratch output per part and call; only unusual files take this path.
+    # NOTE: other parts allocate a scratch output per call; only unusual files take that path.
     """
 
     def __init__(self, parts: list, bias: Array | None = None):
