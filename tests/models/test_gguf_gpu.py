@@ -139,4 +139,6 @@ def test_smollm2_on_the_gpu_keeps_q8_0_embedding_and_matches_the_cpu():
     p = PagedRunner(cpu.model, num_blocks=16).step([(0, ids)])[0].float().log_softmax(-1)
     q = PagedRunner(gpu.model, num_blocks=16).step([(0, ids)])[0].float().cpu().log_softmax(-1)
     kl = float((p.exp() * (p - q)).sum())
-    assert kl < 0.05, f"KL(cpu || gpu) = {kl:.4f} nats"
+    # each side is within ~0.02 nats of transformers' float32 (tests/models/test_smollm2.py):
+    # 8-bit activations on the CPU, bf16 ones here; a wrong block decode is off by nats
+    assert kl < 0.1, f"KL(cpu || gpu) = {kl:.4f} nats"
