@@ -145,6 +145,14 @@ KERNELS: tuple[Kernel, ...] = (
         rocm=True,
         doc="MoE routing (softmax top-k) and routed expert MLPs (SwiGLU)",
     ),
+    Kernel(
+        name="gguf_gemm",
+        functions=("gguf_matmul", "gguf_dequantize_rows"),
+        cuda=("cuda/gguf_gemm.cu",),
+        rocm=True,  # HIP: a CUDA-core tile replaces the wmma tensor-core tile of prefill
+        doc="GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks in VRAM: decode GEMV, prefill GEMM, "
+            "row gather",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -120,6 +120,21 @@ def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
     _fn("dequantize_rows", qweight.device)(out, ids, qweight, qtype)
 
 
+def gguf_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
+    """GPU: out[M, N] (bf16 or f32) = x[M, K] bf16 @ dequant(qweight).T; qweight uint8
+    [N, row_bytes] holds GGUF blocks of one weight row per row: Q4_0 (2), Q4_1 (3), Q8_0 (8),
+    Q4_K (12), Q5_K (13) or Q6_K (14). out rows may be a column slice of a wider buffer.
+    M <= 8 runs a GEMV, larger M a tiled tensor-core GEMM; no allocation, no host sync."""
+    _fn("gguf_matmul", x.device)(out, x, qweight, qtype)
+
+
+def gguf_dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
+                         qtype: int) -> None:
+    """GPU: out[T, K] (bf16 or f32) = dequant(qweight[ids]), the quantized embedding lookup
+    (types as gguf_matmul); an id outside the table writes a zero row."""
+    _fn("gguf_dequantize_rows", qweight.device)(out, ids, qweight, qtype)
+
+
 def set_num_threads(threads: int) -> None:
     """Size the CPU quantized kernels' thread pool (0 = every core)."""
     _fn("set_num_threads", "cpu")(threads)

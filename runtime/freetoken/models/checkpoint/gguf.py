@@ -18,8 +18,9 @@ from freetoken.models.registry import GGUF_GLOBAL, GGUF_LAYER, ArchSpec
 
 # GGML type ids this runtime reads (gguf.GGMLQuantizationType values).
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-QUANT_TYPES = (Q4_0, Q4_1, Q8_0)
-SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0"
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+QUANT_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (K-quants on the GPU)"
 
 
 def open_gguf(path: Path):

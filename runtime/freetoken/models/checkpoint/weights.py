@@ -12,7 +12,7 @@ import numpy as np
 
 from freetoken.arrays import HostArrays, TorchArrays, is_torch
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.errors import MissingTensorError, ModelFormatError
+from freetoken.models.errors import MissingTensorError, ModelFormatError, UnsupportedModelError
 
 Array = Any  # a numpy array (CPU, and as read from GGUF) or a torch tensor
 Weight = Union[Array, QuantWeight]
@@ -30,16 +30,34 @@ class TensorSource(Protocol):
         """How the checkpoint spells a canonical name (for error messages)."""
 
 
+# GGML block types the quantized kernels read: the CPU's quant_gemm, the GPU's gguf_gemm.
+CPU_BLOCK_TYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0
+GPU_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)       # and Q4_K, Q5_K, Q6_K
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Where weights live and in which float dtype; GGUF blocks stay quantized on the CPU."""
+    """Where weights live and in which float dtype. GGUF blocks stay quantized where a kernel
+    reads them (the GPU kernels take bf16 activations: other GPU dtypes dequantize at load);
+    routed experts stay quantized on the CPU only."""
 
     arrays: HostArrays | TorchArrays
     dtype: str                     # float32 | bfloat16 | float16
 
     @property
     def keeps_quantized(self) -> bool:
+        """Stacked GGUF experts stay in their blocks (the CPU experts kernel reads them)."""
         return self.arrays.device.is_cpu
+
+    def keeps(self, qtype: int) -> bool:
+        """Whether a matrix of GGML type `qtype` stays in its blocks here."""
+        if self.arrays.device.is_cpu:
+            return qtype in CPU_BLOCK_TYPES
+        return self.dtype == "bfloat16" and qtype in GPU_BLOCK_TYPES
+
+    def can_serve(self, qtype: int) -> bool:
+        """False for block types the CPU kernels cannot read (the GPU dequantizes the rest)."""
+        return not self.arrays.device.is_cpu or qtype in CPU_BLOCK_TYPES
 
 
 # A layer's weights by canonical part (registry.LAYER_PARTS), with fused entries: "qkv" (one
@@ -71,8 +89,11 @@ def _shape(weight: Weight) -> tuple[int, ...]:
 
 def _place(weight: Weight, where: Placement) -> Weight:
     if isinstance(weight, QuantWeight):
-        if where.keeps_quantized:
-            return weight
+        if where.keeps(weight.qtype):
+            if where.arrays.device.is_cpu:
+                return weight
+            return QuantWeight(weight.qtype, where.arrays.place(weight.data, "uint8"),
+                               weight.shape)
         weight = dequantize(weight)
     return where.arrays.place(weight, where.dtype)
 
@@ -86,7 +107,7 @@ def _fuse_rows(parts: list[Weight]) -> list[Weight]:
         widths = {p.data.shape[1] for p in parts}
         if len(qtypes) == 1 and len(widths) == 1:
             rows = sum(p.shape[0] for p in parts)
-            data = np.concatenate([p.data for p in parts], axis=0)
+            data = _concat([p.data for p in parts])
             return [QuantWeight(parts[0].qtype, data, (rows, parts[0].shape[1]))]
     return parts
 
@@ -118,11 +139,23 @@ class _Reader:
             raise MissingTensorError(
                 f"{self.src.source}: missing tensor {self.src.file_name(name)!r}; the "
                 f"checkpoint is incomplete or does not match its {self.where_config} config")
+        self.servable(name, weight)
         if _shape(weight) != shape:
             raise ModelFormatError(
                 f"{self.src.source}: tensor {self.src.file_name(name)!r} has shape "
                 f"{list(_shape(weight))}, expected {list(shape)} from the model config")
         return _place(weight, self.where)
+
+    def servable(self, name: str, weight: Weight) -> None:
+        """Refuses, by tensor and type, GGUF blocks that no kernel here reads."""
+        if isinstance(weight, QuantWeight) and not self.where.can_serve(weight.qtype):
+            from gguf import GGMLQuantizationType
+
+            kind = GGMLQuantizationType(weight.qtype).name
+            raise UnsupportedModelError(
+                f"{self.src.source}: tensor {self.src.file_name(name)!r} has type {kind}, which "
+                f"the CPU kernels do not read (Q4_0, Q4_1, Q8_0 only); serve it on a GPU "
+                f"(--device cuda) or re-quantize the model")
 
     def fused(self, parts: list[tuple[str, tuple[int, ...]]]) -> list[Weight]:
         """Required tensors whose rows are concatenated into one matrix when they can be.
@@ -147,6 +180,7 @@ class _Reader:
         for (name, shape), weight in zip(parts, raw):
             if weight is None or _shape(weight) != shape:
                 self.check(name, weight, shape)      # raises, naming the tensor
+            self.servable(name, weight)
         quant = [isinstance(w, QuantWeight) for w in raw]
         if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
             if len(raw) == 1:

@@ -35,7 +35,8 @@ class Kernels:
         names += ("moe_experts_quant",) if quantized_experts else ()
         for name in names:
             setattr(self, name, ops.bind(name, device))
-        embed_op = "dequantize_rows" if quantized_embedding else "embedding"
+        quant_embed = "dequantize_rows" if device.is_cpu else "gguf_dequantize_rows"
+        embed_op = quant_embed if quantized_embedding else "embedding"
         self.embed = ops.bind(embed_op, device)
         self.gather_rows = ops.bind("embedding", device)
         # CUDA decode splits long contexts across blocks through this scratch (4 MiB covers

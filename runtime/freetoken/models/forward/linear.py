@@ -38,13 +38,20 @@ class DenseLinear:
 
 
 class QuantLinear:
-    """out[T, N] f32 = x[T, K] f32 @ dequant(W).T (+ bias) on GGUF blocks, never dequantized."""
+    """out[T, N] = x[T, K] @ dequant(W).T (+ bias) on GGUF blocks, never dequantized: f32 on the
+    CPU (quant_matmul); bf16 x and a bf16 or f32 out on a GPU (gguf_matmul, which also writes
+    into a column slice of a wider out: ``strided_out``)."""
 
     def __init__(self, weight: QuantWeight, bias: Array | None = None):
         from freetoken.kernel import ops
 
-        self._matmul = ops.bind("quant_matmul", "cpu")
-        self.data = HostArrays.kernel_arg(weight.data)
+        self.strided_out = is_torch(weight.data)
+        if self.strided_out:
+            self._matmul = ops.bind("gguf_matmul", weight.data.device)
+            self.data = weight.data
+        else:
+            self._matmul = ops.bind("quant_matmul", "cpu")
+            self.data = HostArrays.kernel_arg(weight.data)
         self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
 
@@ -55,9 +62,10 @@ class QuantLinear:
 
 
 class PartsLinear:
-    """Row blocks that could not be concatenated (mixed GGUF types): one product per part.
+    """Row blocks that could not be concatenated (mixed GGUF types, as in the _M mixes): one
+    product per part. A part that writes strided rows (gguf_matmul) writes its columns in place.
 
-    # NOTE: allocates a scratch output per part and call; only unusual files take this path.
+    # NOTE: other parts allocate a scratch output per call; only unusual files take that path.
     """
 
     def __init__(self, parts: list, bias: Array | None = None):
@@ -71,6 +79,10 @@ class PartsLinear:
         col = 0
         for part in self.parts:
             columns = out[:, col:col + part.out_features]
+            if getattr(part, "strided_out", False):
+                part(columns, x)
+                col += part.out_features
+                continue
             scratch = columns.clone() if is_torch(columns) else columns.copy()
             part(scratch, x)
             out[:, col:col + part.out_features] = scratch

@@ -1,0 +1,277 @@
+// GGUF block decoding shared by the GPU kernels (kernels/cuda/gguf_gemm.cu) and a host build
+// that tests it against gguf's own numpy dequantizer (no GPU is needed for that check).
+//
+// Every reader decodes 8 consecutive weights of one block: group g covers weights 8g..8g+7.
+// Layouts (bytes), with w the weight and q its stored integer:
+//   Q4_0  (32 w,  18 B): f16 d | 16 B nibbles            w = d * (q - 8)
+//   Q4_1  (32 w,  20 B): f16 d | f16 m | 16 B nibbles    w = d * q + m
+//   Q8_0  (32 w,  34 B): f16 d | 32 int8                 w = d * q
+//     (a nibble byte j holds weight j low and weight j + 16 high)
+//   Q4_K (256 w, 144 B): f16 d | f16 dmin | 12 B packed 6-bit (scale, min) x 8 | 128 B nibbles
+//   Q5_K (256 w, 176 B): as Q4_K, with 32 B of fifth bits before the nibbles
+//     w = d * scale_s * q - dmin * min_s for sub-block s = w / 32; nibbles of sub-blocks 2c and
+//     2c + 1 share bytes 32c..32c+31 (low, high); Q5_K's fifth bit of weight l of s is bit s of
+//     byte l % 32.
+//   Q6_K (256 w, 210 B): 128 B low nibbles | 64 B 2-bit highs | 16 int8 scales | f16 d
+//     w = d * scale * (q - 32), 16 weights per scale; see decode8 below for the interleave.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIP__)
+#define FT_GGUF_HD __host__ __device__ __forceinline__
+#define FT_GGUF_UNROLL _Pragma("unroll")
+#else
+#define FT_GGUF_HD inline
+#define FT_GGUF_UNROLL
+#endif
+
+namespace freetoken {
+namespace gguf {
+
+// GGML type ids (gguf.GGMLQuantizationType values).
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+template <int QT>
+struct Block;
+template <>
+struct Block<kQ4_0> { static constexpr int kWeights = 32, kBytes = 18; };
+template <>
+struct Block<kQ4_1> { static constexpr int kWeights = 32, kBytes = 20; };
+template <>
+struct Block<kQ8_0> { static constexpr int kWeights = 32, kBytes = 34; };
+template <>
+struct Block<kQ4_K> { static constexpr int kWeights = 256, kBytes = 144; };
+template <>
+struct Block<kQ5_K> { static constexpr int kWeights = 256, kBytes = 176; };
+template <>
+struct Block<kQ6_K> { static constexpr int kWeights = 256, kBytes = 210; };
+
+/*! \brief (weights, bytes) of a block of `qtype`; (0, 0) for a type this header does not read. */
+FT_GGUF_HD void block_shape(int qtype, int* weights, int* bytes) {
+  switch (qtype) {
+    case kQ4_0: *weights = 32; *bytes = 18; return;
+    case kQ4_1: *weights = 32; *bytes = 20; return;
+    case kQ8_0: *weights = 32; *bytes = 34; return;
+    case kQ4_K: *weights = 256; *bytes = 144; return;
+    case kQ5_K: *weights = 256; *bytes = 176; return;
+    case kQ6_K: *weights = 256; *bytes = 210; return;
+    default: *weights = 0; *bytes = 0;
+  }
+}
+
+// IEEE half -> float by bit manipulation: the same code on host and device (no intrinsics, so
+// the host test checks exactly what the GPU computes). Subnormals are exact; inf/nan kept.
+FT_GGUF_HD float half_bits_to_float(uint32_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1Fu) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {
+    // subnormal or zero: man * 2^-24, exact in float
+    float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  union { uint32_t u; float f; } cvt{bits};
+  return cvt.f;
+}
+
+FT_GGUF_HD float half_at(const uint8_t* p) {
+  return half_bits_to_float(static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8));
+}
+
+/*! \brief The 6-bit (scale, min) pair of sub-block s (0..7) of a Q4_K / Q5_K block. */
+FT_GGUF_HD void scale_min_k4(const uint8_t* q, int s, int* sc, int* mn) {
+  if (s < 4) {
+    *sc = q[s] & 63;
+    *mn = q[s + 4] & 63;
+  } else {
+    *sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4);
+    *mn = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+  }
+}
+
+/*! \brief out[0..8) = weights 8g..8g+7 of the block at `blk` (g < Block<QT>::kWeights / 8). */
+template <int QT>
+FT_GGUF_HD void decode8(const uint8_t* blk, int g, float* out) {
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const float d = half_at(blk);
+    const float m = QT == kQ4_1 ? half_at(blk + 2) : -8.f * d;
+    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2) + (g & 1) * 8;
+    const int shift = (g >> 1) * 4;
+FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) out[i] = d * static_cast<float>((qs[i] >> shift) & 0xF) + m;
+  } else if constexpr (QT == kQ8_0) {
+    const float d = half_at(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2) + g * 8;
+FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) out[i] = d * static_cast<float>(q[i]);
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const int s = g >> 2, l0 = (g & 3) * 8;
+    int sc, mn;
+    scale_min_k4(blk + 4, s, &sc, &mn);
+    const float d = half_at(blk) * static_cast<float>(sc);
+    const float m = half_at(blk + 2) * static_cast<float>(mn);
+    const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + (s >> 1) * 32 + l0;
+    const int shift = (s & 1) * 4;
+FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      int q = (qs[i] >> shift) & 0xF;
+      if constexpr (QT == kQ5_K) q += ((blk[16 + l0 + i] >> s) & 1) << 4;
+      out[i] = d * static_cast<float>(q) - m;
+    }
+  } else if constexpr (QT == kQ6_K) {
+    // weight e = 128h + 32j + l (j 0..3, l 0..31): low nibble from byte 64h + 32(j&1) + l
+    // (high half when j >= 2), two high bits from byte 128 + 32h + l at bit 2j, scale
+    // 8h + l/16 + 2j.
+    const int e0 = g * 8, h = e0 >> 7, j = (e0 >> 5) & 3, l0 = e0 & 31;
+    const uint8_t* ql = blk + 64 * h + 32 * (j & 1) + l0;
+    const uint8_t* qh = blk + 128 + 32 * h + l0;
+    const int8_t sc = static_cast<int8_t>(blk[192 + 8 * h + (l0 >> 4) + 2 * j]);
+    const float d = half_at(blk + 208) * static_cast<float>(sc);
+    const int lshift = (j >> 1) * 4, hshift = 2 * j;
+FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      int q = ((ql[i] >> lshift) & 0xF) | (((qh[i] >> hshift) & 3) << 4);
+      out[i] = d * static_cast<float>(q - 32);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dot products (the GEMV)
+// dot32 folds the scales out of the sum: per 32-weight unit, sum(q * x) in float, then one
+// scale and one offset times sum(x). Quants are read 4 at a time as 32-bit words (every field
+// offset of these blocks is even, so two 16-bit loads make a word) and turned into floats
+// exactly: on NVIDIA GPUs by placing the byte in the mantissa of 2^23 (one byte permute and one
+// subtract, instead of a slower integer conversion).
+
+FT_GGUF_HD uint32_t load_u32(const uint8_t* p) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  return static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+#else
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+#endif
+}
+
+/*! \brief Byte b (0..3) of v as a float (0..255, exact). */
+template <int B>
+FT_GGUF_HD float byte_float(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7540 | B)) - 8388608.f;
+#else
+  return static_cast<float>((v >> (8 * B)) & 0xFFu);
+#endif
+}
+
+FT_GGUF_HD float dot4(uint32_t v, const float* x, float acc) {
+  acc += byte_float<0>(v) * x[0];
+  acc += byte_float<1>(v) * x[1];
+  acc += byte_float<2>(v) * x[2];
+  acc += byte_float<3>(v) * x[3];
+  return acc;
+}
+
+/*!
+ * \brief sum over the 32 weights of unit u of the block (u < Block<QT>::kWeights / 32) times
+ * x[0..32); xlo / xhi are the sums of x[0..16) and x[16..32).
+ */
+template <int QT>
+FT_GGUF_HD float dot32(const uint8_t* blk, int u, const float* x, float xlo, float xhi) {
+  float s = 0.f;
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = load_u32(qs + 4 * j);
+      s = dot4(v & 0x0F0F0F0Fu, x + 4 * j, s);
+      s = dot4((v >> 4) & 0x0F0F0F0Fu, x + 16 + 4 * j, s);
+    }
+    const float d = half_at(blk);
+    return QT == kQ4_1 ? d * s + half_at(blk + 2) * (xlo + xhi) : d * (s - 8.f * (xlo + xhi));
+  } else if constexpr (QT == kQ8_0) {
+    // int8 q read as q + 128 (flipping the sign bit), the 128 taken back with sum(x)
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 8; ++j) s = dot4(load_u32(blk + 2 + 4 * j) ^ 0x80808080u, x + 4 * j, s);
+    return half_at(blk) * (s - 128.f * (xlo + xhi));
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    int sc, mn;
+    scale_min_k4(blk + 4, u, &sc, &mn);
+    const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + (u >> 1) * 32;
+    const int shift = (u & 1) * 4;
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      uint32_t v = (load_u32(qs + 4 * j) >> shift) & 0x0F0F0F0Fu;
+      if constexpr (QT == kQ5_K) v |= ((load_u32(blk + 16 + 4 * j) >> u) & 0x01010101u) << 4;
+      s = dot4(v, x + 4 * j, s);
+    }
+    return half_at(blk) * static_cast<float>(sc) * s -
+           half_at(blk + 2) * static_cast<float>(mn) * (xlo + xhi);
+  } else {  // Q6_K: unit u = 4h + j covers weights 128h + 32j + l (decode8's layout)
+    const int h = u >> 2, j = u & 3;
+    const uint8_t* ql = blk + 64 * h + 32 * (j & 1);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const int lshift = (j >> 1) * 4, hshift = 2 * j;
+    float s1 = 0.f;
+    FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = ((load_u32(ql + 4 * i) >> lshift) & 0x0F0F0F0Fu) |
+                         (((load_u32(qh + 4 * i) >> hshift) & 0x03030303u) << 4);
+      if (i < 4) {
+        s = dot4(v, x + 4 * i, s);
+      } else {
+        s1 = dot4(v, x + 4 * i, s1);
+      }
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + 2 * j);
+    return half_at(blk + 208) * (static_cast<float>(sc[0]) * (s - 32.f * xlo) +
+                                 static_cast<float>(sc[1]) * (s1 - 32.f * xhi));
+  }
+}
+
+/*! \brief dot32 by run-time type (the host test's entry point); 0 for an unknown type. */
+inline float dot32_any(const uint8_t* blk, int qtype, int u, const float* x) {
+  float xlo = 0.f, xhi = 0.f;
+  for (int i = 0; i < 16; ++i) {
+    xlo += x[i];
+    xhi += x[16 + i];
+  }
+  switch (qtype) {
+    case kQ4_0: return dot32<kQ4_0>(blk, u, x, xlo, xhi);
+    case kQ4_1: return dot32<kQ4_1>(blk, u, x, xlo, xhi);
+    case kQ8_0: return dot32<kQ8_0>(blk, u, x, xlo, xhi);
+    case kQ4_K: return dot32<kQ4_K>(blk, u, x, xlo, xhi);
+    case kQ5_K: return dot32<kQ5_K>(blk, u, x, xlo, xhi);
+    case kQ6_K: return dot32<kQ6_K>(blk, u, x, xlo, xhi);
+    default: return 0.f;
+  }
+}
+
+/*! \brief Weights [0, n) of a row of blocks of `qtype` into out (n a multiple of the block's
+ * weights); false for a type this header does not read. The host test's entry point. */
+inline bool dequantize_row(const uint8_t* row, int qtype, int64_t n, float* out) {
+  int weights, bytes;
+  block_shape(qtype, &weights, &bytes);
+  if (weights == 0 || n % weights != 0) return false;
+  for (int64_t b = 0; b < n / weights; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    for (int g = 0; g < weights / 8; ++g) {
+      float* o = out + b * weights + g * 8;
+      switch (qtype) {
+        case kQ4_0: decode8<kQ4_0>(blk, g, o); break;
+        case kQ4_1: decode8<kQ4_1>(blk, g, o); break;
+        case kQ8_0: decode8<kQ8_0>(blk, g, o); break;
+        case kQ4_K: decode8<kQ4_K>(blk, g, o); break;
+        case kQ5_K: decode8<kQ5_K>(blk, g, o); break;
+        default: decode8<kQ6_K>(blk, g, o); break;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace gguf
+}  // namespace freetoken
