@@ -75,3 +75,19 @@ def moe_ops(monkeypatch):
         for name in MOE_OPS:
             monkeypatch.setattr(ops, name, getattr(reference, name))
     yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A `needs_weights` test whose model cannot be fetched (no route to the package index, as
+    on an offline GPU machine) is reported skipped with the reason, not failed."""
+    outcome = yield
+    if call.excinfo is None or item.get_closest_marker("needs_weights") is None:
+        return
+    from freetoken.models.errors import ModelDownloadError
+
+    if call.excinfo.errisinstance(ModelDownloadError):
+        report = outcome.get_result()
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0,
+                           f"Skipped: model weights unavailable: {call.excinfo.value}")
