@@ -145,6 +145,15 @@ KERNELS: tuple[Kernel, ...] = (
         rocm=True,
         doc="MoE routing (softmax top-k) and routed expert MLPs (SwiGLU)",
     ),
+    Kernel(
+        name="gdn",
+        functions=("gdn_conv1d", "gdn_recurrence"),
+        cpu=("cpu/gdn.cc",),
+        cuda=("cuda/gdn.cu",),
+        rocm=True,
+        doc="Gated DeltaNet: short causal conv1d and the gated delta-rule recurrence over "
+            "per-sequence state slots (prefill chunks and decode)",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
