@@ -206,8 +206,10 @@ def assert_logits_close(ours, expected: torch.Tensor, config, kv_dtype: str | No
                      terms=config.num_layers, msg=msg)
         return
     width = config.hidden_size + config.intermediate_size
-    if config.linear is not None:   # GDN: conv taps, k^T S / q^T S over the state, out_proj
-        width += config.linear.conv_dim + config.linear.value_dim
+    if config.linear is not None:
+        # GDN: conv taps and out_proj, and a state that sums dk-wide products over the context
+        lin = config.linear
+        width += lin.conv_dim + lin.value_dim + lin.head_k_dim * config.max_position
     assert_close(ours, expected, torch.float32, terms=width * config.num_layers, msg=msg)
 
 
