@@ -12,6 +12,7 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.kv_pool import PagePool, pages_for
 from freetoken.engine.prefix_cache import extend_keys, root_key
 from freetoken.engine.request import Request, RequestStatus
+from freetoken.engine.state_pool import StateSlots
 
 
 @dataclass
@@ -37,9 +38,13 @@ class Scheduler:
     its pages are freed and it goes back to the head of the queue to be recomputed later.
     """
 
-    def __init__(self, config: EngineConfig, pool: PagePool, model_id: str = ""):
+    def __init__(self, config: EngineConfig, pool: PagePool, model_id: str = "",
+                 states: StateSlots | None = None):
         self.config = config
         self.pool = pool
+        # hybrid models: a recurrent-state slot per running sequence; a GDN layer cannot resume
+        # from cached KV pages alone, so their prompts are recomputed from the start
+        self.states = states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -116,6 +121,8 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
+        if self.states is not None:
+            request.state_slot = self.states.allocate()
         if request.cached_tokens is None:  # first admission (not a recompute after preemption)
             request.cached_tokens = min(request.num_computed, request.prompt_len)
             self.cache_queried_tokens += request.prompt_len
@@ -125,7 +132,7 @@ class Scheduler:
     def _match(self, request: Request) -> None:
         """Start the request from the cached pages of its longest cached prefix. The last
         token is never taken from the cache: its forward gives the logits to sample from."""
-        if self.root is None or request.pages:
+        if self.root is None or request.pages or self.states is not None:
             return
         keys = extend_keys(request.page_keys, request.token_ids, len(request.token_ids) - 1,
                            self.pool.block_size, self.root)
@@ -154,3 +161,6 @@ class Scheduler:
         self.pool.free(reversed(request.pages))  # tail first: it is evicted before the head
         request.pages = []
         request.num_computed = request.num_published = 0
+        if request.state_slot >= 0:
+            self.states.free(request.state_slot)
+            request.state_slot = -1

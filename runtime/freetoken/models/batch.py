@@ -46,7 +46,8 @@ class KVCache:
     `num_state_slots` = N sequences at once (one slot per running sequence)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: str,
-                 arrays: HostArrays | TorchArrays, num_state_slots: int = 0):
+                 arrays: HostArrays | TorchArrays, num_state_slots: int = 0,
+                 state_dtype: str | None = None):
         slots = num_blocks * block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.num_blocks = num_blocks
@@ -63,8 +64,8 @@ class KVCache:
 
         self.k = [alloc() for _ in config.kv_layers]
         self.v = [alloc() for _ in config.kv_layers]
-        if config.linear is not None:
-            self._add_states(config, dtype, arrays)
+        if config.linear is not None:   # conv states hold activations: the model's dtype
+            self._add_states(config, state_dtype or dtype, arrays)
 
     def _add_states(self, config: ModelConfig, dtype: str,
                     arrays: HostArrays | TorchArrays) -> None:
