@@ -56,3 +56,16 @@ def test_hybrid_engine_matches_transformers(prefix_cache, tmp_path, moe_ops):
     assert got == expected
     assert stats["state_slots_used"] == 0
     assert stats["state_bytes_per_slot"] == 3 * loaded.config.linear.state_bytes(4)
+
+
+def test_state_pool_shows_in_metrics():
+    from freetoken.engine.engine import model_stats
+    from freetoken.models.config import ModelConfig
+    from freetoken.server.metrics import Metrics
+
+    config = ModelConfig("llama", 10, 8, 16, 1, 2, 2, 4, 1e-6, 1e4, 32)
+    stats = {"kv_occupancy": 0.0, "running": 1, "waiting": 0, **model_stats(config),
+             "state_slots_used": 1, "state_slots_total": 4, "state_bytes_total": 4096}
+    text = Metrics(lambda: stats).render()[0].decode()
+    assert "freetoken_state_slots_total 4.0" in text
+    assert "freetoken_state_bytes_total 4096.0" in text
