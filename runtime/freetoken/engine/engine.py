@@ -21,6 +21,7 @@ from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, Req
 from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
+from freetoken.engine.state_snapshots import StateSnapshots
 from freetoken.engine.stream import RequestStream
 from freetoken.models.batch import ForwardBatch, KVCache
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from freetoken.models.config import GenerationDefaults
 
 logger = logging.getLogger("freetoken.engine")
+# Recurrent-state snapshots kept per state slot (hybrid models with the prefix cache on): room
+# for the latest turn of every running conversation and one as many again.
+SNAPSHOTS_PER_SLOT = 2
 
 
 class EngineDead(RuntimeError):
@@ -70,6 +74,11 @@ class Engine:
                           state_dtype=model.dtype)
         self.scheduler = Scheduler(self.config, self.pool,
                                    f"{model_id}|{model.config!r}|{self.kv_dtype}", self.states)
+        if self.states is not None and self.config.prefix_cache:
+            self.scheduler.snapshots = StateSnapshots(
+                self.kv, [i for i in range(model.config.num_layers)
+                          if model.config.is_linear(i)],
+                SNAPSHOTS_PER_SLOT * self.states.num_slots, self.arrays)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
         self.graphs = None
@@ -202,6 +211,7 @@ class Engine:
                 "kv_pages_cached": self.pool.num_cached,
                 "kv_pages_idle": self.pool.num_idle,
                 **(self.states.stats() if self.states else {}),
+                **(self.scheduler.snapshots.stats() if self.scheduler.snapshots else {}),
                 **self._counters,
             }
         defaults = self.generation_defaults
