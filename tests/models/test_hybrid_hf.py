@@ -55,7 +55,7 @@ def import_hub_kernels() -> None:
             sys.modules["kernels"] = saved_module
 
 
-def build_hybrid(arch: str, directory, seed: int = 0):
+def build_hybrid(arch: str, directory, seed: int = 0, **overrides):
     """Save a random float32 model of `arch` with a tokenizer; return the HF model."""
     import transformers
 
@@ -63,7 +63,8 @@ def build_hybrid(arch: str, directory, seed: int = 0):
     config_name, model_name, extra = SETTINGS[arch]
     vocab = write_byte_bpe(directory)
     torch.manual_seed(seed)
-    config = getattr(transformers, config_name)(vocab_size=vocab, **COMMON, **extra)
+    config = getattr(transformers, config_name)(vocab_size=vocab,
+                                                **{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     _perturb(model, seed)
