@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
   float s[ROWS][kColsPerWarp];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 v{0.f, 0.f, 0.f, 0.f};
     if (active && !fresh) v = *reinterpret_cast<const float4*>(st + (lane + r * kWarp) * p.dv + col0);
     s[r][0] = v.x, s[r][1] = v.y, s[r][2] = v.z, s[r][3] = v.w;
   }
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     *reinterpret_cast<float4*>(st + (lane + r * kWarp) * p.dv + col0) =
-        make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+        float4{s[r][0], s[r][1], s[r][2], s[r][3]};
   }
 }
 
