@@ -53,7 +53,8 @@ def gated_attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
 def _gdn_projection(read: _Reader, cfg: ModelConfig, p: str) -> Array:
     """[q | k | v | z | b | a] rows of the GDN input projection, as one matrix."""
     lin, h = cfg.linear, cfg.hidden_size
-    if read.src.get(p + "gdn.qkvz") is None:
+    fused = read.src.get(p + "gdn.qkvz")
+    if fused is None:
         return _cat([read.required(p + "gdn.qkv", (lin.conv_dim, h)),
                      read.required(p + "gdn.z", (lin.value_dim, h)),
                      read.required(p + "gdn.b", (lin.num_v_heads, h)),
@@ -61,7 +62,7 @@ def _gdn_projection(read: _Reader, cfg: ModelConfig, p: str) -> Array:
     hk, dk = lin.num_k_heads, lin.head_k_dim
     group_v = lin.value_dim // hk          # the value columns that share one key head
     r = lin.num_v_heads // hk
-    qkvz = read.required(p + "gdn.qkvz", (lin.conv_dim + lin.value_dim, h))
+    qkvz = read.check(p + "gdn.qkvz", fused, (lin.conv_dim + lin.value_dim, h))
     qkvz = qkvz.reshape(hk, 2 * dk + 2 * group_v, h)
     ba = read.required(p + "gdn.ba", (2 * lin.num_v_heads, h)).reshape(hk, 2 * r, h)
     bounds = [0, dk, 2 * dk, 2 * dk + group_v, 2 * dk + 2 * group_v]
