@@ -67,7 +67,9 @@ def test_hybrid_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops):
     from freetoken.engine.request import SamplingParams
     from freetoken.models.loader import load_model
 
-    build_hybrid("qwen3_next", tmp_path, seed=2)
+    # the GPU recurrence takes key heads of 64, 128 or 256
+    build_hybrid("qwen3_next", tmp_path, seed=2, head_dim=64, linear_key_head_dim=64,
+                 linear_value_head_dim=32)
     loaded = load_model(str(tmp_path), device="cuda")
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()
