@@ -153,6 +153,15 @@ KERNELS: tuple[Kernel, ...] = (
         doc="GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks in VRAM: decode GEMV, prefill GEMM, "
             "row gather",
     ),
+    Kernel(
+        name="gdn",
+        functions=("gdn_conv1d", "gdn_recurrence"),
+        cpu=("cpu/gdn.cc",),
+        cuda=("cuda/gdn.cu",),
+        rocm=True,
+        doc="Gated DeltaNet: short causal conv1d and the gated delta-rule recurrence over "
+            "per-sequence state slots (prefill chunks and decode)",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -141,8 +141,9 @@ class PagedRunner:
     def __init__(self, model, num_blocks: int = 32, block_size: int = 16, seed: int = 0,
                  kv_dtype: str | None = None):
         self.model, self.block_size = model, block_size
+        # hybrid models: sequence id s keeps its recurrent state in slot s
         self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype,
-                          model.arrays)
+                          model.arrays, num_state_slots=8)
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free = order.tolist()
         self.pages: dict[int, list[int]] = {}
@@ -184,7 +185,8 @@ class PagedRunner:
             input_ids=longs(ids), positions=longs(positions), slot_mapping=longs(slots),
             block_tables=ints(tables), seq_lens=ints([self.lengths[s] for s, _ in chunks]),
             query_start_loc=ints(starts), logits_indices=longs(last),
-            max_query_len=max(len(t) for _, t in chunks))
+            max_query_len=max(len(t) for _, t in chunks),
+            state_slots=ints([s for s, _ in chunks]) if self.kv.num_state_slots else None)
         return torch.as_tensor(self.model.forward(batch, self.kv))
 
 
@@ -203,8 +205,12 @@ def assert_logits_close(ours, expected: torch.Tensor, config, kv_dtype: str | No
         assert_close(ours, expected, torch.float32, compute=torch.float16,
                      terms=config.num_layers, msg=msg)
         return
-    terms = (config.hidden_size + config.intermediate_size) * config.num_layers
-    assert_close(ours, expected, torch.float32, terms=terms, msg=msg)
+    width = config.hidden_size + config.intermediate_size
+    if config.linear is not None:
+        # GDN: conv taps and out_proj, and a state that sums dk-wide products over the context
+        lin = config.linear
+        width += lin.conv_dim + lin.value_dim + lin.head_k_dim * config.max_position
+    assert_close(ours, expected, torch.float32, terms=width * config.num_layers, msg=msg)
 
 
 def assert_inverse_frequencies_close(ours, expected: torch.Tensor) -> None:

@@ -19,9 +19,10 @@ def test_every_supported_name_resolves():
                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert arch in names
     assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
-                                  "mixtral", "olmoe"}
+                                  "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe"}
     with pytest.raises(UnsupportedModelError,
-                       match="'falcon'.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe"):
+                       match="'falcon'.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, "
+                             "qwen3, qwen3_5_moe"):
         spec_for_gguf("falcon", "x.gguf")
     # llama.cpp writes Mixtral as `llama` with experts
     assert spec_for_gguf("llama", "x.gguf", has_experts=True).name == "mixtral"
@@ -82,10 +83,11 @@ def test_gguf_reader_names_missing_keys():
 
 
 def test_every_canonical_part_has_a_name_in_each_format():
-    from freetoken.models.registry import (GGUF_LAYER, HF_EXPERTS_STACKED, HF_LAYER,
+    from freetoken.models.registry import (GDN_PARTS, GGUF_LAYER, HF_EXPERTS_STACKED, HF_LAYER,
                                            LAYER_PARTS)
 
-    assert set(GGUF_LAYER) == set(LAYER_PARTS)
+    # hybrid (Gated DeltaNet) models are read from HF safetensors only
+    assert set(GGUF_LAYER) == set(LAYER_PARTS) - set(GDN_PARTS)
     experts = {"experts." + proj for proj in HF_EXPERTS_STACKED}
     assert set(HF_LAYER) | experts == set(LAYER_PARTS)
 

@@ -35,6 +35,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        # hybrid models: recurrent-state slots; -1 (padding) makes the GDN kernels skip a row
+        self.state_slots = (torch.full((n,), -1, dtype=torch.int32, device=dev)
+                            if kv.num_state_slots else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -43,7 +46,9 @@ class DecodeGraphs:
         return ForwardBatch(self.input_ids[:size], self.positions[:size],
                             self.slot_mapping[:size], self.block_tables[:size],
                             self.seq_lens[:size], self.query_start_loc[:size + 1],
-                            self.logits_indices[:size], max_query_len=1)
+                            self.logits_indices[:size], max_query_len=1,
+                            state_slots=None if self.state_slots is None
+                            else self.state_slots[:size])
 
     def capture(self) -> DecodeGraphs:
         start = time.perf_counter()
@@ -78,6 +83,9 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(batch.slot_mapping, non_blocking=True)
         self.block_tables[:b, :width].copy_(batch.block_tables, non_blocking=True)
         self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:b].copy_(batch.state_slots, non_blocking=True)
+            self.state_slots[b:size].fill_(-1)
         if size > b:
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)

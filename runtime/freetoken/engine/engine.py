@@ -20,6 +20,8 @@ from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, Req
                                       SamplingParams)
 from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
+from freetoken.engine.state_pool import StateSlots
+from freetoken.engine.state_snapshots import StateSnapshots
 from freetoken.engine.stream import RequestStream
 from freetoken.models.batch import ForwardBatch, KVCache
 
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from freetoken.models.config import GenerationDefaults
 
 logger = logging.getLogger("freetoken.engine")
+# Recurrent-state snapshots kept per state slot (hybrid models with the prefix cache on): room
+# for the latest turn of every running conversation and one as many again.
+SNAPSHOTS_PER_SLOT = 2
 
 
 class EngineDead(RuntimeError):
@@ -59,10 +64,21 @@ class Engine:
         self.arrays = model.arrays
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.arrays.device.is_cpu,
                                          model.dtype)
+        self.states = None
+        if getattr(model.config, "linear", None) is not None:
+            self.states = StateSlots(self.config.max_num_seqs, KVCache.bytes_per_state_slot(
+                model.config, model.dtype))
         self.kv = KVCache(model.config, self.config.num_blocks, self.config.block_size,
-                          self.kv_dtype, self.arrays)
+                          self.kv_dtype, self.arrays,
+                          num_state_slots=self.states.num_slots if self.states else 0,
+                          state_dtype=model.dtype)
         self.scheduler = Scheduler(self.config, self.pool,
-                                   f"{model_id}|{model.config!r}|{self.kv_dtype}")
+                                   f"{model_id}|{model.config!r}|{self.kv_dtype}", self.states)
+        if self.states is not None and self.config.prefix_cache:
+            self.scheduler.snapshots = StateSnapshots(
+                self.kv, [i for i in range(model.config.num_layers)
+                          if model.config.is_linear(i)],
+                SNAPSHOTS_PER_SLOT * self.states.num_slots, self.arrays)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
         self.graphs = None
@@ -194,6 +210,8 @@ class Engine:
                 "prefix_cache_evictions": self.pool.num_evictions,
                 "kv_pages_cached": self.pool.num_cached,
                 "kv_pages_idle": self.pool.num_idle,
+                **(self.states.stats() if self.states else {}),
+                **(self.scheduler.snapshots.stats() if self.scheduler.snapshots else {}),
                 **self._counters,
             }
         defaults = self.generation_defaults
@@ -246,7 +264,7 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if plan:
                     return plan, prepare_forward_batch(plan, self.pool.block_size,
-                                                       self.arrays)
+                                                       self.arrays, self.states is not None)
                 self._cond.wait(0.01)  # NOTE: nothing fits yet; not expected to happen
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:

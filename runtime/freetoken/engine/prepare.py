@@ -12,7 +12,8 @@ from freetoken.models.batch import ForwardBatch
 
 
 def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
-                          arrays: HostArrays | TorchArrays) -> ForwardBatch:
+                          arrays: HostArrays | TorchArrays,
+                          with_states: bool = False) -> ForwardBatch:
     """Flatten the plan's chunks into one batch; sequence b's new tokens are its chunk.
 
     Token t at position p of a sequence with pages P is stored at slot
@@ -41,7 +42,8 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
     num_tokens, num_seqs = len(input_ids), len(plan)
     wide = arrays.index(np.array(input_ids + positions + slots + [s - 1 for s in starts[1:]],
                                  dtype=np.int64))
-    narrow = arrays.index(np.array(tables + seq_lens + starts, dtype=np.int32))
+    states = [chunk.request.state_slot for chunk in plan] if with_states else []
+    narrow = arrays.index(np.array(tables + seq_lens + starts + states, dtype=np.int32))
     table_end = num_seqs * max_blocks
     return ForwardBatch(
         input_ids=wide[:num_tokens],
@@ -49,7 +51,8 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
         slot_mapping=wide[2 * num_tokens:3 * num_tokens],
         block_tables=narrow[:table_end].reshape(num_seqs, max_blocks),
         seq_lens=narrow[table_end:table_end + num_seqs],
-        query_start_loc=narrow[table_end + num_seqs:],
+        query_start_loc=narrow[table_end + num_seqs:table_end + 2 * num_seqs + 1],
         logits_indices=wide[3 * num_tokens:],
         max_query_len=max(chunk.num_tokens for chunk in plan),
+        state_slots=narrow[table_end + 2 * num_seqs + 1:] if with_states else None,
     )

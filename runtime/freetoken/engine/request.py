@@ -175,6 +175,7 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of full pages
     num_published: int = 0           # leading pages already offered to the prefix cache
     cached_tokens: int | None = None  # prompt tokens reused at first admission
+    state_slot: int = -1             # hybrid models: its recurrent-state slot while running
 
     @property
     def num_output(self) -> int:

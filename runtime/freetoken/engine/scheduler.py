@@ -12,6 +12,8 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.kv_pool import PagePool, pages_for
 from freetoken.engine.prefix_cache import extend_keys, root_key
 from freetoken.engine.request import Request, RequestStatus
+from freetoken.engine.state_pool import StateSlots
+from freetoken.engine.state_snapshots import StateSnapshots
 
 
 @dataclass
@@ -37,9 +39,14 @@ class Scheduler:
     its pages are freed and it goes back to the head of the queue to be recomputed later.
     """
 
-    def __init__(self, config: EngineConfig, pool: PagePool, model_id: str = ""):
+    def __init__(self, config: EngineConfig, pool: PagePool, model_id: str = "",
+                 states: StateSlots | None = None):
         self.config = config
         self.pool = pool
+        # hybrid models: a recurrent-state slot per running sequence; a GDN layer cannot resume
+        # from cached KV pages alone, only from a state snapshot (else: recompute from start)
+        self.states = states
+        self.snapshots: StateSnapshots | None = None   # set by the engine with the prefix cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,7 +81,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             want = request.num_pending
-            size = 1 if want == 1 else min(want, budget)
+            size = 1 if want == 1 else self._clip(request, min(want, budget))
             if size == 0 or not self._reserve(request, request.num_computed + size):
                 continue
             plan.append(ScheduledChunk(request, size))
@@ -98,6 +105,23 @@ class Scheduler:
         for j in range(request.num_published, full):
             self.pool.publish(request.pages[j], keys[j])
         request.num_published = max(request.num_published, full)
+        point = self._snapshot_point(request)
+        if point and request.num_computed == point:
+            self.snapshots.save(keys[point // self.pool.block_size - 1], request.state_slot)
+
+    def _snapshot_point(self, request: Request) -> int:
+        """Tokens after which a hybrid request's states are snapshotted: the prompt's last
+        full page (the last prompt token is never cached: its logits are sampled); 0 = none."""
+        if self.snapshots is None:
+            return 0
+        return (request.prompt_len - 1) // self.pool.block_size * self.pool.block_size
+
+    def _clip(self, request: Request, size: int) -> int:
+        """A prefill chunk cut to end at the snapshot point when it would run past it."""
+        point = self._snapshot_point(request)
+        if request.num_computed < point < request.num_computed + size:
+            return point - request.num_computed
+        return size
 
     def owned_pages(self) -> list[list[int]]:
         return [r.pages for r in self.running]
@@ -105,7 +129,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Admit the head of the queue with its first chunk; the chunk's size, 0 if it waits."""
         self._match(request)
-        size = min(request.num_pending, budget)
+        size = self._clip(request, min(request.num_pending, budget))
         end = request.num_computed + size
         # Keep one spare page per running sequence so admitting does not force a preemption
         # on the very next decode step.
@@ -116,6 +140,11 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
+        if self.states is not None:
+            request.state_slot = self.states.allocate()
+            if request.num_computed:     # resumed at a snapshot (see _match)
+                page = request.num_computed // self.pool.block_size
+                self.snapshots.restore(request.page_keys[page - 1], request.state_slot)
         if request.cached_tokens is None:  # first admission (not a recompute after preemption)
             request.cached_tokens = min(request.num_computed, request.prompt_len)
             self.cache_queried_tokens += request.prompt_len
@@ -130,6 +159,12 @@ class Scheduler:
         keys = extend_keys(request.page_keys, request.token_ids, len(request.token_ids) - 1,
                            self.pool.block_size, self.root)
         request.pages = self.pool.match(keys)
+        if self.states is not None:   # only as far as the latest state snapshot
+            keep = len(request.pages)
+            while keep and (self.snapshots is None or not self.snapshots.has(keys[keep - 1])):
+                keep -= 1
+            self.pool.free(reversed(request.pages[keep:]))
+            del request.pages[keep:]
         request.num_computed = len(request.pages) * self.pool.block_size
         request.num_published = len(request.pages)
 
@@ -154,3 +189,6 @@ class Scheduler:
         self.pool.free(reversed(request.pages))  # tail first: it is evicted before the head
         request.pages = []
         request.num_computed = request.num_published = 0
+        if request.state_slot >= 0:
+            self.states.free(request.state_slot)
+            request.state_slot = -1

@@ -242,3 +242,31 @@ def moe_experts_quant(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2:
     Q4_0 (2), Q4_1 (3), Q8_0 (8) (H and I multiples of 32), F16 (1), BF16 (30) or F32 (0)."""
     get_function("moe", "moe_experts_quant", "cpu")(
         out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
+
+
+def gdn_conv1d(out: torch.Tensor, x: torch.Tensor, conv_state: torch.Tensor,
+               weight: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+               state_slots: torch.Tensor) -> None:
+    """Gated DeltaNet's short causal conv: out[t, c] = silu(sum_j weight[c, j] *
+    x[t - K + 1 + j, c]) per sequence, the K-1 inputs before a chunk read from
+    conv_state[state_slots[b]] (zeros when the sequence's first new token is at position 0),
+    which then holds the last K-1 inputs. out [T, C]; x [T, C] (rows may be strided);
+    conv_state [N, C, K-1] and weight [C, K] of x's dtype; positions int64 [T];
+    query_start_loc int32 [B+1]; state_slots int32 [B] (on the GPU a slot outside [0, N) is
+    skipped). Prefill chunks and decode steps alike; no allocation (CUDA-graph safe)."""
+    _fn("gdn_conv1d", x.device)(out, x, conv_state, weight, positions, query_start_loc,
+                                state_slots)
+
+
+def gdn_recurrence(out: torch.Tensor, qkv: torch.Tensor, ba: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                   positions: torch.Tensor, query_start_loc: torch.Tensor,
+                   state_slots: torch.Tensor) -> None:
+    """The gated delta rule per value head h (key head h // (Hv / Hk)), token by token:
+    q, k L2-normed (eps 1e-6), q scaled by dk^-0.5; beta = sigmoid(b); g = -exp(A_log) *
+    softplus(a + dt_bias); S = exp(g) S; S += k (beta (v - k^T S))^T; out = q^T S.
+    out [T, Hv*dv]; qkv [T, 2*Hk*dk + Hv*dv] (the conv output: q, k, v columns); ba [T, 2*Hv]
+    (b then a; rows may be strided); a_log, dt_bias f32 [Hv]; ssm_state f32 [N, Hv, dk, dv],
+    per slot as in gdn_conv1d. GPU: dk in {64, 128, 256}, dv a multiple of 4."""
+    _fn("gdn_recurrence", qkv.device)(out, qkv, ba, a_log, dt_bias, ssm_state, positions,
+                                      query_start_loc, state_slots)

@@ -27,6 +27,7 @@ class ForwardBatch:
     query_start_loc: Array  # int32 [B+1]
     logits_indices: Array   # int64 [B]  rows of T whose logits are returned (last tokens)
     max_query_len: int = 1         # host-side hint: 1 means a pure decode step
+    state_slots: Array | None = None   # int32 [B] hybrid models: recurrent-state slot per seq
 
     @property
     def num_tokens(self) -> int:
@@ -38,14 +39,20 @@ class ForwardBatch:
 
 
 class KVCache:
-    """Per-layer K and V pools of `num_blocks * block_size` slots: [S, Hk, D] each."""
+    """Per-layer K and V pools of `num_blocks * block_size` slots: [S, Hk, D] each.
+
+    A hybrid model's GDN layers keep no K/V: their k entry is the conv state [N, C, K-1]
+    (activation dtype) and their v entry the delta-rule state f32 [N, Hv, dk, dv], for
+    `num_state_slots` = N sequences at once (one slot per running sequence)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: str,
-                 arrays: HostArrays | TorchArrays):
+                 arrays: HostArrays | TorchArrays, num_state_slots: int = 0,
+                 state_dtype: str | None = None):
         slots = num_blocks * block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_state_slots = num_state_slots if config.linear is not None else 0
         # Attention reads only slots written earlier, so the CPU pool is left uninitialised:
         # the OS maps its pages on first write (fast start, RSS grows with use). CUDA graphs
         # may read padding slots, which must hold finite values: zero them there.
@@ -55,8 +62,29 @@ class KVCache:
                 pool.zero_()
             return pool
 
-        self.k = [alloc() for _ in range(config.num_layers)]
-        self.v = [alloc() for _ in range(config.num_layers)]
+        self.k = [alloc() for _ in config.kv_layers]
+        self.v = [alloc() for _ in config.kv_layers]
+        if config.linear is not None:   # conv states hold activations: the model's dtype
+            self._add_states(config, state_dtype or dtype, arrays)
+
+    def _add_states(self, config: ModelConfig, dtype: str,
+                    arrays: HostArrays | TorchArrays) -> None:
+        """Interleave the GDN layers' states into k/v at their layer index (zeroed: a state
+        is read only after a sequence's first chunk wrote it, but graph padding may not be)."""
+        lin, n = config.linear, max(self.num_state_slots, 1)
+        k, v = iter(self.k), iter(self.v)
+        self.k, self.v = [], []
+        for layer in range(config.num_layers):
+            if not config.is_linear(layer):
+                self.k.append(next(k))
+                self.v.append(next(v))
+                continue
+            conv = arrays.empty((n, lin.conv_dim, lin.conv_kernel - 1), dtype)
+            ssm = arrays.empty((n, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim), "float32")
+            conv[...] = 0
+            ssm[...] = 0
+            self.k.append(conv)
+            self.v.append(ssm)
 
     @property
     def num_slots(self) -> int:
@@ -65,4 +93,12 @@ class KVCache:
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: str) -> int:
         item = 4 if dtype == "float32" else 2
-        return 2 * config.num_layers * config.kv_size * item
+        return 2 * len(config.kv_layers) * config.kv_size * item
+
+    @staticmethod
+    def bytes_per_state_slot(config: ModelConfig, dtype: str) -> int:
+        """Recurrent state of one sequence over every GDN layer (0 without GDN layers)."""
+        if config.linear is None:
+            return 0
+        item = 4 if dtype == "float32" else 2
+        return sum(config.linear_layers) * config.linear.state_bytes(item)

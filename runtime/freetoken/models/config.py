@@ -23,6 +23,46 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5/3.6)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int                   # taps of the short causal convolution over q, k, v
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def projection_size(self) -> int:
+        """Rows of the fused input projection: q, k, v, then z (output gate), b and a."""
+        return self.conv_dim + self.value_dim + 2 * self.num_v_heads
+
+    def params(self, hidden_size: int) -> int:
+        """Weights of one GDN token mixer (projections, conv, decay parameters, norm)."""
+        return (hidden_size * self.projection_size + self.conv_dim * self.conv_kernel
+                + 2 * self.num_v_heads + self.head_v_dim + self.value_dim * hidden_size)
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Recurrent state of one sequence in one layer: conv inputs (activation dtype) and
+        the f32 delta-rule state."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * itemsize
+        return conv + 4 * self.num_v_heads * self.head_k_dim * self.head_v_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder's shape; filled from config.json or GGUF metadata."""
 
@@ -48,6 +88,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None       # None: a dense MLP in every layer
+    linear: LinearAttentionConfig | None = None   # hybrid models: their GDN layers' shape
+    linear_layers: tuple[bool, ...] = ()   # per layer: True = GDN, False (or empty) = attention
+    attn_output_gate: bool = False     # q_proj doubled: attention output * sigmoid(gate)
+    norm_offset: bool = False          # RMSNorms scale by (1 + w) (folded in at load)
+
+    def is_linear(self, layer: int) -> bool:
+        """True when `layer` is a Gated DeltaNet layer (no KV cache, a recurrent state)."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged pool."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
 
     def is_sparse(self, layer: int) -> bool:
         """True when `layer` routes its MLP through experts."""
@@ -73,8 +126,13 @@ class ModelConfig:
         norms = {"head": 2 * self.head_dim, "full": self.q_size + self.kv_size}
         attn += norms.get(self.qk_norm or "", 0)
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        if self.attn_output_gate:
+            attn += h * self.q_size
         for layer in range(self.num_layers):
-            total += attn + self._mlp_params(layer)
+            mixer = attn
+            if self.is_linear(layer):
+                mixer = self.linear.params(h) + 2 * h
+            total += mixer + self._mlp_params(layer)
         return total
 
     def _mlp_params(self, layer: int) -> int:

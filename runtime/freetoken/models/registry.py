@@ -25,7 +25,11 @@ DENSE_MLP_PARTS = ("gate", "up", "down")
 # experts.* are stacked [E, rows, cols] per layer, whatever the checkpoint's layout.
 MOE_PARTS = ("router", "experts.gate", "experts.up", "experts.down", "shared.gate",
              "shared.up", "shared.down", "shared_gate")
-LAYER_PARTS = ATTENTION_PARTS + DENSE_MLP_PARTS + MOE_PARTS
+# Gated DeltaNet (linear attention) layers: qwen3_next fuses the projections per key head
+# (gdn.qkvz, gdn.ba), qwen3_5 keeps them apart (gdn.qkv, gdn.z, gdn.b, gdn.a).
+GDN_PARTS = ("gdn.qkvz", "gdn.ba", "gdn.qkv", "gdn.z", "gdn.b", "gdn.a", "gdn.conv",
+             "gdn.dt_bias", "gdn.A_log", "gdn.norm", "gdn.out")
+LAYER_PARTS = ATTENTION_PARTS + DENSE_MLP_PARTS + MOE_PARTS + GDN_PARTS
 
 HF_GLOBAL = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
              "lm_head": "lm_head.weight"}
@@ -42,7 +46,15 @@ HF_LAYER = {  # under model.layers.{i}.; "{moe}" is the sparse block's module na
     "shared.up": "{moe}.shared_expert.up_proj.weight",
     "shared.down": "{moe}.shared_expert.down_proj.weight",
     "shared_gate": "{moe}.shared_expert_gate.weight",
+    "gdn.qkvz": "linear_attn.in_proj_qkvz.weight", "gdn.ba": "linear_attn.in_proj_ba.weight",
+    "gdn.qkv": "linear_attn.in_proj_qkv.weight", "gdn.z": "linear_attn.in_proj_z.weight",
+    "gdn.b": "linear_attn.in_proj_b.weight", "gdn.a": "linear_attn.in_proj_a.weight",
+    "gdn.conv": "linear_attn.conv1d.weight", "gdn.dt_bias": "linear_attn.dt_bias",
+    "gdn.A_log": "linear_attn.A_log", "gdn.norm": "linear_attn.norm.weight",
+    "gdn.out": "linear_attn.out_proj.weight",
 }
+# Multimodal checkpoints keep the text model under this prefix instead of "model."
+HF_TEXT_PREFIXES = ("model.language_model.",)
 # The three ways HF checkpoints store routed experts, tried in this order.
 HF_EXPERTS_FUSED = {"gate_up": "{moe}.experts.gate_up_proj", "down": "{moe}.experts.down_proj"}
 HF_EXPERTS_STACKED = {"gate": "{moe}.experts.gate_proj", "up": "{moe}.experts.up_proj",
@@ -89,6 +101,19 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class HybridSpec:
+    """Gated DeltaNet layers between gated full-attention ones (Qwen3-Next, Qwen3.5/3.6).
+
+    The layer pattern comes from config.json (layer_types, or full_attention_interval); full
+    attention layers double q_proj into query + a sigmoid output gate; RMSNorms scale by
+    (1 + w) except the GDN output norm."""
+
+    gdn_layout: str = "split"                # "qkvz": fused per key head (qwen3_next)
+    partial_rotary_factor: float = 0.25      # when config.json does not say
+    text_config: bool = False                # config.json may nest the text model's keys
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """One architecture: its names, its blocks, and its checkpoint quirks."""
 
@@ -98,6 +123,7 @@ class ArchSpec:
     attention: AttentionSpec = field(default_factory=AttentionSpec)
     moe: MoESpec | None = None               # None: a dense SwiGLU MLP in every layer
     gguf_permuted_qk: bool = False           # llama.cpp's converter interleaved the q/k rows
+    hybrid: HybridSpec | None = None         # None: full attention in every layer
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -122,6 +148,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                  gguf_permuted_qk=True),
         ArchSpec("olmoe", ("OlmoeForCausalLM",), ("olmoe",), AttentionSpec(qk_norm="full"),
                  MoESpec(hf_intermediate="intermediate_size")),
+        ArchSpec("qwen3_next", ("Qwen3NextForCausalLM",), (), AttentionSpec(qk_norm="head"),
+                 MoESpec(sparse_step=True, shared_expert=True),
+                 hybrid=HybridSpec(gdn_layout="qkvz")),
+        ArchSpec("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+                 (), AttentionSpec(qk_norm="head"),
+                 MoESpec(shared_expert=True, renormalize=True),
+                 hybrid=HybridSpec(text_config=True)),
     )
 }
 

@@ -18,6 +18,13 @@ MODEL_GAUGES = {
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+STATE_GAUGES = {
+    "state_slots_used": "Recurrent-state slots held by running sequences (hybrid models)",
+    "state_slots_total": "Recurrent-state slots in the pool (hybrid models)",
+    "state_bytes_total": "Bytes of the recurrent-state pool (hybrid models)",
+}
+
+
 class Metrics:
     """Counters and histograms the routes feed; `render()` is the /metrics body."""
 
@@ -46,6 +53,9 @@ class Metrics:
                              registry=registry)
         self.model = {key: Gauge(f"freetoken_model_{key}", help_text, registry=registry)
                       for key, help_text in MODEL_GAUGES.items()}
+        # hybrid models: the recurrent-state pool beside the KV pool (0 for other models)
+        self.states = {key: Gauge(f"freetoken_{key}", help_text, registry=registry)
+                       for key, help_text in STATE_GAUGES.items()}
         registry.register(PrefixCacheCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
@@ -57,6 +67,8 @@ class Metrics:
         self.waiting.set(stats["waiting"])
         for key, gauge in self.model.items():
             gauge.set(stats[key])
+        for key, gauge in self.states.items():
+            gauge.set(stats.get(key, 0))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def timer(self) -> RequestTimer:

@@ -17,8 +17,8 @@ from freetoken.models.checkpoint.hf_config import config_from_hf
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.errors import ModelFormatError
 from freetoken.models.registry import (HF_EXPERTS_FUSED, HF_EXPERTS_PER_EXPERT,
-                                       HF_EXPERTS_STACKED, HF_GLOBAL, HF_LAYER, ArchSpec,
-                                       spec_for_hf)
+                                       HF_EXPERTS_STACKED, HF_GLOBAL, HF_LAYER,
+                                       HF_TEXT_PREFIXES, ArchSpec, spec_for_hf)
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -51,6 +51,9 @@ class HFTensors:
         modules = moe.hf_modules if moe else ("mlp",)
         self._moe = next((m for m in modules if any(f".{m}.gate." in n for n in self._file_of)),
                          modules[0])
+        # a multimodal checkpoint keeps the text model under its own prefix
+        self._prefix = next((p for p in HF_TEXT_PREFIXES
+                             if f"{p}embed_tokens.weight" in self._file_of), "model.")
 
     def _open(self, file: Path):
         from safetensors import SafetensorError, safe_open
@@ -77,11 +80,14 @@ class HFTensors:
         return {name: f for f in files for name in self._open(f).keys()}
 
     def _layer_name(self, index: str, part: str) -> str:
-        return f"model.layers.{index}." + HF_LAYER[part].format(moe=self._moe)
+        return f"{self._prefix}layers.{index}." + HF_LAYER[part].format(moe=self._moe)
 
     def file_name(self, name: str) -> str:
         if not name.startswith("layers."):
-            return HF_GLOBAL.get(name, name)
+            hf_name = HF_GLOBAL.get(name, name)
+            if hf_name.startswith("model."):
+                return self._prefix + hf_name[len("model."):]
+            return hf_name
         _, index, part = name.split(".", 2)
         if not part.startswith("experts."):
             return self._layer_name(index, part)
@@ -90,7 +96,7 @@ class HFTensors:
         return " or ".join(dict.fromkeys(layouts))
 
     def _expert_names(self, index: str, proj: str, layout: str) -> str:
-        prefix = f"model.layers.{index}."
+        prefix = f"{self._prefix}layers.{index}."
         if layout == "fused":
             key = "gate_up" if proj in ("gate", "up") else "down"
             return prefix + HF_EXPERTS_FUSED[key].format(moe=self._moe)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken.models.config import ModelConfig, MoEConfig
+from freetoken.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.registry import HF_NUM_EXPERTS_KEYS, ArchSpec, MoESpec, spec_for_hf
+from freetoken.models.registry import (HF_NUM_EXPERTS_KEYS, ArchSpec, HybridSpec, MoESpec,
+                                       spec_for_hf)
 
 # quantization_config methods this build runs: none yet (weights must be bf16/fp16/fp32).
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
@@ -123,9 +124,49 @@ def _attention_bias(cfg: dict[str, Any], spec: ArchSpec) -> bool:
     return spec.attention.bias if key is None else bool(cfg.get(key, spec.attention.bias))
 
 
+def _text_keys(cfg: dict[str, Any], hybrid: HybridSpec | None) -> dict[str, Any]:
+    """config.json with a multimodal model's text_config lifted to the top level."""
+    text = cfg.get("text_config")
+    if hybrid is None or not hybrid.text_config or not isinstance(text, dict):
+        return cfg
+    return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}}
+
+
+def _hybrid_from_hf(cfg: dict[str, Any], hybrid: HybridSpec | None, layers: int,
+                    source: str) -> dict[str, Any]:
+    """The ModelConfig fields of a hybrid model: its GDN shape and layer pattern."""
+    if hybrid is None:
+        return {}
+    types = cfg.get("layer_types")
+    if not types:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if len(types) != layers or unknown:
+        raise ModelFormatError(f"{source}: layer_types must list {layers} entries of "
+                               f"full_attention / linear_attention (got {len(types)}, unknown "
+                               f"{unknown})")
+    linear = LinearAttentionConfig(
+        num_k_heads=int(require(cfg, "linear_num_key_heads", source)),
+        num_v_heads=int(require(cfg, "linear_num_value_heads", source)),
+        head_k_dim=int(require(cfg, "linear_key_head_dim", source)),
+        head_v_dim=int(require(cfg, "linear_value_head_dim", source)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4))
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ModelFormatError(f"{source}: linear_num_value_heads must be a multiple of "
+                               f"linear_num_key_heads")
+    return {"linear": linear, "linear_layers": tuple(t == "linear_attention" for t in types),
+            "attn_output_gate": True, "norm_offset": True}
+
+
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     """A ``ModelConfig`` from a parsed config.json."""
     spec = spec_for_hf(cfg, source)
+    cfg = _text_keys(cfg, spec.hybrid)
+    if spec.hybrid is not None and "partial_rotary_factor" not in {
+            **cfg, **(cfg.get("rope_parameters") or {})}:
+        cfg = {**cfg, "partial_rotary_factor": spec.hybrid.partial_rotary_factor}
     _check_supported(cfg, source)
     hidden = int(require(cfg, "hidden_size", source))
     heads = int(require(cfg, "num_attention_heads", source))
@@ -135,11 +176,15 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     moe = None if spec.moe is None else _moe_from_hf(cfg, spec.moe, layers, source)
+    # qwen3_5_moe has no dense MLP, hence no intermediate_size: the shared expert's stands in
+    inter_key = "intermediate_size"
+    if spec.hybrid is not None and cfg.get(inter_key) is None:
+        inter_key = "shared_expert_intermediate_size"
     return ModelConfig(
         architecture=spec.name,
         vocab_size=int(require(cfg, "vocab_size", source)),
         hidden_size=hidden,
-        intermediate_size=int(require(cfg, "intermediate_size", source)),
+        intermediate_size=int(require(cfg, inter_key, source)),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -156,4 +201,5 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         moe=moe,
+        **_hybrid_from_hf(cfg, spec.hybrid, layers, source),
     )

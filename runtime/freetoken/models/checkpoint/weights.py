@@ -244,6 +244,10 @@ def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
 
 
 def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
+    if cfg.linear is not None:
+        from freetoken.models.checkpoint.hybrid_weights import hybrid_layer
+
+        return hybrid_layer(read, cfg, i)
     p = f"layers.{i}."
     w = _attention(read, cfg, p)
     if cfg.is_sparse(i):
@@ -265,10 +269,15 @@ def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
     if freqs is not None and _shape(freqs) != (rot // 2,):
         raise ModelFormatError(f"{src.source}: tensor {src.file_name('rope_freqs')!r} has shape "
                                f"{list(_shape(freqs))}, expected [{rot // 2}]")
+    final_norm = read.required("final_norm", (cfg.hidden_size,))
+    if cfg.norm_offset:
+        from freetoken.models.checkpoint.hybrid_weights import plus_one
+
+        final_norm = plus_one(final_norm)
     return DecoderWeights(
         embed=embed,
         layers=[_layer(read, cfg, i) for i in range(cfg.num_layers)],
-        final_norm=read.required("final_norm", (cfg.hidden_size,)),
+        final_norm=final_norm,
         lm_head=embed if head is None else head,
         rope_freq_factors=None if freqs is None else HostArrays().place(freqs, "float32"),
     )

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from freetoken.arrays import array_view, is_torch
 from freetoken.models.batch import Array, ForwardBatch
 from freetoken.models.checkpoint.weights import LayerWeights
 from freetoken.models.config import ModelConfig
@@ -31,6 +34,8 @@ class AttentionBlock:
         self.head_dim, self.is_neox = cfg.head_dim, cfg.rope_is_neox
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
+        # hybrid models: the attention output times sigmoid(x @ o_gate) before o
+        self.gate = make_linear(w["o_gate"]) if "o_gate" in w else None
 
     def _norm_qk(self, w: WorkViews) -> None:
         """In place: each row is read before it is written."""
@@ -47,6 +52,8 @@ class AttentionBlock:
         """x holds the layer's normed input; on return, the normed input of its MLP."""
         ops = self.ops
         self.qkv(w.qkv, x)
+        if self.gate is not None:
+            self.gate(w.attn_gate, x)
         w.split_qkv()
         self._norm_qk(w)
         ops.rotary_embedding(batch.positions, w.q, w.k, self.rope, self.head_dim, self.is_neox)
@@ -54,5 +61,18 @@ class AttentionBlock:
         ops.paged_attention(w.attn3, w.q3, k_cache, v_cache, batch.block_tables,
                             batch.seq_lens, batch.query_start_loc, block_size, self.scale,
                             self.window, *ops.attn_extra)
+        if self.gate is not None:
+            mul_sigmoid(array_view(w.attn), array_view(w.attn_gate))
         self.o(x, w.attn)
         ops.fused_add_rms_norm(x, w.residual, self.post_norm, self.eps)
+
+
+def mul_sigmoid(out: Array, gate: Array) -> None:
+    """out *= sigmoid(gate), in place; gate is overwritten on the CPU."""
+    if is_torch(out):
+        out.mul_(gate.sigmoid())
+        return
+    np.negative(gate, out=gate)
+    np.exp(gate, out=gate)
+    gate += 1.0
+    out /= gate

@@ -15,6 +15,7 @@ from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward.attention import AttentionBlock
+from freetoken.models.forward.gdn import GatedDeltaNetBlock
 from freetoken.models.forward.linear import make_linear
 from freetoken.models.forward.mlp import DenseMLP, MoEMLP
 from freetoken.models.forward.rope import cos_sin_cache
@@ -23,6 +24,7 @@ from freetoken.models.forward.workspace import Workspace, WorkViews
 _OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv", "paged_attention",
         "silu_and_mul")
 _MOE_OPS = ("moe_topk_softmax", "moe_experts")
+_GDN_OPS = ("gdn_conv1d", "gdn_recurrence")
 
 
 class Kernels:
@@ -33,6 +35,7 @@ class Kernels:
         device = arrays.device
         names = _OPS + (_MOE_OPS if cfg.moe is not None else ())
         names += ("moe_experts_quant",) if quantized_experts else ()
+        names += _GDN_OPS if cfg.linear is not None else ()
         for name in names:
             setattr(self, name, ops.bind(name, device))
         quant_embed = "dequantize_rows" if device.is_cpu else "gguf_dequantize_rows"
@@ -49,7 +52,10 @@ class DecoderLayer:
     def __init__(self, w: LayerWeights, next_norm: Array, cfg: ModelConfig, index: int,
                  rope: Array, kernels: Kernels, arrays: HostArrays | TorchArrays):
         self.ops = kernels
-        self.attn = AttentionBlock(w, cfg, rope, kernels)
+        if cfg.is_linear(index):
+            self.attn = GatedDeltaNetBlock(w, cfg, kernels)
+        else:
+            self.attn = AttentionBlock(w, cfg, rope, kernels)
         if cfg.is_sparse(index):
             self.mlp = MoEMLP(w, cfg, kernels, arrays)
         else:
@@ -118,7 +124,8 @@ class Decoder:
         arg = self._k.arg
         batch = dataclasses.replace(batch, **{f.name: arg(getattr(batch, f.name))
                                               for f in dataclasses.fields(batch)
-                                              if f.name != "max_query_len"})
+                                              if f.name != "max_query_len"
+                                              and getattr(batch, f.name) is not None})
         w = self._workspace.views(batch.num_tokens)
         self._embed_into(w.residual, batch.input_ids)
         self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)

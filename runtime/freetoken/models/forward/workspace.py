@@ -26,6 +26,8 @@ class WorkViews:
     the next layer reads it), router_logits [T, E], topk_weights f32 / topk_ids int32 [T, K],
     moe_workspace (uint8 scratch of the experts kernel) and, with a shared expert,
     shared_gate_up [T, 2Is], shared_act [T, Is], shared_out [T, hidden], shared_gate [T, 1].
+    Hybrid models add attn_gate [T, Hq*D] (the attention output gate) and, for their GDN
+    layers, gdn_in [T, projection], gdn_conv [T, conv channels], gdn_core [T, Hv*dv].
     Every public field is a kernel argument (``arrays.kernel_arg``); ``split_qkv`` copies
     between the arrays it kept aside.
     """
@@ -98,6 +100,11 @@ class Workspace:
                   "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
         if self.copy_qk:
             widths.update(q=c.q_size, k=c.kv_size)
+        if c.attn_output_gate:
+            widths.update(attn_gate=c.q_size)
+        if c.linear is not None:   # GDN: input projection, conv output, recurrence output
+            widths.update(gdn_in=c.linear.projection_size, gdn_conv=c.linear.conv_dim,
+                          gdn_core=c.linear.value_dim)
         self._bufs = {name: self.arrays.empty((n, width), self.dtype)
                       for name, width in widths.items()}
         if c.moe is not None:

@@ -1,0 +1,38 @@
+"""Recurrent-state slots of a hybrid model's Gated DeltaNet layers: one slot per running
+sequence, beside the paged KV pool. The states themselves live in the KVCache (the GDN layers'
+k/v entries); this allocator only hands out their indices. Not thread-safe: the engine calls it
+under its lock, through the scheduler (allocated at admission, freed at finish or preemption).
+"""
+
+from __future__ import annotations
+
+
+class StateSlots:
+    """Slot ids 0..num_slots-1; as many as the engine runs sequences at once (max_num_seqs),
+    so an admitted sequence always finds one."""
+
+    def __init__(self, num_slots: int, bytes_per_slot: int):
+        if num_slots < 1:
+            raise ValueError(f"a state pool needs >= 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.bytes_per_slot = bytes_per_slot
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:   # the scheduler admits at most max_num_seqs == num_slots sequences
+            raise RuntimeError(f"all {self.num_slots} recurrent-state slots are in use")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise RuntimeError(f"state slot {slot} freed twice or out of range")
+        self._free.append(slot)
+
+    def stats(self) -> dict[str, int]:
+        return {"state_slots_used": self.num_used, "state_slots_total": self.num_slots,
+                "state_bytes_per_slot": self.bytes_per_slot,
+                "state_bytes_total": self.bytes_per_slot * self.num_slots}

@@ -1,0 +1,48 @@
+"""The recurrent-state slot allocator and the bounded snapshot store, on host arrays."""
+
+import numpy as np
+import pytest
+
+from freetoken.arrays import HostArrays
+from freetoken.engine.state_pool import StateSlots
+from freetoken.engine.state_snapshots import StateSnapshots
+
+
+class FakeKV:
+    """Two GDN layers (0 and 2) between which layer 1 keeps K/V (never touched here)."""
+
+    def __init__(self, slots):
+        self.k = [np.zeros((slots, 3, 2), np.float32), None, np.zeros((slots, 3, 2), np.float32)]
+        self.v = [np.zeros((slots, 2, 2, 2), np.float32), None,
+                  np.zeros((slots, 2, 2, 2), np.float32)]
+
+
+def test_slots_are_handed_out_once_and_returned():
+    slots = StateSlots(2, bytes_per_slot=100)
+    a, b = slots.allocate(), slots.allocate()
+    assert {a, b} == {0, 1} and slots.num_used == 2
+    with pytest.raises(RuntimeError, match="all 2"):
+        slots.allocate()
+    slots.free(a)
+    with pytest.raises(RuntimeError, match="twice"):
+        slots.free(a)
+    assert slots.allocate() == a
+    assert slots.stats()["state_bytes_total"] == 200
+
+
+def test_snapshots_copy_states_and_evict_the_least_recently_used():
+    kv = FakeKV(2)
+    store = StateSnapshots(kv, [0, 2], capacity=2, arrays=HostArrays())
+    for i, key in enumerate((b"a", b"b")):
+        kv.k[0][0], kv.v[2][0] = i + 1, 10 * (i + 1)
+        store.save(key, 0)
+    store.restore(b"a", 1)                  # a becomes the most recently used
+    assert kv.k[0][1].max() == 1 and kv.v[2][1].max() == 10
+    kv.k[0][0] = 3
+    store.save(b"c", 0)                     # evicts b, the least recently used
+    assert store.has(b"a") and store.has(b"c") and not store.has(b"b")
+    kv.k[0][0] = 0                          # a snapshot is a copy, not a view
+    store.restore(b"c", 1)
+    assert kv.k[0][1].max() == 3
+    assert store.stats()["state_snapshots"] == 2
+    assert store.stats()["state_snapshot_bytes"] == 2 * 2 * (3 * 2 + 8) * 4
