@@ -97,7 +97,8 @@ class ModelConfig:
 class QuantWeight:
     """A GGUF-quantized matrix kept as its raw blocks: one weight row per `data` row."""
 
-    qtype: int                 # GGML type id (Q4_0=2, Q4_1=3, Q8_0=8)
+    qtype: int                 # GGML type id (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12,
+                               # Q5_K=13, Q6_K=14)
     data: Any                  # numpy uint8 [..., rows, row_bytes]
     shape: tuple[int, ...]     # logical [..., rows, cols]: (out_features, in_features), with
                                # a leading expert axis for stacked experts
