@@ -103,14 +103,15 @@ def test_rotary_embedding(dtype, is_neox, rot, t):
         assert torch.equal(untouched, randn(t, (hq + 2 * hk) * d, dtype=dtype, seed=9).view(t, -1, d)[:, :hq, rot:])
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,d", [(1, 1536), (3, 100), (17, 64), (2, 5), (1, 1539)])
-def test_silu_and_mul(dtype, t, d):
+def test_gated_activations(op, dtype, t, d):
     x = randn(t, 2 * d, dtype=dtype, seed=10, scale=4.0)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)  # saturating ends of exp
     out, want = torch.empty(t, d, dtype=dtype), torch.empty(t, d, dtype=dtype)
-    ops.silu_and_mul(out, x)
-    ref.silu_and_mul(want, x)
+    getattr(ops, op)(out, x)
+    getattr(ref, op)(want, x)
     close(out, want, dtype)
 
 

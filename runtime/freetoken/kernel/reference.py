@@ -47,6 +47,13 @@ def silu_and_mul(out, x):
     out.copy_((torch.nn.functional.silu(xf[..., :d]) * xf[..., d:]).to(out.dtype))
 
 
+def gelu_tanh_and_mul(out, x):
+    d = x.shape[-1] // 2
+    xf = x.float()
+    gate = torch.nn.functional.gelu(xf[..., :d], approximate="tanh")
+    out.copy_((gate * xf[..., d:]).to(out.dtype))
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     keep = slot_mapping >= 0
     k_cache[slot_mapping[keep]] = k[keep].to(k_cache.dtype)

@@ -51,6 +51,11 @@ class HFTensors:
         modules = moe.hf_modules if moe else ("mlp",)
         self._moe = next((m for m in modules if any(f".{m}.gate." in n for n in self._file_of)),
                          modules[0])
+        gemma = spec.gemma
+        self._layer_names = {**HF_LAYER, **dict(gemma.hf_layer_names if gemma else ())}
+        # Gemma's RMSNorm multiplies by (1 + w): the 1 is added once here, so every norm kernel
+        # scales by its weight as for the other families
+        self._norm_offset = gemma.hf_norm_offset if gemma else 0.0
 
     def _open(self, file: Path):
         from safetensors import SafetensorError, safe_open
@@ -77,7 +82,7 @@ class HFTensors:
         return {name: f for f in files for name in self._open(f).keys()}
 
     def _layer_name(self, index: str, part: str) -> str:
-        return f"model.layers.{index}." + HF_LAYER[part].format(moe=self._moe)
+        return f"model.layers.{index}." + self._layer_names[part].format(moe=self._moe)
 
     def file_name(self, name: str) -> str:
         if not name.startswith("layers."):
@@ -112,7 +117,10 @@ class HFTensors:
         if ".experts." in name:
             _, index, part = name.split(".", 2)
             return self._experts(index, part[8:])
-        return self._tensor(self.file_name(name))
+        tensor = self._tensor(self.file_name(name))
+        if tensor is not None and self._norm_offset and name.endswith("norm"):
+            tensor = tensor.float() + self._norm_offset
+        return tensor
 
     def _experts(self, index: str, proj: str) -> torch.Tensor | None:
         """[E, rows, cols] for one projection of every expert, from whichever layout exists."""

@@ -171,6 +171,9 @@ def _attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
          "qkv": read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))]),
          "o": read.required(p + "o", (h, qs)),
          "post_norm": read.required(p + "post_norm", (h,))}
+    if cfg.block_out_norms:
+        w["attn_out_norm"] = read.required(p + "attn_out_norm", (h,))
+        w["mlp_out_norm"] = read.required(p + "mlp_out_norm", (h,))
     if cfg.attention_bias:
         w["qkv_bias"] = _concat([read.required(p + "q_bias", (qs,)),
                                  read.required(p + "k_bias", (kvs,)),
