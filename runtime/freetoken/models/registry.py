@@ -38,6 +38,9 @@ HF_LAYER = {  # under model.layers.{i}.; "{moe}" is the sparse block's module na
     "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight", "o": "self_attn.o_proj.weight",
     "post_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weight",
+    # gemma3 only (which calls the norm in front of its MLP pre_feedforward_layernorm)
+    "attn_out_norm": "post_attention_layernorm.weight",
+    "mlp_out_norm": "post_feedforward_layernorm.weight",
     "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
     "router": "{moe}.gate.weight",
     "shared.gate": "{moe}.shared_expert.gate_proj.weight",
@@ -103,9 +106,7 @@ class GemmaSpec:
     GELU (tanh), each block's output is normed, and chat turns end with <end_of_turn>."""
 
     hf_layer_names: tuple[tuple[str, str], ...] = (
-        ("attn_out_norm", "post_attention_layernorm.weight"),
-        ("post_norm", "pre_feedforward_layernorm.weight"),
-        ("mlp_out_norm", "post_feedforward_layernorm.weight"))
+        ("post_norm", "pre_feedforward_layernorm.weight"),)
     hf_norm_offset: float = 1.0
     gguf_end_of_turn: str = "<end_of_turn>"
 
