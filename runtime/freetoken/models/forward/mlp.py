@@ -29,7 +29,7 @@ class DenseMLP:
     when `gelu` (gemma3)."""
 
     def __init__(self, gate_up: Weight, down: Weight, kernels: Kernels, gelu: bool = False):
-        self.silu_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
+        self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
         self.gate_up = make_linear(gate_up)
         self.down = make_linear(down)
 
@@ -39,7 +39,7 @@ class DenseMLP:
 
     def into(self, out: Array, x: Array, gate_up: Array, act: Array) -> None:
         self.gate_up(gate_up, x)
-        self.silu_and_mul(act, gate_up)
+        self.act_and_mul(act, gate_up)
         self.down(out, act)
 
 
