@@ -178,3 +178,36 @@ def test_ft_serve_answers_a_chat_request(path, ours):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_logits_close_to_transformers(path, reference):
+    """On a GPU the file is dequantized to bf16 at load: each step's logits must be about as
+    close to transformers' float32 result as transformers' own bf16 forward is, and greedy
+    tokens agree wherever the float32 top-2 gap exceeds twice that bf16 deviation."""
+    from freetoken.models.loader import load_model
+    from tests.tolerances import EPS
+
+    model, _ = reference
+    hf32 = model.to("cuda")
+    hf16 = type(model)(model.config).to("cuda", torch.bfloat16).eval()
+    hf16.load_state_dict(hf32.state_dict())
+    hf16.tie_weights()
+    loaded = load_model(str(path), device="cuda")
+    runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
+    tokens = prompt_ids(loaded, PROMPTS[0])
+    ours = runner.step([(0, tokens)])[0]
+    for _ in range(8):
+        with torch.no_grad():
+            ref = hf32(torch.tensor([tokens], device="cuda")).logits[0, -1].float()
+            ref16 = hf16(torch.tensor([tokens], device="cuda")).logits[0, -1].float()
+        rel = lambda a: ((a.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+        assert rel(ours) < max(2.0 * rel(ref16), 2 * EPS["bfloat16"]), (rel(ours), rel(ref16))
+        top2, noise = ref.topk(2).values, (ref16 - ref).abs().max()
+        nxt = int(ref.argmax())
+        if (top2[0] - top2[1]) > 2 * noise:
+            assert int(ours.argmax()) == nxt
+        tokens.append(nxt)
+        ours = runner.step([(0, [nxt])])[0]
+    model.to("cpu")
