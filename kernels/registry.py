@@ -91,11 +91,11 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="activation",
-        functions=("silu_and_mul",),
+        functions=("silu_and_mul", "gelu_tanh_and_mul"),
         cpu=("cpu/activation.cc",),
         cuda=("cuda/activation.cu",),
         rocm=True,
-        doc="SiLU(gate) * up over a [.., 2*d] input",
+        doc="SiLU(gate) * up or GELU-tanh(gate) * up over a [.., 2*d] input",
     ),
     Kernel(
         name="kv_cache",

@@ -1,4 +1,4 @@
-// GGUF Q4_0 / Q4_1 / Q8_0 matrix product on the CPU with runtime ISA dispatch in one library:
+// GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrix product on the CPU with runtime ISA dispatch in one library:
 // AVX-512 VNNI, AVX2 or portable scalar, chosen once from the CPU's features.
 //
 // out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 per 32-block
@@ -21,7 +21,7 @@ struct MatmulShape {
 MatmulShape check_matmul(const TensorView& out, const TensorView& x, const TensorView& qweight,
                          int64_t qtype) {
   TVM_FFI_ICHECK(block_bytes(qtype) > 0)
-      << "qtype " << qtype << " is not supported: use Q4_0 (2), Q4_1 (3) or Q8_0 (8)";
+      << "qtype " << qtype << " is not supported: use " << kSupportedTypes;
   check_contiguous(x, "x");
   check_contiguous(out, "out");
   check_contiguous(qweight, "qweight");
@@ -32,10 +32,12 @@ MatmulShape check_matmul(const TensorView& out, const TensorView& x, const Tenso
   check_ndim(out, 2, "out");
   check_ndim(qweight, 2, "qweight");
   MatmulShape s{x.size(0), x.size(1), qweight.size(0), qweight.size(1)};
-  TVM_FFI_ICHECK(s.k % kBlock == 0) << "x's last dim (K = " << s.k << ") must be a multiple of 32";
-  TVM_FFI_ICHECK(s.row_bytes == s.k / kBlock * block_bytes(qtype))
+  TVM_FFI_ICHECK(s.k % block_weights(qtype) == 0)
+      << "x's last dim (K = " << s.k << ") must be a multiple of " << block_weights(qtype)
+      << " for qtype " << qtype;
+  TVM_FFI_ICHECK(s.row_bytes == row_bytes_of(qtype, s.k))
       << "qweight rows hold " << s.row_bytes << " bytes but K = " << s.k << " needs "
-      << s.k / kBlock * block_bytes(qtype) << " for qtype " << qtype;
+      << row_bytes_of(qtype, s.k) << " for qtype " << qtype;
   TVM_FFI_ICHECK(out.size(0) == s.m && out.size(1) == s.n)
       << "out must be [" << s.m << ", " << s.n << "] (x rows, qweight rows)";
   return s;
@@ -91,7 +93,7 @@ void quant_matmul_isa(TensorView out, TensorView x, TensorView qweight, int64_t 
 
 void dequantize_rows(TensorView out, TensorView ids, TensorView qweight, int64_t qtype) {
   TVM_FFI_ICHECK(block_bytes(qtype) > 0)
-      << "qtype " << qtype << " is not supported: use Q4_0 (2), Q4_1 (3) or Q8_0 (8)";
+      << "qtype " << qtype << " is not supported: use " << kSupportedTypes;
   check_contiguous(ids, "ids");
   check_dtype(ids, kDLInt, 64, "ids", "int64");
   check_ndim(ids, 1, "ids");
@@ -102,7 +104,7 @@ void dequantize_rows(TensorView out, TensorView ids, TensorView qweight, int64_t
   check_dtype(out, kDLFloat, 32, "out", "float32");
   check_ndim(out, 2, "out");
   const int64_t rows = qweight.size(0), row_bytes = qweight.size(1), t = ids.size(0);
-  const int64_t blocks = row_bytes / block_bytes(qtype);
+  const int64_t blocks = row_bytes / block_bytes(qtype) * (block_weights(qtype) / kBlock);
   TVM_FFI_ICHECK(row_bytes % block_bytes(qtype) == 0)
       << "qweight rows (" << row_bytes << " bytes) are not whole blocks of qtype " << qtype;
   TVM_FFI_ICHECK(out.size(0) == t && out.size(1) == blocks * kBlock)
@@ -116,8 +118,7 @@ void dequantize_rows(TensorView out, TensorView ids, TensorView qweight, int64_t
   float* op = data_of<float>(out);
   for (int64_t i = 0; i < t; ++i) {
     for (int64_t b = 0; b < blocks; ++b) {
-      dequantize_block(wp + idp[i] * row_bytes + b * block_bytes(qtype), qtype,
-                       op + (i * blocks + b) * kBlock);
+      dequantize_block(wp + idp[i] * row_bytes, qtype, b, op + (i * blocks + b) * kBlock);
     }
   }
 }

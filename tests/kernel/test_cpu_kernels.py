@@ -103,14 +103,15 @@ def test_rotary_embedding(dtype, is_neox, rot, t):
         assert torch.equal(untouched, randn(t, (hq + 2 * hk) * d, dtype=dtype, seed=9).view(t, -1, d)[:, :hq, rot:])
 
 
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,d", [(1, 1536), (3, 100), (17, 64), (2, 5), (1, 1539)])
-def test_silu_and_mul(dtype, t, d):
+def test_gated_activations(op, dtype, t, d):
     x = randn(t, 2 * d, dtype=dtype, seed=10, scale=4.0)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)  # saturating ends of exp
     out, want = torch.empty(t, d, dtype=dtype), torch.empty(t, d, dtype=dtype)
-    ops.silu_and_mul(out, x)
-    ref.silu_and_mul(want, x)
+    getattr(ops, op)(out, x)
+    getattr(ref, op)(want, x)
     close(out, want, dtype)
 
 
@@ -409,8 +410,8 @@ def test_bad_attention_and_quant_inputs_raise():
     qw = ref.quantize(torch.randn(4, 64), ref.Q4_1)
     with raises("qweight rows hold 40 bytes but K = 96 needs 60"):
         ops.quant_matmul(torch.empty(1, 4), torch.randn(1, 96), qw, ref.Q4_1)
-    with raises("qtype 7 is not supported"):
-        ops.quant_matmul(torch.empty(1, 4), torch.randn(1, 64), qw, 7)
+    with raises("qtype 10 is not supported"):     # Q2_K: not read on the CPU
+        ops.quant_matmul(torch.empty(1, 4), torch.randn(1, 64), qw, 10)
     with raises("x must be float32"):
         ops.quant_matmul(torch.empty(1, 4), torch.randn(1, 64, dtype=torch.float16), qw, ref.Q4_1)
     with raises("unknown isa 'sse9'"):

@@ -98,13 +98,14 @@ def test_rotary_embedding(dtype, head_dim, rot_dim, is_neox):
 
 
 @gpu
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,d", [(1, 64), (13, 1000), (5, 37), (300, 2816)])
-def test_silu_and_mul(dtype, rows, d):
+def test_gated_activations(op, dtype, rows, d):
     x = torch.randn(rows, 2 * d, device=_dev(), dtype=dtype) * 3
     out, ref = _empty(rows, d, dtype=dtype), _empty(rows, d, dtype=dtype)
-    ops.silu_and_mul(out, x)
-    reference.silu_and_mul(ref, x)
+    getattr(ops, op)(out, x)
+    getattr(reference, op)(ref, x)
     _close(out, ref)
 
 

@@ -354,8 +354,8 @@ def test_bad_quant_and_routing_arguments_raise():
     args = [torch.empty(3, 64), t(x), t(rows13), t(rows2), Q8_0, F16, t(ids), t(weights), t(emap),
             NO_WORKSPACE]
     ops.moe_experts_quant(*args)                     # I = 48 is fine for F16 down rows
-    with raises(r"qtype13 = 7 is not supported: use F32 \(0\), F16 \(1\), BF16 \(30\)"):
-        ops.moe_experts_quant(*args[:4], 7, *args[5:])
+    with raises(r"qtype13 = 10 is not supported: use F32 \(0\), F16 \(1\), BF16 \(30\)"):
+        ops.moe_experts_quant(*args[:4], 10, *args[5:])     # Q2_K: not read on the CPU
     with raises(r"w2 must be \[S, H, I\] = \[4, 64, 96\] \(F16 rows of 48 weights\), got \[4, 64, 34\]"):
         ops.moe_experts_quant(*args[:3], t(to_rows(w2[..., :32].copy(), Q8_0)[0]), *args[4:])
     with raises("w2 rows hold 48 weights, not a multiple of 32 as Q4_0 blocks need"):

@@ -43,7 +43,8 @@ CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
            "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-           "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+           "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+           "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 MOE_SETTINGS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),

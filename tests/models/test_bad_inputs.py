@@ -13,7 +13,7 @@ from freetoken.models.errors import (MissingTensorError, ModelFormatError, Model
 from freetoken.models.loader import load_model
 from tests.models.tiny_gguf import write_gguf
 
-Q5_K = 13
+Q2_K = 10   # a type no CPU kernel reads
 
 
 def copy_checkpoint(src, dst):
@@ -64,12 +64,12 @@ def test_unsupported_gguf_architecture(tmp_path):
 
 def test_unsupported_quant_type_names_tensor_and_type(tiny_checkpoint, tmp_path):
     directory, hf = tiny_checkpoint("llama")
-    path = tmp_path / "q5k.gguf"
-    blocks = np.zeros((128, 176), dtype=np.uint8)       # 128 rows of one 256-value Q5_K block
-    write_gguf(hf, directory, path, "llama", None, raw={"blk.0.ffn_gate.weight": (blocks, Q5_K)})
+    path = tmp_path / "q2k.gguf"
+    blocks = np.zeros((128, 84), dtype=np.uint8)        # 128 rows of one 256-value Q2_K block
+    write_gguf(hf, directory, path, "llama", None, raw={"blk.0.ffn_gate.weight": (blocks, Q2_K)})
     with pytest.raises(UnsupportedModelError, match="blk.0.ffn_gate.weight") as info:
         load_model(str(path))
-    assert "Q5_K" in str(info.value) and str(path) in str(info.value)
+    assert "Q2_K" in str(info.value) and str(path) in str(info.value)
 
 
 def test_gguf_missing_tensor(tiny_checkpoint, tmp_path):

@@ -13,7 +13,6 @@ from freetoken.arrays import Device, TorchArrays
 from freetoken.kernel import ops, reference
 from freetoken.models import loader
 from freetoken.models.config import QuantWeight
-from freetoken.models.errors import UnsupportedModelError
 from freetoken.models.forward.linear import DenseLinear, PartsLinear, QuantLinear
 from tests.kernel.gguf_random import dequantize
 from tests.models.helpers import PagedRunner
@@ -74,8 +73,3 @@ def test_k_quant_blocks_stay_as_uint8_tensors_and_match_dequantized_floats(fake_
     b = PagedRunner(floats.model).step([(0, prompt)])[0].float()
     assert (a - b).abs().max() < REL_TOL * b.abs().max()
 
-
-def test_cpu_refuses_k_quants_by_tensor(tmp_path):
-    path, _ = _k_quant_file(tmp_path)
-    with pytest.raises(UnsupportedModelError, match=r"'token_embd.weight' has type Q6_K.*GPU"):
-        loader.load_model(str(path))

@@ -63,6 +63,18 @@ SHAPES = {
                                   num_attention_heads=16, num_key_value_heads=16,
                                   head_dim=128, rope_theta=10000.0, max_position_embeddings=4096,
                                   rms_norm_eps=1e-5)),
+    # Gemma-3-1B's shapes at 6 of 26 layers (five sliding, one global), a window shorter than
+    # the test, both rope bases, q/k norms, the four norms per layer and GELU-tanh.
+    "gemma3-1b": ("gemma3", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=6,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                 query_pre_attn_scalar=256, sliding_window=48,
+                                 max_position_embeddings=32768, tie_word_embeddings=True,
+                                 rms_norm_eps=1e-6,
+                                 rope_parameters={
+                                     "full_attention": {"rope_type": "default",
+                                                        "rope_theta": 1000000.0},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 10000.0}})),
 }
 
 

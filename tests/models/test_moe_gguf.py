@@ -80,19 +80,19 @@ def test_q8_0_gguf_keeps_experts_quantized(arch, moe_gguf, moe_ops):
 
 
 def test_expert_tensor_of_an_unsupported_type_is_refused(tiny_checkpoint, tmp_path):
-    """A Q5_0 expert tensor (a type this build has no kernel for) is named at load."""
+    """An IQ4_NL expert tensor (a type this build has no kernel for) is named at load."""
     import numpy as np
 
     from freetoken.models.errors import UnsupportedModelError
 
     directory, hf = tiny_checkpoint("olmoe")
-    q5_0, block_bytes = 6, 22
+    iq4_nl, block_bytes = 20, 18
     cfg = hf.config
     blocks = np.zeros((cfg.num_experts, cfg.intermediate_size, cfg.hidden_size // 32 * block_bytes),
                       np.uint8)
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "iq4.gguf"
     write_gguf(hf, directory, path, "olmoe", None,
-               raw={"blk.0.ffn_up_exps.weight": (blocks, q5_0)})
+               raw={"blk.0.ffn_up_exps.weight": (blocks, iq4_nl)})
     with pytest.raises(UnsupportedModelError,
-                       match="'blk.0.ffn_up_exps.weight' has type Q5_0.*supported: F32"):
+                       match="'blk.0.ffn_up_exps.weight' has type IQ4_NL.*supported: F32"):
         load_model(str(path))

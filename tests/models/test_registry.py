@@ -19,9 +19,9 @@ def test_every_supported_name_resolves():
                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert arch in names
     assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
-                                  "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe"}
+                                  "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "gemma3"}
     with pytest.raises(UnsupportedModelError,
-                       match="'falcon'.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, "
+                       match="'falcon'.*gemma3, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, "
                              "qwen3, qwen3_5_moe"):
         spec_for_gguf("falcon", "x.gguf")
     # llama.cpp writes Mixtral as `llama` with experts

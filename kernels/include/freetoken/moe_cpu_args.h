@@ -16,12 +16,11 @@ namespace moe {
 /*! \brief How one weight tensor stores its rows: a GGML type id. */
 struct Format {
   int64_t type = floatrows::kF32;
-  bool quantized = false;  // GGUF blocks of 32 (else plain float elements)
+  bool quantized = false;  // GGUF blocks (else plain float elements)
 
   /*! \brief Bytes of one row of k weights. */
   int64_t row_bytes(int64_t k) const {
-    return quantized ? k / quant::kBlock * quant::block_bytes(type)
-                     : k * floatrows::element_bytes(type);
+    return quantized ? quant::row_bytes_of(type, k) : k * floatrows::element_bytes(type);
   }
 };
 
@@ -32,7 +31,12 @@ inline const char* type_name(int64_t type) {
     case 30: return "BF16";
     case 2: return "Q4_0";
     case 3: return "Q4_1";
+    case 6: return "Q5_0";
+    case 7: return "Q5_1";
     case 8: return "Q8_0";
+    case 12: return "Q4_K";
+    case 13: return "Q5_K";
+    case 14: return "Q6_K";
     default: return "unknown";
   }
 }
@@ -41,7 +45,7 @@ inline Format format_of(int64_t type, const char* name) {
   Format f{type, quant::block_bytes(type) > 0};
   TVM_FFI_ICHECK(f.quantized || floatrows::element_bytes(type) > 0)
       << name << " = " << type << " is not supported: use F32 (0), F16 (1), BF16 (30), "
-      << "Q4_0 (2), Q4_1 (3) or Q8_0 (8)";
+      << quant::kSupportedTypes;
   return f;
 }
 
@@ -68,9 +72,9 @@ inline void check_weight(const TensorView& w, const char* name, const Format& f,
     check_dtype(w, kDLFloat, 32, name, "float32");
   }
   const int64_t last = bytes ? f.row_bytes(k) : k;
-  TVM_FFI_ICHECK(!f.quantized || k % quant::kBlock == 0)
-      << name << " rows hold " << k << " weights, not a multiple of 32 as " << type_name(f.type)
-      << " blocks need";
+  TVM_FFI_ICHECK(!f.quantized || k % quant::block_weights(f.type) == 0)
+      << name << " rows hold " << k << " weights, not a multiple of "
+      << quant::block_weights(f.type) << " as " << type_name(f.type) << " blocks need";
   TVM_FFI_ICHECK(w.ndim() == 3 && w.size(0) == s && w.size(1) == rows && w.size(2) == last)
       << name << " must be " << want << " = [" << s << ", " << rows << ", " << last << "]"
       << (bytes ? std::string(" (") + type_name(f.type) + " rows of " + std::to_string(k) + " weights)"

@@ -1,14 +1,18 @@
 // GGUF block formats read by the quantized CPU kernels, and the portable (scalar) path.
 //
-// Every format holds 32 weights per block:
-//   Q4_0: f16 d, 16 bytes of nibbles            -> w = d * (q - 8)
-//   Q4_1: f16 d, f16 m, 16 bytes of nibbles     -> w = d * q + m
-//   Q8_0: f16 d, 32 int8                         -> w = d * q
+// The legacy formats hold 32 weights per block:
+//   Q4_0: f16 d, 16 bytes of nibbles                  -> w = d * (q - 8)
+//   Q4_1: f16 d, f16 m, 16 bytes of nibbles           -> w = d * q + m
+//   Q5_0: f16 d, 32 high bits, 16 bytes of nibbles    -> w = d * (q - 16)
+//   Q5_1: f16 d, f16 m, 32 high bits, 16 nibble bytes -> w = d * q + m
+//   Q8_0: f16 d, 32 int8                               -> w = d * q
 // A nibble byte j holds element j in its low half and element j + 16 in its high half.
+// The K-quants (quant_kblocks.h) hold 256 weights per super-block in 32-weight sub-blocks with
+// their own scales, so everything below works per 32 weights for every format.
 //
 // Activations are quantized once per call to int8 per 32-block (scale dx, and sx = dx * sum q),
 // so a block's dot product is integer: dw * dx * sum(qw * qx) + offset * sx, where the offset is
-// m for Q4_1, -8 * dw for Q4_0 and 0 for Q8_0.
+// m for Q4_1/Q5_1, -8 * dw for Q4_0, -16 * dw for Q5_0 and 0 for Q8_0.
 #pragma once
 
 #include <cmath>
@@ -20,12 +24,38 @@
 namespace freetoken {
 namespace quant {
 
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8;
+constexpr int64_t kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int64_t kBlock = 32;
+constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 
+inline bool is_kquant(int64_t qtype) { return qtype >= kQ4_K && qtype <= kQ6_K; }
+
+/*! \brief Bytes of one block (a super-block of 256 weights for K-quants); 0: unsupported. */
 inline int64_t block_bytes(int64_t qtype) {
-  return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : qtype == kQ8_0 ? 34 : 0;
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
 }
+
+/*! \brief Weights per block: 32, or 256 for the K-quants. */
+inline int64_t block_weights(int64_t qtype) { return is_kquant(qtype) ? kSuper : kBlock; }
+
+/*! \brief Bytes of one row of k weights (k a multiple of block_weights). */
+inline int64_t row_bytes_of(int64_t qtype, int64_t k) {
+  return k / block_weights(qtype) * block_bytes(qtype);
+}
+
+constexpr const char* kSupportedTypes =
+    "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13) or Q6_K (14)";
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -45,21 +75,17 @@ struct QuantizedRows {
   const float* s_row(int64_t r) const { return s + r * blocks; }
 };
 
-// Dequantizes one block of 32 weights (used by dequantize_rows and the scalar path's tests).
-inline void dequantize_block(const uint8_t* blk, int64_t qtype, float* out) {
-  const float d = half_at(blk);
-  if (qtype == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-    for (int i = 0; i < 32; ++i) out[i] = d * q[i];
-    return;
-  }
-  const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
-  const float m = qtype == kQ4_1 ? half_at(blk + 2) : -8.f * d;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * static_cast<float>(qs[i] & 0x0F) + m;
-    out[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
-  }
-}
+/*!
+ * \brief 32-weight block `b` of a row as integers: w[i] = scale[i / 16] * q[i] + offset.
+ * The one description of every format's layout, shared by dequantize_rows and the scalar path.
+ */
+struct SubBlock {
+  int16_t q[32];
+  float scale[2];
+  float offset;
+};
+
+inline void unpack_block(const uint8_t* row, int64_t qtype, int64_t b, SubBlock* out);
 
 // ------------------------------------------------------------------ scalar path
 
@@ -82,24 +108,17 @@ inline void quantize_row_scalar(const float* x, int64_t blocks, int8_t* q, float
 
 inline float dot_row_scalar(const uint8_t* w, int64_t qtype, const QuantizedRows& xq,
                             int64_t r) {
-  const int64_t bb = block_bytes(qtype);
   const int8_t* xrow = xq.q_row(r);
   float acc = 0.f, offset_acc = 0.f;
+  SubBlock sb;
   for (int64_t b = 0; b < xq.blocks; ++b) {
-    const uint8_t* blk = w + b * bb;
+    unpack_block(w, qtype, b, &sb);
     const int8_t* x = xrow + b * kBlock;
-    const float dw = half_at(blk);
-    int32_t dot = 0;
-    if (qtype == kQ8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int i = 0; i < 32; ++i) dot += q[i] * x[i];
-    } else {
-      const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
-      for (int i = 0; i < 16; ++i) dot += (qs[i] & 0x0F) * x[i] + (qs[i] >> 4) * x[i + 16];
-      const float offset = qtype == kQ4_1 ? half_at(blk + 2) : -8.f * dw;
-      offset_acc += offset * xq.s_row(r)[b];
-    }
-    acc += dw * xq.d_row(r)[b] * static_cast<float>(dot);
+    int32_t lo = 0, hi = 0;
+    for (int i = 0; i < 16; ++i) lo += sb.q[i] * x[i];
+    for (int i = 16; i < 32; ++i) hi += sb.q[i] * x[i];
+    acc += xq.d_row(r)[b] * (sb.scale[0] * static_cast<float>(lo) + sb.scale[1] * static_cast<float>(hi));
+    offset_acc += sb.offset * xq.s_row(r)[b];
   }
   return acc + offset_acc;
 }
@@ -114,3 +133,5 @@ inline void matmul_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t qtyp
 
 }  // namespace quant
 }  // namespace freetoken
+
+#include "freetoken/quant_kblocks.h"

@@ -20,6 +20,18 @@ FT_QX_INLINE __m256i unpack_nibbles(const uint8_t* qs) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
+// 32 bits -> 32 bytes, 0x10 where the bit is set (the fifth bit of Q5 weights).
+FT_QX_INLINE __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i one_bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, one_bit), one_bit),
+                          _mm256_set1_epi8(0x10));
+}
+
 // Eight f16 values held in the low 16 bits of each 32-bit lane -> floats. Exponent and mantissa
 // moved into a float and scaled by 2^112 is exact for normal and subnormal halves (scales are
 // never inf/NaN in a valid file).
@@ -91,6 +103,8 @@ FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1,
 template <int64_t QT>
 FT_QX_INLINE __m256i weight_bytes(const uint8_t* blk) {
   if constexpr (QT == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  if constexpr (QT == kQ5_0) return _mm256_or_si256(unpack_nibbles(blk + 6), fifth_bits(blk + 2));
+  if constexpr (QT == kQ5_1) return _mm256_or_si256(unpack_nibbles(blk + 8), fifth_bits(blk + 4));
   return unpack_nibbles(blk + (QT == kQ4_1 ? 4 : 2));
 }
 
@@ -146,15 +160,16 @@ FT_QX_INLINE __m256 load_first(const float* p, int count) {
 template <int64_t QT, int NR, int MR, int kCount>
 FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count,
                                    const QuantizedRows& xq, int64_t m0, __m256 (&acc)[NR][MR]) {
-  constexpr int kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
+  constexpr int kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24 : 34;
+  constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
   const int n_blocks = kCount == 8 ? 8 : count;
   alignas(32) float scale[NR][MR][8];
   __m256 dw[NR], offset[NR];
   for (int n = 0; n < NR; ++n) {
     __m256i heads = block_heads(w[n] + b * kBytes, kBytes, n_blocks);
     dw[n] = halves_to_float(heads);
-    offset[n] = QT == kQ4_1 ? halves_to_float(_mm256_srli_epi32(heads, 16))
-                            : _mm256_mul_ps(dw[n], _mm256_set1_ps(-8.f));
+    offset[n] = kMin ? halves_to_float(_mm256_srli_epi32(heads, 16))
+                     : _mm256_mul_ps(dw[n], _mm256_set1_ps(QT == kQ5_0 ? -16.f : -8.f));
   }
   for (int r = 0; r < MR; ++r) {
     __m256 dx = load_first(xq.d_row(m0 + r) + b, n_blocks);
@@ -245,12 +260,22 @@ FT_QX_FN void matmul_rows_typed(const uint8_t* w, int64_t row_bytes, int64_t n0,
   }
 }
 
+#include "freetoken/quant_x86_kquant.h"
+
 /*! \brief out[m, n] for every activation row m and weight rows n in [n0, n1). */
 FT_QX_FN void matmul_rows(const uint8_t* w, int64_t row_bytes, int64_t qtype, int64_t n0,
                           int64_t n1, const QuantizedRows& xq, float* out, int64_t ldo) {
-  if (qtype == kQ4_0) matmul_rows_typed<kQ4_0>(w, row_bytes, n0, n1, xq, out, ldo);
-  if (qtype == kQ4_1) matmul_rows_typed<kQ4_1>(w, row_bytes, n0, n1, xq, out, ldo);
-  if (qtype == kQ8_0) matmul_rows_typed<kQ8_0>(w, row_bytes, n0, n1, xq, out, ldo);
+  switch (qtype) {
+    case kQ4_0: matmul_rows_typed<kQ4_0>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ4_1: matmul_rows_typed<kQ4_1>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ5_0: matmul_rows_typed<kQ5_0>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ5_1: matmul_rows_typed<kQ5_1>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ8_0: matmul_rows_typed<kQ8_0>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ4_K: kquant_rows<kQ4_K>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ5_K: kquant_rows<kQ5_K>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    case kQ6_K: kquant_rows<kQ6_K>(w, row_bytes, n0, n1, xq, out, ldo); break;
+    default: break;
+  }
 }
 
 }  // namespace FT_QX_NS

@@ -72,6 +72,11 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     _fn("silu_and_mul", x.device)(out, x)
 
 
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out[T, d] = gelu_tanh(x[:, :d]) * x[:, d:] for x [T, 2d] (Gemma's MLP gate)."""
+    _fn("gelu_tanh_and_mul", x.device)(out, x)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache[slot_mapping[t]] = k[t] (same for v); k [T, Hk, D], caches [S, Hk, D];

@@ -47,6 +47,13 @@ def silu_and_mul(out, x):
     out.copy_((torch.nn.functional.silu(xf[..., :d]) * xf[..., d:]).to(out.dtype))
 
 
+def gelu_tanh_and_mul(out, x):
+    d = x.shape[-1] // 2
+    xf = x.float()
+    gate = torch.nn.functional.gelu(xf[..., :d], approximate="tanh")
+    out.copy_((gate * xf[..., d:]).to(out.dtype))
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     keep = slot_mapping >= 0
     k_cache[slot_mapping[keep]] = k[keep].to(k_cache.dtype)
@@ -83,6 +90,11 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_star
 def dequantize(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     """uint8 [N, row_bytes] GGUF blocks -> float32 [N, K]."""
     n = qweight.shape[0]
+    if qtype not in BLOCK_BYTES:   # Q5_0/Q5_1 and the K-quants: the gguf package's numpy path
+        from gguf import GGMLQuantizationType, quants
+
+        vals = quants.dequantize(qweight.numpy(), GGMLQuantizationType(qtype))
+        return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32).reshape(n, -1))
     blocks = qweight.reshape(n, -1, BLOCK_BYTES[qtype]).numpy()
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)       # [N, nb, 1]
     if qtype == Q8_0:
@@ -222,7 +234,8 @@ _FLOAT_TYPES = {0: np.float32, 1: np.float16}   # GGML F32, F16
 
 
 def dequantize_rows_np(blocks: np.ndarray, qtype: int) -> np.ndarray:
-    """uint8 [..., row_bytes] GGUF rows (Q4_0/Q4_1/Q8_0/F16/F32) -> float32 [..., K]."""
+    """uint8 [..., row_bytes] GGUF rows (any block type dequantize reads, F16, F32) -> float32
+    [..., K]."""
     if qtype in _FLOAT_TYPES:
         return np.ascontiguousarray(blocks).view(_FLOAT_TYPES[qtype]).astype(np.float32)
     lead = blocks.shape[:-1]

@@ -85,6 +85,14 @@ class ModelConfig:
     qk_norm: str | None = None         # "head": RMSNorm per q/k head (qwen3); "full": over the
                                        # whole q and k projections (olmoe)
     sliding_window: int = 0            # mistral-style local attention (0 = full)
+    sliding_layers: tuple[bool, ...] = ()   # per layer: the window applies (empty: every layer)
+    local_rope_theta: float | None = None   # gemma3: rope base of the sliding layers (default
+                                            # rope); None: every layer uses rope_theta
+    activation: str = "silu"           # the MLP gate: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0           # gemma: the embedding times sqrt(hidden)
+    attn_scale: float | None = None    # q . k scale (None: head_dim ** -0.5)
+    block_out_norms: bool = False      # gemma3: attention and MLP outputs are normed
+    final_logit_softcap: float = 0.0   # logits = cap * tanh(logits / cap) when > 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None       # None: a dense MLP in every layer
@@ -101,6 +109,16 @@ class ModelConfig:
     def kv_layers(self) -> list[int]:
         """The layers that keep K/V in the paged pool."""
         return [i for i in range(self.num_layers) if not self.is_linear(i)]
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: full attention)."""
+        if not self.sliding_layers:
+            return self.sliding_window
+        return self.sliding_window if self.sliding_layers[layer] else 0
+
+    def is_local_rope(self, layer: int) -> bool:
+        """True when `layer` rotates with local_rope_theta."""
+        return self.local_rope_theta is not None and self.window(layer) > 0
 
     def is_sparse(self, layer: int) -> bool:
         """True when `layer` routes its MLP through experts."""
@@ -124,7 +142,7 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         norms = {"head": 2 * self.head_dim, "full": self.q_size + self.kv_size}
-        attn += norms.get(self.qk_norm or "", 0)
+        attn += norms.get(self.qk_norm or "", 0) + (2 * h if self.block_out_norms else 0)
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         if self.attn_output_gate:
             attn += h * self.q_size
@@ -155,7 +173,8 @@ class ModelConfig:
 class QuantWeight:
     """A GGUF-quantized matrix kept as its raw blocks: one weight row per `data` row."""
 
-    qtype: int                 # GGML type id (Q4_0=2, Q4_1=3, Q8_0=8)
+    qtype: int                 # GGML type id (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12,
+                               # Q5_K=13, Q6_K=14)
     data: Any                  # numpy uint8 [..., rows, row_bytes]
     shape: tuple[int, ...]     # logical [..., rows, cols]: (out_features, in_features), with
                                # a leading expert axis for stacked experts

@@ -20,7 +20,9 @@ from freetoken.models.errors import UnsupportedModelError
 # config.json spells the expert count either way (transformers 5 writes num_local_experts)
 HF_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts")
 ATTENTION_PARTS = ("input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm",
-                   "k_norm", "o", "post_norm")
+                   "k_norm", "o", "post_norm", "attn_out_norm", "mlp_out_norm")
+# post_norm is the norm in front of the MLP; gemma3 also norms each block's output
+# (attn_out_norm, mlp_out_norm) before it joins the residual.
 DENSE_MLP_PARTS = ("gate", "up", "down")
 # experts.* are stacked [E, rows, cols] per layer, whatever the checkpoint's layout.
 MOE_PARTS = ("router", "experts.gate", "experts.up", "experts.down", "shared.gate",
@@ -40,6 +42,9 @@ HF_LAYER = {  # under model.layers.{i}.; "{moe}" is the sparse block's module na
     "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight", "o": "self_attn.o_proj.weight",
     "post_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weight",
+    # gemma3 only (which calls the norm in front of its MLP pre_feedforward_layernorm)
+    "attn_out_norm": "post_attention_layernorm.weight",
+    "mlp_out_norm": "post_feedforward_layernorm.weight",
     "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
     "router": "{moe}.gate.weight",
     "shared.gate": "{moe}.shared_expert.gate_proj.weight",
@@ -67,7 +72,9 @@ GGUF_LAYER = {  # under blk.{i}.
     "input_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
     "v": "attn_v.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
     "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-    "o": "attn_output.weight", "post_norm": "ffn_norm.weight", "gate": "ffn_gate.weight",
+    "o": "attn_output.weight", "post_norm": "ffn_norm.weight",
+    "attn_out_norm": "post_attention_norm.weight", "mlp_out_norm": "post_ffw_norm.weight",
+    "gate": "ffn_gate.weight",
     "up": "ffn_up.weight", "down": "ffn_down.weight",
     "router": "ffn_gate_inp.weight", "experts.gate": "ffn_gate_exps.weight",
     "experts.up": "ffn_up_exps.weight", "experts.down": "ffn_down_exps.weight",
@@ -84,6 +91,10 @@ class AttentionSpec:
     bias_key: str | None = "attention_bias"   # the config.json key that says (None: fixed)
     qk_norm: str | None = None       # "head": RMSNorm per head (qwen3); "full": whole q, k (olmoe)
     config_window: bool = False      # config.json's sliding_window applies to every layer
+    # gemma3: sliding and global layers interleave (config.json's layer_types; GGUF files say
+    # only the window, llama.cpp fixes the pattern: every n-th layer global) with two rope bases
+    gguf_global_every: int = 0
+    gguf_local_rope_theta: float | None = None   # llama.cpp's fixed base of the sliding layers
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,18 @@ class HybridSpec:
 
 
 @dataclass(frozen=True)
+class GemmaSpec:
+    """What Gemma does differently: RMSNorm scales by (1 + w) (HF stores w; llama.cpp's
+    converter already added the 1), the embedding is scaled by sqrt(hidden), the MLP gate is
+    GELU (tanh), each block's output is normed, and chat turns end with <end_of_turn>."""
+
+    hf_layer_names: tuple[tuple[str, str], ...] = (
+        ("post_norm", "pre_feedforward_layernorm.weight"),)
+    hf_norm_offset: float = 1.0
+    gguf_end_of_turn: str = "<end_of_turn>"
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """One architecture: its names, its blocks, and its checkpoint quirks."""
 
@@ -124,6 +147,7 @@ class ArchSpec:
     moe: MoESpec | None = None               # None: a dense SwiGLU MLP in every layer
     gguf_permuted_qk: bool = False           # llama.cpp's converter interleaved the q/k rows
     hybrid: HybridSpec | None = None         # None: full attention in every layer
+    gemma: GemmaSpec | None = None           # Gemma's conventions (None: none of them)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -155,8 +179,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                  (), AttentionSpec(qk_norm="head"),
                  MoESpec(shared_expert=True, renormalize=True),
                  hybrid=HybridSpec(text_config=True)),
+        ArchSpec("gemma3", ("Gemma3ForCausalLM",), ("gemma3",),
+                 AttentionSpec(qk_norm="head", gguf_global_every=6,
+                               gguf_local_rope_theta=10000.0),
+                 gemma=GemmaSpec()),
     )
 }
+
+
+# config.json model_type spellings that differ from the registry name
+_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 
 def supported_names() -> list[str]:
@@ -192,8 +224,9 @@ def spec_for_hf(hf_config: dict[str, Any], source: str) -> ArchSpec:
         for spec in ARCHITECTURES.values():
             if cls in spec.hf_classes:
                 return spec
-    if not classes and hf_config.get("model_type") in ARCHITECTURES:
-        return ARCHITECTURES[hf_config["model_type"]]
+    model_type = _HF_MODEL_TYPES.get(hf_config.get("model_type"), hf_config.get("model_type"))
+    if not classes and model_type in ARCHITECTURES:
+        return ARCHITECTURES[model_type]
     raise _unsupported(", ".join(classes) or str(hf_config.get("model_type")), source)
 
 

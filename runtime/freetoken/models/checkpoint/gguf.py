@@ -17,10 +17,10 @@ from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.models.registry import GGUF_GLOBAL, GGUF_LAYER, ArchSpec
 
 # GGML type ids this runtime reads (gguf.GGMLQuantizationType values).
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-QUANT_TYPES = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
-SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (K-quants on the GPU)"
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+# Kept as blocks on the CPU (kernels/include/freetoken/quant_kblocks.h), dequantized elsewhere.
+QUANT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"
 
 
 def open_gguf(path: Path):

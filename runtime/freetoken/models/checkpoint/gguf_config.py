@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
+from freetoken.models.checkpoint import gemma_config
 from freetoken.models.checkpoint.hf_config import require, serving_context
 from freetoken.models.config import ModelConfig, MoEConfig
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
@@ -79,6 +80,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if meta.get(k) is not None]
+    eos += gemma_config.gguf_end_of_turn(spec, meta.get("tokenizer.ggml.tokens") or [])
     scaling = _gguf_rope_scaling(meta, arch, source)
     moe = None if spec.moe is None else _moe_from_gguf(meta, spec, arch, layers, tensor_names,
                                                        source)
@@ -106,4 +108,5 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         moe=moe,
+        **gemma_config.gguf_fields(meta, spec, arch, layers, head_dim),
     )

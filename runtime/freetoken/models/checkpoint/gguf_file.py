@@ -29,8 +29,9 @@ _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 # GGML type id -> (values per block, bytes per block, numpy dtype; None = raw bytes per row).
 _TYPE_LAYOUT = {0: (1, 4, np.float32), 1: (1, 2, np.float16), 30: (1, 2, None),
-                2: (32, 18, None), 3: (32, 20, None), 8: (32, 34, None),
-                12: (256, 144, None), 13: (256, 176, None), 14: (256, 210, None)}
+                2: (32, 18, None), 3: (32, 20, None), 6: (32, 22, None), 7: (32, 24, None),
+                8: (32, 34, None), 12: (256, 144, None), 13: (256, 176, None),
+                14: (256, 210, None)}
 
 
 class GGUFParseError(ValueError):

@@ -54,6 +54,11 @@ class HFTensors:
         # a multimodal checkpoint keeps the text model under its own prefix
         self._prefix = next((p for p in HF_TEXT_PREFIXES
                              if f"{p}embed_tokens.weight" in self._file_of), "model.")
+        gemma = spec.gemma
+        self._layer_names = {**HF_LAYER, **dict(gemma.hf_layer_names if gemma else ())}
+        # Gemma's RMSNorm multiplies by (1 + w): the 1 is added once here, so every norm kernel
+        # scales by its weight as for the other families
+        self._norm_offset = gemma.hf_norm_offset if gemma else 0.0
 
     def _open(self, file: Path):
         from safetensors import SafetensorError, safe_open
@@ -80,7 +85,7 @@ class HFTensors:
         return {name: f for f in files for name in self._open(f).keys()}
 
     def _layer_name(self, index: str, part: str) -> str:
-        return f"{self._prefix}layers.{index}." + HF_LAYER[part].format(moe=self._moe)
+        return f"{self._prefix}layers.{index}." + self._layer_names[part].format(moe=self._moe)
 
     def file_name(self, name: str) -> str:
         if not name.startswith("layers."):
@@ -118,7 +123,10 @@ class HFTensors:
         if ".experts." in name:
             _, index, part = name.split(".", 2)
             return self._experts(index, part[8:])
-        return self._tensor(self.file_name(name))
+        tensor = self._tensor(self.file_name(name))
+        if tensor is not None and self._norm_offset and name.endswith("norm"):
+            tensor = tensor.float() + self._norm_offset
+        return tensor
 
     def _experts(self, index: str, proj: str) -> torch.Tensor | None:
         """[E, rows, cols] for one projection of every expert, from whichever layout exists."""

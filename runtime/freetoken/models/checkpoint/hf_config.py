@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from freetoken.models.checkpoint import gemma_config
 from freetoken.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.models.registry import (HF_NUM_EXPERTS_KEYS, ArchSpec, HybridSpec, MoESpec,
@@ -31,7 +32,8 @@ def _check_quantization(cfg: dict[str, Any], source: str) -> None:
     raise UnsupportedModelError(
         f"{source}: quantization_config quant_method {method!r} is not supported (supported "
         f"methods: {supported}; HF checkpoints must hold bfloat16, float16 or float32 "
-        f"weights, or use a GGUF file of type Q4_0, Q4_1, Q8_0, F16, BF16 or F32)")
+        f"weights, or use a GGUF file of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16 "
+        f"or F32)")
 
 
 def _sliding_window(cfg: dict[str, Any], spec: ArchSpec, source: str) -> int:
@@ -107,11 +109,11 @@ def _moe_from_hf(cfg: dict[str, Any], moe: MoESpec, layers: int, source: str) ->
         sparse_layers=tuple(sparse))
 
 
-def _check_supported(cfg: dict[str, Any], source: str) -> None:
+def _check_supported(cfg: dict[str, Any], spec: ArchSpec, source: str) -> None:
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
     act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    if spec.gemma is None and act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu only)")
     if cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"{source}: clip_qkv={cfg['clip_qkv']} is not supported "
@@ -167,12 +169,14 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     if spec.hybrid is not None and "partial_rotary_factor" not in {
             **cfg, **(cfg.get("rope_parameters") or {})}:
         cfg = {**cfg, "partial_rotary_factor": spec.hybrid.partial_rotary_factor}
-    _check_supported(cfg, source)
+    _check_supported(cfg, spec, source)
     hidden = int(require(cfg, "hidden_size", source))
     heads = int(require(cfg, "num_attention_heads", source))
     layers = int(require(cfg, "num_hidden_layers", source))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    theta, rope_dim, scaling = _rope_from_hf(cfg, head_dim, source)
+    rope_keys = gemma_config.hf_rope(cfg)[0] if spec.gemma else cfg
+    theta, rope_dim, scaling = _rope_from_hf(rope_keys, head_dim, source)
+    gemma = gemma_config.hf_fields(cfg, spec, layers, source)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     moe = None if spec.moe is None else _moe_from_hf(cfg, spec.moe, layers, source)
@@ -197,9 +201,11 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=_attention_bias(cfg, spec),
         qk_norm=spec.attention.qk_norm,
-        sliding_window=_sliding_window(cfg, spec, source),
+        sliding_window=int(cfg.get("sliding_window") or 0) if gemma
+        else _sliding_window(cfg, spec, source),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         moe=moe,
         **_hybrid_from_hf(cfg, spec.hybrid, layers, source),
+        **gemma,
     )

@@ -31,8 +31,9 @@ class TensorSource(Protocol):
 
 
 # GGML block types the quantized kernels read: the CPU's quant_gemm, the GPU's gguf_gemm.
-CPU_BLOCK_TYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0
-GPU_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)       # and Q4_K, Q5_K, Q6_K
+# GGML type ids: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
+CPU_BLOCK_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
+GPU_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)       # Q5_0 and Q5_1 are dequantized at load
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class _Reader:
             kind = GGMLQuantizationType(weight.qtype).name
             raise UnsupportedModelError(
                 f"{self.src.source}: tensor {self.src.file_name(name)!r} has type {kind}, which "
-                f"the CPU kernels do not read (Q4_0, Q4_1, Q8_0 only); serve it on a GPU "
+                f"the CPU kernels do not read; serve it on a GPU "
                 f"(--device cuda) or re-quantize the model")
 
     def fused(self, parts: list[tuple[str, tuple[int, ...]]]) -> list[Weight]:
@@ -205,6 +206,9 @@ def _attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
          "qkv": read.fused([(p + "q", (qs, h)), (p + "k", (kvs, h)), (p + "v", (kvs, h))]),
          "o": read.required(p + "o", (h, qs)),
          "post_norm": read.required(p + "post_norm", (h,))}
+    if cfg.block_out_norms:
+        w["attn_out_norm"] = read.required(p + "attn_out_norm", (h,))
+        w["mlp_out_norm"] = read.required(p + "mlp_out_norm", (h,))
     if cfg.attention_bias:
         w["qkv_bias"] = _concat([read.required(p + "q_bias", (qs,)),
                                  read.required(p + "k_bias", (kvs,)),

@@ -1,6 +1,7 @@
 """The attention block of every decoder layer: qkv projection (+ bias), optional q/k RMSNorm
-(per head, or over the whole projections), rope, KV store, paged attention, o projection and
-the fused residual-add + post-attention norm."""
+(per head, or over the whole projections), rope, KV store, paged attention (with the layer's
+sliding window), o projection, gemma3's norm of the block output, and the fused residual-add +
+post-attention norm."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ if TYPE_CHECKING:
 
 
 class AttentionBlock:
-    def __init__(self, w: LayerWeights, cfg: ModelConfig, rope: Array, kernels: Kernels):
+    def __init__(self, w: LayerWeights, cfg: ModelConfig, rope: Array, kernels: Kernels,
+                 index: int = 0):
         self.ops = kernels
         arg = kernels.arg
         self.post_norm = arg(w["post_norm"])
+        self.out_norm = arg(w["attn_out_norm"]) if "attn_out_norm" in w else None
         self.qk_norm = cfg.qk_norm
         self.q_norm = arg(w["q_norm"]) if cfg.qk_norm else None
         self.k_norm = arg(w["k_norm"]) if cfg.qk_norm else None
@@ -32,8 +35,8 @@ class AttentionBlock:
         self.rope = rope
         self.eps = cfg.rms_norm_eps
         self.head_dim, self.is_neox = cfg.head_dim, cfg.rope_is_neox
-        self.scale = cfg.head_dim ** -0.5
-        self.window = cfg.sliding_window
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        self.window = cfg.window(index)
         # hybrid models: the attention output times sigmoid(x @ o_gate) before o
         self.gate = make_linear(w["o_gate"]) if "o_gate" in w else None
 
@@ -64,6 +67,8 @@ class AttentionBlock:
         if self.gate is not None:
             mul_sigmoid(array_view(w.attn), array_view(w.attn_gate))
         self.o(x, w.attn)
+        if self.out_norm is not None:
+            ops.rms_norm(x, x, self.out_norm, self.eps)
         ops.fused_add_rms_norm(x, w.residual, self.post_norm, self.eps)
 
 

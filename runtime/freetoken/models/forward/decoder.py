@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from freetoken.arrays import Device, HostArrays, TorchArrays
+import numpy as np
+
+from freetoken.arrays import Device, HostArrays, TorchArrays, array_view, is_torch
 from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
@@ -36,6 +38,7 @@ class Kernels:
         names = _OPS + (_MOE_OPS if cfg.moe is not None else ())
         names += ("moe_experts_quant",) if quantized_experts else ()
         names += _GDN_OPS if cfg.linear is not None else ()
+        names += ("gelu_tanh_and_mul",) if cfg.activation == "gelu_tanh" else ()
         for name in names:
             setattr(self, name, ops.bind(name, device))
         quant_embed = "dequantize_rows" if device.is_cpu else "gguf_dequantize_rows"
@@ -55,11 +58,12 @@ class DecoderLayer:
         if cfg.is_linear(index):
             self.attn = GatedDeltaNetBlock(w, cfg, kernels)
         else:
-            self.attn = AttentionBlock(w, cfg, rope, kernels)
+            self.attn = AttentionBlock(w, cfg, rope, kernels, index)
         if cfg.is_sparse(index):
             self.mlp = MoEMLP(w, cfg, kernels, arrays)
         else:
-            self.mlp = DenseMLP(w["gate_up"], w["down"], kernels)
+            self.mlp = DenseMLP(w["gate_up"], w["down"], kernels, cfg.activation == "gelu_tanh")
+        self.out_norm = kernels.arg(w["mlp_out_norm"]) if "mlp_out_norm" in w else None
         self.next_norm = kernels.arg(next_norm)
         self.eps = cfg.rms_norm_eps
 
@@ -68,6 +72,8 @@ class DecoderLayer:
         """x holds this layer's normed input; returns the buffer with the next one's."""
         self.attn.forward(x, w, batch, k_cache, v_cache, block_size)
         y = self.mlp(x, w)
+        if self.out_norm is not None:
+            self.ops.rms_norm(y, y, self.out_norm, self.eps)
         self.ops.fused_add_rms_norm(y, w.residual, self.next_norm, self.eps)
         return y
 
@@ -89,8 +95,15 @@ class Decoder:
         self._k = kernels = Kernels(arrays, config, quantized_embedding, quantized_experts)
         self._rope = kernels.arg(arrays.place(cos_sin_cache(config, weights.rope_freq_factors),
                                               "float32"))
+        self._local_rope = self._rope
+        if config.local_rope_theta is not None:   # gemma3's sliding layers: plain rope
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
+                                        rope_scaling=None)
+            self._local_rope = kernels.arg(arrays.place(cos_sin_cache(local), "float32"))
         norms = [lw["input_norm"] for lw in weights.layers[1:]] + [weights.final_norm]
-        self.layers = [DecoderLayer(lw, nxt, config, i, self._rope, kernels, arrays)
+        self.layers = [DecoderLayer(lw, nxt, config, i,
+                                    self._local_rope if config.is_local_rope(i) else self._rope,
+                                    kernels, arrays)
                        for i, (lw, nxt) in enumerate(zip(weights.layers, norms))]
         self._first_norm = kernels.arg(weights.layers[0]["input_norm"])
         self._embed = weights.embed
@@ -128,6 +141,8 @@ class Decoder:
                                               and getattr(batch, f.name) is not None})
         w = self._workspace.views(batch.num_tokens)
         self._embed_into(w.residual, batch.input_ids)
+        if self.config.embed_scale != 1.0:
+            array_view(w.residual)[...] *= self.config.embed_scale
         self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)
         x, block_size = w.hidden, kv.block_size
         for layer, k_cache, v_cache in zip(self.layers, *self._kv_caches(kv)):
@@ -139,11 +154,22 @@ class Decoder:
         logits = self.arrays.empty((batch.num_seqs, self.config.vocab_size), "float32")
         if self._head_is_f32:
             self._lm_head(arg(logits), rows)
-            return logits
-        low = self.arrays.empty(logits.shape, self.dtype)
-        self._lm_head(low, rows)
-        logits[...] = low
+        else:
+            low = self.arrays.empty(logits.shape, self.dtype)
+            self._lm_head(low, rows)
+            logits[...] = low
+        if self.config.final_logit_softcap > 0:
+            _soft_cap(logits, self.config.final_logit_softcap)
         return logits
+
+
+def _soft_cap(logits, cap: float) -> None:
+    """In place: logits = cap * tanh(logits / cap)."""
+    if is_torch(logits):
+        logits.div_(cap).tanh_().mul_(cap)
+        return
+    np.tanh(logits / cap, out=logits)
+    logits *= cap
 
 
 def _apply_kernel_threads() -> None:

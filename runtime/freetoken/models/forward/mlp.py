@@ -25,10 +25,11 @@ if TYPE_CHECKING:
 
 
 class DenseMLP:
-    """down(silu(gate(x)) * up(x)), written over x (or into `out`)."""
+    """down(act(gate(x)) * up(x)), written over x (or into `out`); act is SiLU, or GELU-tanh
+    when `gelu` (gemma3)."""
 
-    def __init__(self, gate_up: Weight, down: Weight, kernels: Kernels):
-        self.silu_and_mul = kernels.silu_and_mul
+    def __init__(self, gate_up: Weight, down: Weight, kernels: Kernels, gelu: bool = False):
+        self.act_and_mul = kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul
         self.gate_up = make_linear(gate_up)
         self.down = make_linear(down)
 
@@ -38,7 +39,7 @@ class DenseMLP:
 
     def into(self, out: Array, x: Array, gate_up: Array, act: Array) -> None:
         self.gate_up(gate_up, x)
-        self.silu_and_mul(act, gate_up)
+        self.act_and_mul(act, gate_up)
         self.down(out, act)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
+from freetoken.models.tokenizer.builtin_templates import gguf_chat_template
 from freetoken.models.tokenizer.gguf_spm import (CONTROL, NORMAL, UNKNOWN, USER_DEFINED,
                                        sentencepiece_backend, token_types)
 from freetoken.models.tokenizer.core import Tokenizer
@@ -138,7 +139,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
                                        "tokenizer.ggml.eom_token_id") if meta.get(k) is not None)
     return Tokenizer(
         backend,
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=gguf_chat_template(meta),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos,
         special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),

@@ -25,7 +25,7 @@ SPACE = "\u2581"
 # These architectures store SentencePiece vocabularies under other rules (merge order by file
 # position, whitespace pieces spelled with spaces, a normalizer-made prefix); refuse rather than
 # tokenize them subtly wrong.
-_OTHER_RULES = ("gemma", "gemma2", "gemma3", "phi3")
+_OTHER_RULES = ("gemma", "gemma2", "phi3")
 
 
 def _per_token(meta: dict[str, Any], key: str, count: int, source: str) -> list | None:
