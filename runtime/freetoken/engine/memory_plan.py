@@ -98,9 +98,10 @@ def cache_slots(sizes: ModelSizes, rate: float) -> int:
 
 
 def staging_slots(sizes: ModelSizes) -> int:
-    """Two staging buffers of top_k experts each: prefill and overflowing decode steps stream
-    a layer's missing experts through them (one copies while the other computes)."""
-    return 2 * sizes.top_k
+    """Two staging buffers of one layer's experts each: prefill streams whole layers through
+    them (layer l + 1 copies while layer l computes), and a decode step whose misses do not fit
+    beside its hits goes through the first."""
+    return 2 * sizes.num_experts
 
 
 def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, free: int,
@@ -141,7 +142,8 @@ def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, fre
 def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int, available: int,
               on_cpu: bool) -> MemoryPlan:
     """The host RAM plan: on the CPU path every weight and the KV pool; with offload the
-    pinned copy of every expert."""
+    pinned copy of every expert. `sizes` of the CPU path should count weights at the bytes per
+    parameter they keep in memory (GGUF blocks stay quantized there)."""
     pools: dict[str, int] = {}
     if on_cpu:
         pools["weights"] = sizes.other_weight_bytes + sizes.total_experts * sizes.expert_bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from freetoken.engine.config import EngineConfigError, default_num_tokens
@@ -88,7 +88,11 @@ class OffloadPlanner:
         c = self.config
         min_tokens = default_num_tokens(cfg.max_position)
         if self.device.is_cpu:
+            # NOTE: GGUF weights stay quantized on the CPU (down to ~0.56 bytes a parameter for
+            # Q4_0), so the check counts them at that floor: it refuses only what cannot fit.
             sizes = ModelSizes.of(cfg, dtype, "float16")
+            floor = int(cfg.num_params * 0.5625)
+            sizes = replace(sizes, other_weight_bytes=floor, expert_bytes=0)
             plan_host(sizes, pinned_experts=False, num_tokens=c.num_tokens or min_tokens,
                       available=host_available_bytes(), on_cpu=True)
             return False
