@@ -181,7 +181,11 @@ class ExpertCache:
         self.stats.misses += len(misses)
         copy, cpu = (self.policy.split(misses) if self.policy is not None
                      else (sorted(misses), []))
-        emap = [-1] * self.num_experts
+        # Experts not routed this step point at slot 0 (never read; the CPU kernel checks every
+        # entry); -1 only marks routed experts the CPU computes, which the GPU kernel skips.
+        emap = [0] * self.num_experts
+        for e in cpu:
+            emap[e] = -1
         for e, s in hits.items():
             emap[e] = s
         keep = [(layer, e) for e in hits]
