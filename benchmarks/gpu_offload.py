@@ -13,7 +13,9 @@ the GPU, decode in CUDA graphs, the model's own router); lower rates load the ex
 resize one engine's cache live (`resize_pools`) from rate to rate. For each rate, batch and
 trace: decode tok/s, the expert hit rate, the miss bytes per token and the miss traffic as a
 share of the measured H2D bandwidth (goal at 0.2: >= 70%), copy-only vs co-execution (the CPU
-policy on: measured PCIe and CPU speeds decide per step). transformers' row needs
+policy on: measured PCIe and CPU speeds decide per step), and the offloaded engine at rate 1
+after warming (every expert cached: the cost of eager decode plus one id copy per MoE layer,
+beside the resident row). transformers' row needs
 `accelerate`; without it the row is skipped with a message.
 """
 
@@ -149,6 +151,13 @@ def freetoken_rows(folder: str, args, h2d: float) -> list[dict]:
         run_all(engine, rate, "copy-only")
         engine.expert_cache.policy = policy
         run_all(engine, rate, "co-exec")
+    # The cost of the offloaded step itself (eager decode, one id copy and sync per MoE
+    # layer) beside the resident row: every expert cached, so (after warming) nothing misses.
+    engine.resize_pools(moe_rate=1.0)
+    engine.expert_cache.policy = None
+    set_trace(engine.model, "uniform")
+    decode(engine, max(args.batches), args.prompt, 64)
+    run_all(engine, 1.0, "offload-all-hit", traces=("uniform",))
     engine.shutdown()
     return rows
 
