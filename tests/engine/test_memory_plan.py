@@ -103,3 +103,8 @@ def test_policy_hands_the_cpu_the_experts_with_fewest_tokens():
 
 def test_policy_off_copies_every_miss():
     assert policy(1e6, 1e12, 1e15, enabled=False).split({5: 1, 2: 1}) == ([2, 5], [])
+
+
+def test_host_plan_without_meminfo_checks_nothing():
+    plan = plan_host(SIZES, pinned_experts=True, num_tokens=0, available=None, on_cpu=False)
+    assert plan.pools["pinned_experts"] > 0

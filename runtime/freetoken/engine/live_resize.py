@@ -100,7 +100,9 @@ def _check_fits(engine, pools: dict[str, int]) -> None:
         return
     fix = "ask for less, or shrink the other pool first; the old pools keep serving"
     if engine.arrays.device.is_cpu:
-        MemoryPlan("the host", pools, HOST_MARGIN, host_available_bytes()).check(fix)
+        available = host_available_bytes()
+        if available is not None:
+            MemoryPlan("the host", pools, HOST_MARGIN, available).check(fix)
         return
     import torch
 

@@ -139,8 +139,8 @@ def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, fre
     return plan, rate, int(num_tokens)
 
 
-def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int, available: int,
-              on_cpu: bool) -> MemoryPlan:
+def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int,
+              available: int | None, on_cpu: bool) -> MemoryPlan:
     """The host RAM plan: on the CPU path every weight and the KV pool; with offload the
     pinned copy of every expert. `sizes` of the CPU path should count weights at the bytes per
     parameter they keep in memory (GGUF blocks stay quantized there)."""
@@ -150,12 +150,14 @@ def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int, avail
         pools["kv"] = num_tokens * sizes.kv_bytes_per_token
     elif pinned_experts:
         pools["pinned_experts"] = sizes.total_experts * sizes.expert_bytes
-    plan = MemoryPlan("the host", pools, HOST_MARGIN, available)
+    plan = MemoryPlan("the host", pools, HOST_MARGIN, available or 0)
+    if available is None:    # unknown (no /proc/meminfo): nothing to check against
+        return plan
     return plan.check("lower --num-tokens, or serve a smaller (or quantized) model")
 
 
-def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (0 when unknown, which no plan fits)."""
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, None when unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -163,4 +165,4 @@ def host_available_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
