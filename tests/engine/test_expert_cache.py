@@ -145,3 +145,14 @@ def test_lru_evicts_the_least_recent_key_not_held():
     lru.check_integrity()
     with pytest.raises(ValueError, match="at least one slot"):
         SlotLRU(0)
+
+
+def test_the_engine_hint_decides_between_streaming_and_the_lru(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", 24, slot_kernel)
+    cache.prefill = False
+    run_steps(cache, w13, w2, steps=2, tokens=E)           # a big decode batch: the LRU
+    assert cache.stats.streamed_layers == 0 and cache.stats.misses > 0
+    cache.prefill = True
+    run_steps(cache, w13, w2, steps=1, tokens=1)           # a one-token prompt chunk: streams
+    assert cache.stats.streamed_layers == LAYERS

@@ -306,6 +306,8 @@ class Engine:
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
+        if self.expert_cache is not None:   # prompt chunks stream whole expert layers
+            self.expert_cache.prefill = batch.max_query_len > 1
         try:
             with self.arrays.no_grad():
                 if self.graphs is not None and self.graphs.can_run(batch):

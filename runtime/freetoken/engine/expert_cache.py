@@ -6,12 +6,12 @@ kernel reads weights through a per-layer expert-id -> slot map (int32 [E] on the
 kernel is the resident one: resident = the identity map over the model's own stacked tensors.
 
 Per MoE layer call (``run``):
-- decode (T * K < E): the routing's ids come to the host (one small D2H of [T, K], the step's
+- decode (a decode-only step; without that hint, T * K < E): the routing's ids come to the host (one small D2H of [T, K], the step's
   only extra sync per layer); hits keep their slot, misses are copied into LRU slots on the copy
   stream (or, when the co-execution policy says so, computed on the CPU from host memory while
   the GPU runs), the map is uploaded, and the kernel waits for the copies' event. When the misses
   do not fit beside the layer's hits, they go through staging buffer 0 instead.
-- prefill (T * K >= E: nearly every expert is routed): the layer's experts stream whole through
+- prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts stream whole through
   the staging buffers, never entering the LRU (no thrashing): layer l reads buffer l % 2 while
   layer l + 1's experts are copied into the other one (double buffering).
 Indices: `layer` counts MoE layers only (0 .. moe_layers - 1), not decoder layers.
@@ -77,6 +77,9 @@ class ExpertCache:
             self._done = [_NoEvent(), _NoEvent()]
             self._copied = _NoEvent()
         self._staged = [-1, -1]        # the MoE layer each staging buffer holds, -1 = none
+        # Set by the engine before each forward: True for steps with a prompt chunk (they
+        # stream), False for decode-only steps; None: decide by T * K >= E.
+        self.prefill: bool | None = None
 
     # ---- pool --------------------------------------------------------------------------------
 
@@ -127,7 +130,8 @@ class ExpertCache:
         tokens, top_k = topk_ids.shape
         if layer == 0:
             self.stats.tokens += tokens
-        if tokens * top_k >= self.num_experts:
+        stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
+        if stream:
             self._stream(layer, out, x, topk_ids, topk_weights, workspace)
         else:
             self._decode(layer, out, x, topk_ids, topk_weights, workspace)

@@ -18,8 +18,9 @@ MIB = 1 << 20
 MARGIN_FRACTION, MARGIN_MIN = 0.05, GIB
 # Decode CUDA graphs and the per-step temporaries (logits, sampling) beside the workspace.
 GRAPH_BYTES = 256 * MIB
-# The host keeps this much RAM for the OS, the tokenizer and Python itself.
-HOST_MARGIN = 2 * GIB
+# The host keeps this much RAM for the OS, the tokenizer and Python itself (edge machines
+# have little to spare).
+HOST_MARGIN = 512 * MIB
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
