@@ -160,3 +160,11 @@ def test_ctl_cache_needs_a_size():
     assert result.exit_code == 2 and "--kv" in result.output
     result = CliRunner().invoke(cli, ["ctl", "cache", "--moe", "0"])
     assert result.exit_code == 2
+
+
+def test_serve_refuses_a_plan_beyond_host_memory_before_loading(tiny_model_dir):
+    result = CliRunner().invoke(cli, ["serve", "--model", str(tiny_model_dir), "--device", "cpu",
+                                      "--port", "0", "--num-tokens", str(10**12)])
+    assert result.exit_code == 1, result.output
+    assert "does not fit on the host" in result.output and "kv" in result.output
+    assert "loading" not in result.output.split("does not fit")[1]
