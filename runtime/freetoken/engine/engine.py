@@ -7,9 +7,9 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
@@ -155,6 +155,9 @@ class Engine:
         with self._cond:
             for request in list(self._requests.values()):
                 self._end(request, "abort", "", error="the engine shut down")
+            for job, _, _ in self._jobs:
+                job.set_exception(EngineDead("the engine shut down before the resize ran"))
+            self._jobs = []
 
     def warm_up(self) -> None:
         """Run one two-token request so every kernel is loaded (or compiled) before serving;
@@ -285,6 +288,9 @@ class Engine:
                 self._stopping = True
                 for request in list(self._requests.values()):
                     self._end(request, "error", "", error="the engine thread crashed")
+                for job, _, _ in self._jobs:
+                    job.set_exception(EngineDead("the engine thread crashed"))
+                self._jobs = []
             raise
 
     def _next_step(self) -> tuple[list[ScheduledChunk], ForwardBatch] | None:
