@@ -31,6 +31,7 @@ def create_cache_router() -> APIRouter:
 
     @router.post("/v1/cache")
     async def resize(request: Request) -> JSONResponse:
+        from freetoken.engine.engine import EngineDead
         from freetoken.engine.live_resize import ResizeBusy
         from freetoken.engine.memory_plan import MemoryPlanError
 
@@ -43,6 +44,8 @@ def create_cache_router() -> APIRouter:
         except (MemoryPlanError, ResizeBusy) as exc:
             raise APIError(409, str(exc), "kv" if isinstance(exc, ResizeBusy) else None) \
                 from None
+        except EngineDead as exc:
+            raise APIError(503, str(exc)) from None
         except ValueError as exc:
             raise APIError(400, str(exc), "moe" if "--moe" in str(exc) or "expert" in str(exc)
                            else "kv") from None
