@@ -7,15 +7,15 @@ own offload (device_map across GPU and CPU).
 The model of benchmarks/gpu_moe.py (random bf16, hidden 2048, 128 experts of width 768, 8 per
 token), `--layers` of its 48. Routing is replaced by a synthetic trace so the cache sees a
 known distribution: `uniform` (fresh random logits every token and layer: the worst case for
-a cache) and `skewed` (a fixed Zipf-like popularity per layer, s = 1.2, plus noise: a few
-experts take most tokens, as real traces do). Rate 1.0 is the resident model (every expert on
-the GPU, decode in CUDA graphs, the model's own router); lower rates load the experts into pinned host memory and
-resize one engine's cache live (`resize_pools`) from rate to rate. For each rate, batch and
-trace: decode tok/s, the expert hit rate, the miss bytes per token and the miss traffic as a
-share of the measured H2D bandwidth (goal at 0.2: >= 70%), copy-only vs co-execution (the CPU
-policy on: measured PCIe and CPU speeds decide per step), and the offloaded engine at rate 1
-after warming (every expert cached: the cost of eager decode plus one id copy per MoE layer,
-beside the resident row). transformers' row needs
+a cache) and `skewed` (a fixed popularity per layer, logit bias -1.2 ln(rank), plus unit
+Gaussian noise: a few experts take most tokens, as real traces do). Rate 1.0 is the resident
+model (every expert on the GPU, decode in CUDA graphs, the model's own router); lower rates
+load the experts into pinned host memory and resize one engine's cache live (`resize_pools`)
+from rate to rate. For each rate, batch and trace: decode tok/s, the expert hit rate, the miss
+bytes per token and the miss traffic as a share of the measured H2D bandwidth (goal at 0.2:
+>= 70%), copy-only vs co-execution (the CPU policy on: measured PCIe and CPU speeds decide per
+step); then the offloaded engine at rate 1 after warming (every expert cached: the cost of
+eager decode plus one id copy per MoE layer, beside the resident row). transformers' row needs
 `accelerate`; without it the row is skipped with a message.
 """
 
@@ -44,7 +44,7 @@ class TraceRouter:
         g = torch.Generator(device="cuda").manual_seed(1000 + layer)
         self.mode, self.e = mode, num_experts
         rank = torch.randperm(num_experts, generator=g, device="cuda").float() + 1.0
-        self.bias = -1.2 * torch.log(rank) * 4.0          # Zipf-like popularity, in logits
+        self.bias = -1.2 * torch.log(rank)               # Zipf-like popularity, in logits
         self.gen = torch.Generator(device="cuda").manual_seed(7 + layer)
 
     def __call__(self, out, x) -> None:

@@ -36,7 +36,7 @@ def test_offloaded_forward_gives_the_resident_logits(model_dir, monkeypatch, rat
     from freetoken.engine import offload_setup
     from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
 
-    monkeypatch.setattr(offload_setup, "pin", lambda t: t)
+    monkeypatch.setattr(offload_setup, "pin", lambda t, total=0: t)
     resident = build(model_dir)
     offloaded = build(model_dir, plan=lambda cfg, dtype: True)
     assert offloaded.layers[0].mlp.w13.device.type == "cpu"
@@ -73,7 +73,8 @@ def test_a_pinning_failure_names_memlock_the_bytes_and_the_fix():
             raise RuntimeError("CUDA error: out of memory")
 
     with pytest.raises(MemoryPlanError) as info:
-        pin(Unpinnable())
+        pin(Unpinnable(), total=40 << 30)
     text = str(info.value)
-    for words in ("RLIMIT_MEMLOCK", "1.50 GiB", "ulimit -l unlimited", "LimitMEMLOCK=infinity"):
+    for words in ("RLIMIT_MEMLOCK", "40.00 GiB in all", "1.50 GiB tensor", "ulimit -l unlimited",
+                  "LimitMEMLOCK=infinity"):
         assert words in text, (words, text)

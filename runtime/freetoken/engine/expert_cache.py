@@ -6,14 +6,15 @@ kernel reads weights through a per-layer expert-id -> slot map (int32 [E] on the
 kernel is the resident one: resident = the identity map over the model's own stacked tensors.
 
 Per MoE layer call (``run``):
-- decode (a decode-only step; without that hint, T * K < E): the routing's ids come to the host (one small D2H of [T, K], the step's
-  only extra sync per layer); hits keep their slot, misses are copied into LRU slots on the copy
-  stream (or, when the co-execution policy says so, computed on the CPU from host memory while
-  the GPU runs), the map is uploaded, and the kernel waits for the copies' event. When the misses
-  do not fit beside the layer's hits, they go through staging buffer 0 instead.
-- prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts stream whole through
-  the staging buffers, never entering the LRU (no thrashing): layer l reads buffer l % 2 while
-  layer l + 1's experts are copied into the other one (double buffering).
+- decode (a decode-only step; without the engine's hint, T * K < E): the routing's ids come to
+  the host (one small D2H of [T, K], the step's only extra sync per layer); hits keep their
+  slot, misses are copied into LRU slots on the copy stream (or, when the co-execution policy
+  says so, computed on the CPU from host memory while the GPU runs), the map is uploaded, and
+  the kernel waits for the copies' event. When the misses do not fit beside the layer's hits,
+  they go through staging buffer 0 instead.
+- prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts
+  stream whole through the staging buffers, never entering the LRU (no thrashing): layer l
+  reads buffer l % 2 while layer l + 1's experts are copied into the other (double buffering).
 Indices: `layer` counts MoE layers only (0 .. moe_layers - 1), not decoder layers.
 """
 

@@ -119,18 +119,20 @@ class OffloadPlanner:
         return rate < 1.0
 
 
-def pin(tensor):
-    """A pinned copy of a host tensor; a failure names RLIMIT_MEMLOCK, the bytes and the fix."""
+def pin(tensor, total: int = 0):
+    """A pinned copy of a host tensor; a failure names RLIMIT_MEMLOCK, the bytes needed (`total`:
+    every expert) and the fix."""
     try:
         return tensor.pin_memory()
     except RuntimeError as exc:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         limit = "unlimited" if soft == resource.RLIM_INFINITY else fmt_bytes(soft)
+        size = tensor.numel() * tensor.element_size()
         raise MemoryPlanError(
-            f"pinning {fmt_bytes(tensor.numel() * tensor.element_size())} of expert weights in "
-            f"host memory failed ({exc}); RLIMIT_MEMLOCK is {limit}: raise it with `ulimit -l "
-            f"unlimited` (systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1), or "
-            f"pass --moe-cache-rate 1 to keep every expert on the GPU") from None
+            f"pinning the experts in host memory ({fmt_bytes(max(total, size))} in all) failed "
+            f"at a {fmt_bytes(size)} tensor ({exc}); RLIMIT_MEMLOCK is {limit}: raise it with "
+            f"`ulimit -l unlimited` (systemd: LimitMEMLOCK=infinity; docker: --ulimit "
+            f"memlock=-1), or pass --moe-cache-rate 1 to keep every expert on the GPU") from None
 
 
 def moe_layers(model) -> list:
@@ -149,9 +151,11 @@ def attach_expert_cache(model, decision: OffloadDecision):
 
     layers = moe_layers(model)
     device = model.arrays.torch_device
-    w13 = [pin(mlp.w13) for mlp in layers]
-    w2 = [pin(mlp.w2) for mlp in layers]
-    for mlp in layers:       # the unpinned copies go; the cache holds the pinned ones
+    total = sum(t.numel() * t.element_size() for mlp in layers for t in (mlp.w13, mlp.w2))
+    w13, w2 = [], []
+    for mlp in layers:     # layer by layer, so the unpinned copy of one layer at a time is extra
+        w13.append(pin(mlp.w13, total))
+        w2.append(pin(mlp.w2, total))
         mlp.w13 = mlp.w2 = None
     _, two_i, h = w13[0].shape
     slots = cache_slots(ModelSizes.of(model.config, model.dtype), decision.rate)
