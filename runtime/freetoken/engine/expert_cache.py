@@ -67,6 +67,7 @@ class ExpertCache:
                           for _ in range(self.num_layers)]
         self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
                          for _ in range(self.num_layers)]
+        self._maps_np = [m.numpy() for m in self.maps_host]    # views: written in place
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
@@ -176,24 +177,30 @@ class ExpertCache:
             self._stage_layer(layer + 1, 1 - buf)     # overlaps this layer's kernel
 
     def _decode(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
-        torch = self.torch
+        import numpy as np
+
         ids = topk_ids.to("cpu")                      # the one host sync of this layer
-        counts = torch.bincount(ids.flatten().long(), minlength=self.num_experts).tolist()
-        routed = {e: c for e, c in enumerate(counts) if c}
-        hits = {e: s for e in routed if (s := self.lru.lookup((layer, e))) is not None}
-        misses = {e: c for e, c in routed.items() if e not in hits}
+        experts, counts = np.unique(ids.numpy(), return_counts=True)
+        lookup, hits, misses = self.lru.lookup, {}, {}
+        for e, c in zip(experts.tolist(), counts.tolist()):
+            slot = lookup((layer, e))
+            if slot is None:
+                misses[e] = c
+            else:
+                hits[e] = slot
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
         copy, cpu = (self.policy.split(misses) if self.policy is not None
                      else (sorted(misses), []))
         # Experts not routed this step point at slot 0 (never read; the CPU kernel checks every
         # entry); -1 only marks routed experts the CPU computes, which the GPU kernel skips.
-        emap = [0] * self.num_experts
-        for e in cpu:
-            emap[e] = -1
-        for e, s in hits.items():
-            emap[e] = s
-        keep = [(layer, e) for e in hits]
+        # NOTE: this pinned buffer is rewritten only after the next step's sync on this layer's
+        # ids, by which time its last upload has long completed.
+        emap = self._maps_np[layer]
+        emap.fill(0)
+        emap[cpu] = -1
+        emap[list(hits)] = list(hits.values())
+        keep = {(layer, e) for e in hits}
         with self._copy_ctx():
             if self.lru.can_place(len(copy), keep):
                 for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
@@ -206,9 +213,6 @@ class ExpertCache:
                     emap[e] = base + e
             self._copied.record(self.copy_stream)
         self._compute_wait(self._copied)
-        # NOTE: the pinned map buffer is rewritten only after the next step's sync on this
-        # layer's ids, by which time this upload has long completed.
-        self.maps_host[layer].copy_(torch.tensor(emap, dtype=torch.int32))
         self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
         host_x = host_w = None
         if cpu:

@@ -34,13 +34,15 @@ class SlotLRU:
         return slot
 
     def can_place(self, count: int, keep: Iterable[Key]) -> bool:
-        held = sum(1 for k in set(keep) if k in self._lru)
-        return count <= len(self._free) + len(self._lru) - held
+        if count <= len(self._free):
+            return True
+        keep = keep if isinstance(keep, (set, frozenset)) else set(keep)
+        return count <= len(self._free) + len(self._lru) - len(keep & self._lru.keys())
 
     def place(self, keys: list[Key], keep: Iterable[Key]) -> list[tuple[Key, int, Key | None]]:
         """(key, slot, evicted key or None) for each new key, in order; raises ValueError when
         they do not fit (check can_place first)."""
-        keep = set(keep)
+        keep = keep if isinstance(keep, (set, frozenset)) else set(keep)
         if not self.can_place(len(keys), keep):
             raise ValueError(f"{len(keys)} experts do not fit in {self.num_slots} slots with "
                              f"{len(keep)} held")
