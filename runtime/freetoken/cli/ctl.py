@@ -115,3 +115,36 @@ def stats_command(url: str, api_key: str | None) -> None:
         message = body.get("error", {}).get("message", body) if isinstance(body, dict) else body
         raise click.ClickException(f"{url}/v1/stats answered {status}: {message}")
     click.echo(json.dumps(body, indent=2))
+
+
+@ctl_command.command("cache")
+@url_option
+@key_option
+@click.option("--kv", default=None, type=click.IntRange(1), metavar="TOKENS",
+              help="New KV pool size in tokens.")
+@click.option("--moe", default=None, type=click.FloatRange(0.0, 1.0, min_open=True),
+              metavar="RATE", help="New expert cache rate (0 < RATE <= 1).")
+@click.option("--wait", default=0.0, type=click.FloatRange(0, 3600), metavar="SECONDS",
+              help="Wait up to SECONDS for requests holding KV pages past a shrunk pool.")
+def cache_command(url: str, api_key: str | None, kv: int | None, moe: float | None,
+                  wait: float) -> None:
+    """Resize the KV pool and/or the expert cache of a running server, without reloading.
+    A plan that does not fit is refused with the numbers; the old pools keep serving."""
+    if kv is None and moe is None:
+        raise click.UsageError("pass --kv TOKENS and/or --moe RATE")
+    body = {k: v for k, v in (("kv", kv), ("moe", moe)) if v is not None}
+    body["wait"] = wait
+    with open_url(url, "/v1/cache", api_key, timeout=wait + 600.0, body=body) as response:
+        status, raw = response.status, response.read()
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        raise click.ClickException(f"{url}/v1/cache answered {status} with a body that is not "
+                                   "JSON; is this a FreeToken server?") from None
+    if status != 200:
+        message = reply.get("error", {}).get("message", reply) if isinstance(reply, dict) \
+            else reply
+        raise click.ClickException(f"resize refused ({status}): {message}")
+    keys = ("kv_pool_tokens", "kv_pool_bytes", "moe_cache_rate", "expert_cache_slots",
+            "expert_pool_bytes", "vram_allocated_bytes")
+    click.echo(json.dumps({k: reply.get(k) for k in keys}, indent=2))

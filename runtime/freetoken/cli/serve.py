@@ -10,7 +10,9 @@ import threading
 import click
 
 from freetoken.engine.config import DEVICES, KV_DTYPES, SAMPLING_DEFAULT_MODES, EngineConfig
+from freetoken.engine.offload_setup import MOE_CPU_MODES, OffloadConfig
 from freetoken.server.config import ServerConfig
+from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
 
 
 @click.command("serve")
@@ -25,9 +27,10 @@ from freetoken.server.config import ServerConfig
 @click.option("--dtype", default="auto", show_default=True,
               help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16 "
                    "(the CPU computes in float32 only).")
-@click.option("--num-tokens", default=EngineConfig.num_tokens, show_default=True,
-              type=click.IntRange(0),
-              help="KV pool size in tokens; 0 = four contexts of up to 4096 tokens.")
+@click.option("--num-tokens", default="auto", show_default=True, type=NUM_TOKENS,
+              help="KV pool size in tokens; auto (or 0) = on a GPU, what free memory leaves "
+                   "after the weights, the expert cache, the graphs and a margin; on the CPU "
+                   "four contexts of up to 4096 tokens.")
 @click.option("--max-num-seqs", default=EngineConfig.max_num_seqs, show_default=True,
               type=click.IntRange(1), help="Most sequences batched in one step.")
 @click.option("--max-prefill-tokens", default=EngineConfig.max_prefill_tokens,
@@ -58,10 +61,18 @@ from freetoken.server.config import ServerConfig
 @click.option("--prefix-cache/--no-prefix-cache", default=EngineConfig.prefix_cache,
               show_default=True,
               help="Reuse the KV of prompt prefixes earlier requests computed.")
+@click.option("--moe-cache-rate", default="auto", show_default=True, type=CACHE_RATE,
+              help="MoE on a GPU: the fraction (0 < R <= 1) of all experts kept in a GPU cache; "
+                   "the rest live in pinned host memory. auto: 1 when every expert fits, else "
+                   "the largest rate that fits.")
+@click.option("--moe-cpu", default=OffloadConfig.cpu, show_default=True,
+              type=click.Choice(MOE_CPU_MODES),
+              help="With offloaded experts: auto computes a missed expert on the CPU when the "
+                   "measured PCIe and CPU speeds say it beats copying it; off always copies.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, kv_dtype, max_output_tokens, cors_origins,
-                  prefix_cache) -> None:
+                  prefix_cache, moe_cache_rate, moe_cpu) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     ctx = click.get_current_context()
@@ -75,7 +86,8 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  sampling_defaults=sampling_defaults, device=device,
                                  cuda_graphs=cuda_graphs, kv_dtype=kv_dtype,
                                  prefix_cache=prefix_cache)
-    run_server(model_path, dtype, engine_config, server_config)
+    offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu)
+    run_server(model_path, dtype, engine_config, server_config, offload)
 
 
 def say(message: str) -> None:
@@ -102,7 +114,8 @@ def phase(name: str) -> None:
                                                -1.0 if took is None else took)
 
 
-def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig):
+def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
+                offload: OffloadConfig | None = None):
     """(loaded model, started and warmed-up engine); errors a user can fix become one-line
     ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
     from freetoken.cli.main import is_debug
@@ -111,6 +124,7 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig)
     from freetoken.kernel.errors import KernelCacheError, KernelUnavailable
     from freetoken.kernel.preload import load_kernels, plan_kernels
     from freetoken.models.errors import ModelError
+    from freetoken.engine.offload_setup import OffloadPlanner
     from freetoken.models.loader import load_model, resolve_device
 
     try:
@@ -120,9 +134,14 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig)
         load_kernels(device, plan, say)
         phase("kernels loaded")
         say(f"loading {model_path or 'the default model'} on {device} ...")
-        loaded = load_model(model_path, device=str(device), dtype=dtype)
+        planner = OffloadPlanner(engine_config, offload or OffloadConfig(), device)
+        loaded = load_model(model_path, device=str(device), dtype=dtype, plan=planner)
         phase("model loaded")
-        engine = Engine.from_loaded(loaded, engine_config).start()
+        if planner.decision is not None:
+            say(f"memory plan: {planner.decision.plan.describe()}"
+                + (f"; experts offloaded, cache rate {planner.decision.rate:.3f}"
+                   if planner.decision.offloaded else ""))
+        engine = Engine.from_loaded(loaded, engine_config, planner.decision).start()
     except (ModelError, EngineConfigError, KernelUnavailable, KernelCacheError) as exc:
         if is_debug():
             raise
@@ -156,11 +175,11 @@ def _import_in_background(*modules: str) -> threading.Thread:
 
 
 def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
-               server_config: ServerConfig) -> None:
+               server_config: ServerConfig, offload: OffloadConfig | None = None) -> None:
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
     phase("imports done")
-    loaded, engine = load_engine(model_path, dtype, engine_config)
+    loaded, engine = load_engine(model_path, dtype, engine_config, offload)
     importer.join()
     phase("web stack imported")
     from freetoken.server.app import create_app

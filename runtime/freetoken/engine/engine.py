@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.guide import Guide, apply_guides
 from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.live_resize import ResizeBusy, apply_resize, pool_stats
 from freetoken.engine.logprobs import log_softmax_rows, token_logprob
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
@@ -26,6 +30,7 @@ from freetoken.engine.stream import RequestStream
 from freetoken.models.batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
+    from freetoken.engine.offload_setup import OffloadDecision
     from freetoken.models.config import GenerationDefaults
 
 logger = logging.getLogger("freetoken.engine")
@@ -50,13 +55,17 @@ class Engine:
             config.sampling_defaults == "model" and a request leaves a field unset).
         eos_token_ids: ids that end a sequence with finish_reason "stop".
         model_id: names the weights in prefix-cache keys (with the shape and KV dtype).
+        offload: the start-up memory plan's decision (KV pool size, expert offload), if any.
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig,
                  generation_defaults: GenerationDefaults | None = None,
-                 eos_token_ids: Sequence[int] = (), model_id: str = ""):
+                 eos_token_ids: Sequence[int] = (), model_id: str = "",
+                 offload: OffloadDecision | None = None):
         self.model = model
         self.tokenizer = tokenizer
+        if offload is not None:
+            config = replace(config, num_tokens=offload.num_tokens)
         self.config = resolve_engine_config(config, model.config.max_position)
         self.generation_defaults = generation_defaults
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -81,13 +90,18 @@ class Engine:
                 SNAPSHOTS_PER_SLOT * self.states.num_slots, self.arrays)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
-        self.graphs = None
-        if not self.arrays.device.is_cpu and self.config.cuda_graphs:
-            from freetoken.engine.cuda_graph import DecodeGraphs
+        self.expert_cache = None
+        if offload is not None and offload.offloaded:
+            from freetoken.engine.offload_setup import attach_expert_cache
 
-            max_blocks = -(-self.max_request_tokens // self.config.block_size)
-            self.graphs = DecodeGraphs(model, self.kv, self.config.max_num_seqs,
-                                       max_blocks).capture()
+            self.expert_cache = attach_expert_cache(model, offload)
+        # NOTE: a decode step with expert misses learns them on the host mid-step, so an
+        # offloaded model decodes eagerly (no graphs); resident experts keep the graphs.
+        self.graphs = None
+        if not self.arrays.device.is_cpu and self.config.cuda_graphs and \
+                self.expert_cache is None:
+            self.graphs = self.recapture_graphs()
+        self._jobs: list = []   # (future, kv_tokens, moe_rate): resizes run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -96,11 +110,48 @@ class Engine:
                           "steps": 0}
 
     @classmethod
-    def from_loaded(cls, loaded: Any, config: EngineConfig) -> Engine:
+    def from_loaded(cls, loaded: Any, config: EngineConfig,
+                    offload: OffloadDecision | None = None) -> Engine:
         """An engine for a freetoken.models.loader.LoadedModel."""
         eos = tuple(loaded.tokenizer.eos_token_ids) + tuple(loaded.config.eos_token_ids)
         return cls(loaded.model, loaded.tokenizer, config, loaded.generation_defaults, eos,
-                   f"{loaded.name}|{loaded.source}")
+                   f"{loaded.name}|{loaded.source}", offload)
+
+    def recapture_graphs(self):
+        """Decode CUDA graphs over the current KV pool (again after a KV resize)."""
+        from freetoken.engine.cuda_graph import DecodeGraphs
+
+        max_blocks = -(-self.max_request_tokens // self.config.block_size)
+        return DecodeGraphs(self.model, self.kv, self.config.max_num_seqs, max_blocks).capture()
+
+    def resize_pools(self, kv_tokens: int | None = None, moe_rate: float | None = None,
+                     wait: float = 0.0) -> dict[str, Any]:
+        """Resize the KV pool (tokens) and the expert cache (rate) between two steps; a KV
+        shrink past pages in use waits up to `wait` seconds for them. Returns the new pool
+        stats; raises MemoryPlanError, ResizeBusy or ValueError, the old pools serving on."""
+        deadline = time.monotonic() + wait
+        while True:
+            job: Future = Future()
+            with self._cond:
+                if not self.is_alive:
+                    raise EngineDead("the engine is not running; restart the server")
+                self._jobs.append((job, kv_tokens, moe_rate))
+                self._cond.notify()
+            try:
+                return job.result()
+            except ResizeBusy:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.05)
+
+    def _run_jobs(self) -> None:
+        """Pending resizes, on the engine thread between two steps (lock held)."""
+        jobs, self._jobs = self._jobs, []
+        for job, kv_tokens, moe_rate in jobs:
+            try:
+                job.set_result(apply_resize(self, kv_tokens, moe_rate))
+            except Exception as exc:   # noqa: BLE001 - the caller gets it
+                job.set_exception(exc)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -120,6 +171,9 @@ class Engine:
         with self._cond:
             for request in list(self._requests.values()):
                 self._end(request, "abort", "", error="the engine shut down")
+            for job, _, _ in self._jobs:
+                job.set_exception(EngineDead("the engine shut down before the resize ran"))
+            self._jobs = []
 
     def warm_up(self) -> None:
         """Run one two-token request so every kernel is loaded (or compiled) before serving;
@@ -226,7 +280,8 @@ class Engine:
             device=str(self.model.device),
             kv_dtype=self.kv_dtype,
             **model_stats(self.model.config),
-            cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None)
+            cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None,
+            **pool_stats(self))
         return stats
 
     def _resolve_params(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
@@ -251,16 +306,22 @@ class Engine:
                 self._stopping = True
                 for request in list(self._requests.values()):
                     self._end(request, "error", "", error="the engine thread crashed")
+                for job, _, _ in self._jobs:
+                    job.set_exception(EngineDead("the engine thread crashed"))
+                self._jobs = []
             raise
 
     def _next_step(self) -> tuple[list[ScheduledChunk], ForwardBatch] | None:
         """Wait for work; the plan and batch of the next step, or None when stopping."""
         with self._cond:
             while True:
-                while not self._stopping and not self.scheduler.has_work:
+                while not self._stopping and not self.scheduler.has_work and not self._jobs:
                     self._cond.wait()
                 if self._stopping:
                     return None
+                self._run_jobs()
+                if not self.scheduler.has_work:
+                    continue
                 plan = self.scheduler.schedule()
                 if plan:
                     return plan, prepare_forward_batch(plan, self.pool.block_size,
@@ -269,6 +330,8 @@ class Engine:
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
+        if self.expert_cache is not None:   # prompt chunks stream whole expert layers
+            self.expert_cache.prefill = batch.max_query_len > 1
         try:
             with self.arrays.no_grad():
                 if self.graphs is not None and self.graphs.can_run(batch):

@@ -104,6 +104,27 @@ class PagePool:
                 else:
                     self._free.append(page)
 
+    def pages_held_from(self, num_pages: int) -> int:
+        """Pages with an id >= num_pages that some sequence holds (they block a shrink)."""
+        return sum(1 for r in self._refs[num_pages:] if r)
+
+    def resize(self, num_pages: int) -> None:
+        """Grow, or shrink when no page >= num_pages is held (ValueError naming how many
+        are): idle cached pages past the end are dropped; page ids below stay as they are."""
+        if num_pages < 1:
+            raise ValueError(f"a page pool needs >= 1 page, got {num_pages}")
+        held = self.pages_held_from(num_pages)
+        if held:
+            raise ValueError(f"{held} pages at or past page {num_pages} are in use")
+        for page in range(num_pages, self.num_pages):
+            if page in self._idle:
+                del self._idle[page]
+                del self._page_of[self._key_of.pop(page)]
+        new = list(range(num_pages - 1, self.num_pages - 1, -1))   # handed out last
+        self._free = new + [p for p in self._free if p < num_pages]
+        self._refs = self._refs[:num_pages] + [0] * max(0, num_pages - self.num_pages)
+        self.num_pages = num_pages
+
     # ---- prefix cache ------------------------------------------------------------------------
 
     def publish(self, page: int, key: bytes) -> None:

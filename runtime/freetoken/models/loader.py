@@ -4,10 +4,11 @@ checkpoint read (checkpoint/), its tokenizer built (tokenizer/), its forward pla
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
-from freetoken.arrays import (CUDA_INSTALL_HINT, Device, DeviceError, arrays_for,
+from freetoken.arrays import (CUDA_INSTALL_HINT, Device, DeviceError, TorchArrays, arrays_for,
                               canonical_dtype, parse_device)
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.forward.decoder import Decoder
@@ -69,7 +70,8 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
+               plan: Callable[[ModelConfig, str], bool] | None = None) -> LoadedModel:
     """Load a model for serving.
 
     Args:
@@ -78,6 +80,9 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
         device: "cpu", "cuda" ("cuda:N") or "auto".
         dtype: activation and KV-cache dtype; "auto" = bfloat16 on CUDA, float32 (the only
             choice) on the CPU.
+        plan: called with the model's config and dtype once the checkpoint's header is read,
+            before any weight is placed; it may raise (a memory plan that does not fit), and
+            True puts the routed experts in host memory (expert offload) instead of on device.
     Raises:
         ModelFormatError, UnsupportedModelError, ModelOptionError, ModelDownloadError.
     """
@@ -87,10 +92,10 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
     placement = Placement(arrays_for(where), resolve_dtype(dtype, where))
     path = default_model_path() if source is None else Path(source).expanduser()
     if path.is_dir():
-        config, model, tokenizer, defaults = _load_hf(path, placement)
+        config, model, tokenizer, defaults = _load_hf(path, placement, plan)
         name = path.resolve().name
     elif path.is_file() and _is_gguf(path):
-        config, model, tokenizer, defaults = _load_gguf(path, placement)
+        config, model, tokenizer, defaults = _load_gguf(path, placement, plan)
         name = DEFAULT_MODEL_NAME if source is None else path.stem
     elif path.is_file():
         raise ModelFormatError(f"{path}: not a GGUF file (no GGUF magic); pass a .gguf file "
@@ -102,12 +107,14 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto") -> 
                        generation_defaults=defaults, name=name, source=str(path))
 
 
-def _build_model(tensors, config: ModelConfig, placement: Placement) -> Decoder:
+def _build_model(tensors, config: ModelConfig, placement: Placement, plan=None) -> Decoder:
+    if plan is not None and plan(config, placement.dtype) and not placement.arrays.device.is_cpu:
+        placement = replace(placement, experts=TorchArrays(parse_device("cpu")))
     weights = build_decoder_weights(tensors, config, placement)
     return Decoder(config, weights, placement.arrays, placement.dtype)
 
 
-def _load_hf(path: Path, placement: Placement):
+def _load_hf(path: Path, placement: Placement, plan=None):
     try:
         from freetoken.models.checkpoint.hf import hf_generation_defaults, read_hf_dir
         from freetoken.models.tokenizer.hf import hf_tokenizer
@@ -119,11 +126,11 @@ def _load_hf(path: Path, placement: Placement):
 
     config, tensors, raw_config, gen = read_hf_dir(path)
     tokenizer = hf_tokenizer(path, raw_config, gen)
-    model = _build_model(tensors, config, placement)
+    model = _build_model(tensors, config, placement, plan)
     return config, model, tokenizer, hf_generation_defaults(gen)
 
 
-def _load_gguf(path: Path, placement: Placement):
+def _load_gguf(path: Path, placement: Placement, plan=None):
     from freetoken.models.checkpoint.gguf import gguf_generation_defaults, read_gguf
     from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
@@ -132,5 +139,5 @@ def _load_gguf(path: Path, placement: Placement):
     # their time outside the GIL, so this takes ~0.3 s off start-up.
     with ThreadPoolExecutor(1, thread_name_prefix="freetoken-tokenizer") as pool:
         tokenizer = pool.submit(tokenizer_from_gguf, meta, str(path))
-        model = _build_model(tensors, config, placement)
+        model = _build_model(tensors, config, placement, plan)
         return config, model, tokenizer.result(), gguf_generation_defaults(meta)

@@ -29,6 +29,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None
     from freetoken import __version__
     from freetoken.server import anthropic, openai
     from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+    from freetoken.server.cache_route import create_cache_router
     from freetoken.server.metrics import create_admin_router
     from freetoken.server.openapi import install_openapi
     from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,6 +43,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(create_admin_router())
+    app.include_router(create_cache_router())
     install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest,
                           "/v1/completions": CompletionRequest,
                           "/v1/messages": MessagesRequest,

@@ -57,6 +57,9 @@ class Metrics:
         self.states = {key: Gauge(f"freetoken_{key}", help_text, registry=registry)
                        for key, help_text in STATE_GAUGES.items()}
         registry.register(PrefixCacheCollector(engine_stats))
+        from freetoken.server.offload_metrics import OffloadCollector
+
+        registry.register(OffloadCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

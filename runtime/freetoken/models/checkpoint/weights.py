@@ -44,6 +44,12 @@ class Placement:
 
     arrays: HostArrays | TorchArrays
     dtype: str                     # float32 | bfloat16 | float16
+    # Where routed experts go when not beside the rest (expert offload: host torch tensors).
+    experts: Any = None
+
+    @property
+    def expert_arrays(self) -> HostArrays | TorchArrays:
+        return self.experts if self.experts is not None else self.arrays
 
     @property
     def keeps_quantized(self) -> bool:
@@ -191,7 +197,7 @@ class _Reader:
                                  (raw[0].shape[0], rows, raw[0].shape[2]))
         else:
             floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
-            placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
+            placed = [self.where.expert_arrays.place(w, self.where.dtype) for w in floats]
             joined = placed[0] if len(placed) == 1 else _concat(placed, axis=1)
         release = getattr(self.src, "release", None)
         if release is not None and len(parts) > 1:   # joined into a copy: drop the file's pages
@@ -233,7 +239,7 @@ def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
     down = read.stacked([(p + "experts.down", (e, h, inter))])
     if isinstance(gate_up, QuantWeight) != isinstance(down, QuantWeight):
         # one kernel call takes both: GGUF blocks for both, or floats for both
-        gate_up, down = (read.where.arrays.place(dequantize(x), read.where.dtype)
+        gate_up, down = (read.where.expert_arrays.place(dequantize(x), read.where.dtype)
                          if isinstance(x, QuantWeight) else x for x in (gate_up, down))
     w = {"router": read.required(p + "router", (e, h)),
          "experts.gate_up": gate_up, "experts.down": down}

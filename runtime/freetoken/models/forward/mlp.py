@@ -58,6 +58,9 @@ class MoEMLP:
         self.w2 = arg(w2.data if self.qtypes else w2)
         # every expert resident: slot e holds expert e (an offload cache remaps this later)
         self.expert_map = arg(arrays.index(np.arange(moe.num_experts, dtype=np.int32)))
+        # Expert offload replaces the experts call: offload(out, x, topk_ids, topk_weights,
+        # workspace) runs them through its slot pool (engine/expert_cache.py).
+        self.offload = None
         self.shared = None
         if moe.shared_intermediate_size:
             self.shared = DenseMLP(w["shared.gate_up"], w["shared.down"], kernels)
@@ -67,7 +70,9 @@ class MoEMLP:
         ops, out = self.ops, w.other(x)
         self.router(w.router_logits, x)
         ops.moe_topk_softmax(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
-        if self.qtypes:
+        if self.offload is not None:
+            self.offload(out, x, w.topk_ids, w.topk_weights, w.moe_workspace)
+        elif self.qtypes:
             ops.moe_experts_quant(out, x, self.w13, self.w2, *self.qtypes, w.topk_ids,
                                   w.topk_weights, self.expert_map, w.moe_workspace)
         else:

@@ -1,0 +1,247 @@
+"""Offloaded experts: every expert in pinned host memory, the hot ones in one GPU slot pool.
+
+The pool is two fixed tensors, w13 [S + 2E, 2I, H] and w2 [S + 2E, H, I]: S LRU slots shared by
+every MoE layer (expert_slots.SlotLRU), then two staging buffers of E slots each. The experts
+kernel reads weights through a per-layer expert-id -> slot map (int32 [E] on the device), so the
+kernel is the resident one: resident = the identity map over the model's own stacked tensors.
+
+Per MoE layer call (``run``):
+- decode (a decode-only step; without the engine's hint, T * K < E): the routing's ids come to
+  the host (one small D2H of [T, K], the step's only extra sync per layer); hits keep their
+  slot, misses are copied into LRU slots on the copy stream (or, when the co-execution policy
+  says so, computed on the CPU from host memory while the GPU runs), the map is uploaded, and
+  the kernel waits for the copies' event. When the misses do not fit beside the layer's hits,
+  they go through staging buffer 0 instead.
+- prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts
+  stream whole through the staging buffers, never entering the LRU (no thrashing): layer l
+  reads buffer l % 2 while layer l + 1's experts are copied into the other (double buffering).
+Indices: `layer` counts MoE layers only (0 .. moe_layers - 1), not decoder layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+from freetoken.engine.expert_slots import OffloadStats, SlotLRU
+from freetoken.engine.offload_policy import CoExecPolicy
+
+
+class _NoEvent:
+    """Stands in for a CUDA event on the CPU (tests), where every copy is synchronous."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+
+class ExpertCache:
+    """Args:
+        host_w13, host_w2: per MoE layer, CPU tensors [E, 2I, H] / [E, H, I] (pinned when the
+            device is a GPU).
+        device: torch device of the pool (cuda, or cpu for tests).
+        num_slots: LRU slots (cache rate * every expert of every layer).
+        kernel: moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace).
+        policy: co-execution policy, or None to copy every miss.
+    """
+
+    def __init__(self, host_w13: list, host_w2: list, device: Any, num_slots: int,
+                 kernel: Callable, policy: CoExecPolicy | None = None):
+        import torch
+
+        self.torch, self.device, self.kernel, self.policy = torch, device, kernel, policy
+        self.host_w13, self.host_w2 = host_w13, host_w2
+        self.num_layers = len(host_w13)
+        self.num_experts, two_i, self.hidden = host_w13[0].shape
+        self.inter = two_i // 2
+        self.dtype = host_w13[0].dtype
+        self.expert_bytes = (host_w13[0][0].numel() + host_w2[0][0].numel()) * \
+            host_w13[0].element_size()
+        self.is_cuda = torch.device(device).type == "cuda"
+        self.lru = SlotLRU(num_slots)
+        self.stats = OffloadStats()
+        self.w13 = self.w2 = None
+        self._alloc(num_slots)
+        e, i32 = self.num_experts, torch.int32
+        pin = self.is_cuda
+        self.maps_host = [torch.full((e,), -1, dtype=i32, pin_memory=pin)
+                          for _ in range(self.num_layers)]
+        self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
+                         for _ in range(self.num_layers)]
+        self._maps_np = [m.numpy() for m in self.maps_host]    # views: written in place
+        if self.is_cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self._ready = [torch.cuda.Event() for _ in range(2)]
+            self._done = [torch.cuda.Event() for _ in range(2)]
+            self._copied = torch.cuda.Event()
+        else:
+            self.copy_stream = None
+            self._ready = [_NoEvent(), _NoEvent()]
+            self._done = [_NoEvent(), _NoEvent()]
+            self._copied = _NoEvent()
+        self._staged = [-1, -1]        # the MoE layer each staging buffer holds, -1 = none
+        # Set by the engine before each forward: True for steps with a prompt chunk (they
+        # stream), False for decode-only steps; None: decide by T * K >= E.
+        self.prefill: bool | None = None
+
+    # ---- pool --------------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.lru.num_slots
+
+    @property
+    def pool_bytes(self) -> int:
+        return (self.num_slots + 2 * self.num_experts) * self.expert_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.num_layers * self.num_experts * self.expert_bytes
+
+    def _staging_base(self, buf: int) -> int:
+        return self.num_slots + buf * self.num_experts
+
+    def _alloc(self, num_slots: int) -> None:
+        """Fixed pool tensors for `num_slots` LRU slots; cached entries below the new size keep
+        their slot and data."""
+        torch, total = self.torch, num_slots + 2 * self.num_experts
+        w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
+                          device=self.device)
+        w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype, device=self.device)
+        if self.w13 is not None:
+            keep = min(num_slots, self.w13.shape[0] - 2 * self.num_experts)
+            w13[:keep].copy_(self.w13[:keep])
+            w2[:keep].copy_(self.w2[:keep])
+        self.w13, self.w2 = w13, w2
+        e = self.num_experts
+        self._staging_maps = [torch.arange(num_slots + b * e, num_slots + (b + 1) * e,
+                                           dtype=torch.int32, device=self.device)
+                              for b in range(2)]
+
+    def resize(self, num_slots: int) -> None:
+        """New pool tensors of `num_slots` LRU slots; call between steps (nothing in flight)."""
+        if self.is_cuda:
+            self.torch.cuda.synchronize(self.device)
+        self.lru.resize(num_slots)
+        self._alloc(num_slots)
+        self._staged = [-1, -1]
+
+    # ---- one MoE layer -------------------------------------------------------------------------
+
+    def run(self, layer: int, out, x, topk_ids, topk_weights, workspace) -> None:
+        """The routed experts of MoE layer `layer` into out (overwritten), as moe_experts."""
+        tokens, top_k = topk_ids.shape
+        if layer == 0:
+            self.stats.tokens += tokens
+        stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
+        if stream:
+            self._stream(layer, out, x, topk_ids, topk_weights, workspace)
+        else:
+            self._decode(layer, out, x, topk_ids, topk_weights, workspace)
+
+    def _copy_ctx(self):
+        return self.torch.cuda.stream(self.copy_stream) if self.is_cuda \
+            else contextlib.nullcontext()
+
+    def _compute_wait(self, event) -> None:
+        if self.is_cuda:
+            self.torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _copy_expert(self, layer: int, expert: int, slot: int) -> None:
+        self.w13[slot].copy_(self.host_w13[layer][expert], non_blocking=True)
+        self.w2[slot].copy_(self.host_w2[layer][expert], non_blocking=True)
+        self.stats.bytes_h2d += self.expert_bytes
+
+    def _stage_layer(self, layer: int, buf: int) -> None:
+        """Copy every expert of `layer` into staging buffer `buf` once its last reader is done."""
+        base, e = self._staging_base(buf), self.num_experts
+        with self._copy_ctx():
+            if self.is_cuda:
+                self.copy_stream.wait_event(self._done[buf])
+            self.w13[base:base + e].copy_(self.host_w13[layer], non_blocking=True)
+            self.w2[base:base + e].copy_(self.host_w2[layer], non_blocking=True)
+            self._ready[buf].record(self.copy_stream)
+        self.stats.bytes_h2d += e * self.expert_bytes
+        self._staged[buf] = layer
+
+    def _stream(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
+        buf = layer % 2
+        if self._staged[buf] != layer:
+            self._stage_layer(layer, buf)
+        self._compute_wait(self._ready[buf])
+        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self._staging_maps[buf],
+                    workspace)
+        if self.is_cuda:
+            self._done[buf].record(self.torch.cuda.current_stream(self.device))
+        self.stats.streamed_layers += 1
+        if layer + 1 < self.num_layers and self._staged[1 - buf] != layer + 1:
+            self._stage_layer(layer + 1, 1 - buf)     # overlaps this layer's kernel
+
+    def _decode(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
+        import numpy as np
+
+        ids = topk_ids.to("cpu")                      # the one host sync of this layer
+        experts, counts = np.unique(ids.numpy(), return_counts=True)
+        lookup, hits, misses = self.lru.lookup, {}, {}
+        for e, c in zip(experts.tolist(), counts.tolist()):
+            slot = lookup((layer, e))
+            if slot is None:
+                misses[e] = c
+            else:
+                hits[e] = slot
+        self.stats.hits += len(hits)
+        self.stats.misses += len(misses)
+        copy, cpu = (self.policy.split(misses) if self.policy is not None
+                     else (sorted(misses), []))
+        # Experts not routed this step point at slot 0 (never read; the CPU kernel checks every
+        # entry); -1 only marks routed experts the CPU computes, which the GPU kernel skips.
+        # NOTE: this pinned buffer is rewritten only after the next step's sync on this layer's
+        # ids, by which time its last upload has long completed.
+        emap = self._maps_np[layer]
+        emap.fill(0)
+        emap[cpu] = -1
+        emap[list(hits)] = list(hits.values())
+        keep = {(layer, e) for e in hits}
+        with self._copy_ctx():
+            if self.lru.can_place(len(copy), keep):
+                for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
+                    self._copy_expert(layer, e, slot)
+                    emap[e] = slot
+            else:                                     # overflow: through staging buffer 0
+                base, self._staged[0] = self._staging_base(0), -1
+                for e in copy:
+                    self._copy_expert(layer, e, base + e)
+                    emap[e] = base + e
+            self._copied.record(self.copy_stream)
+        self._compute_wait(self._copied)
+        self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+        host_x = host_w = None
+        if cpu:
+            host_x, host_w = x.to("cpu"), topk_weights.to("cpu")
+        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self.maps_dev[layer],
+                    workspace)
+        if cpu:                                       # runs while the GPU computes the rest
+            part = cpu_experts(host_x, self.host_w13[layer], self.host_w2[layer], ids, host_w,
+                               cpu)
+            out.add_(part.to(device=out.device, dtype=out.dtype, non_blocking=True))
+            self.stats.cpu_experts += len(cpu)
+
+    def check_integrity(self) -> None:
+        self.lru.check_integrity()
+
+
+def cpu_experts(x, w13, w2, ids, weights, experts: list[int]):
+    """sum over the (t, k) routed to `experts` of weights[t, k] * expert(x[t]), in float32 on
+    the CPU through torch (bf16 host weights are multiplied as they are: no per-call
+    conversion copy). x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids int [T, K], weights [T, K]."""
+    import torch
+
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in experts:
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows].to(w13.dtype)
+        gu = (xe @ w13[e].T).float()
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (act.to(w2.dtype) @ w2[e].T).float()
+        out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
+    return out

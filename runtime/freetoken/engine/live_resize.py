@@ -1,0 +1,124 @@
+"""Pool sizes in the stats, and resizing the KV pool and the expert cache while serving.
+
+A resize runs between two engine steps (the engine holds its step lock): the plan is checked
+first against what the device has free now (a new pool is allocated beside the old one while
+the pages or slots that stay are copied over, so the check asks for the whole new pool), and a
+refusal changes nothing. Page ids and expert slots below the new size keep their data, so the
+requests in flight continue on the same pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
+                                          gpu_margin, host_available_bytes, HOST_MARGIN)
+from freetoken.models.batch import KVCache
+
+
+class ResizeBusy(RuntimeError):
+    """A KV shrink would drop pages that running requests hold."""
+
+
+def _nbytes(array) -> int:
+    return int(array.numel() * array.element_size()) if hasattr(array, "numel") \
+        else int(array.nbytes)
+
+
+def pool_stats(engine) -> dict[str, Any]:
+    """Pool sizes, device and pinned bytes and the expert cache's totals."""
+    kv = engine.kv
+    cache = getattr(engine, "expert_cache", None)
+    moe = engine.model.config.moe
+    stats: dict[str, Any] = {
+        "kv_pool_tokens": engine.pool.num_pages * engine.pool.block_size,
+        "kv_pool_bytes": sum(_nbytes(t) for t in kv.k + kv.v),
+        "moe_offload": cache is not None,
+        "vram_allocated_bytes": 0, "vram_reserved_bytes": 0,
+    }
+    if not engine.arrays.device.is_cpu:
+        import torch
+
+        dev = engine.arrays.torch_device
+        stats.update(vram_allocated_bytes=torch.cuda.memory_allocated(dev),
+                     vram_reserved_bytes=torch.cuda.memory_reserved(dev))
+    if cache is not None:
+        stats.update(moe_cache_rate=cache.num_slots / (cache.num_layers * cache.num_experts),
+                     expert_cache_slots=cache.num_slots, expert_pool_bytes=cache.pool_bytes,
+                     pinned_bytes=cache.pinned_bytes, **cache.stats.as_dict())
+    else:
+        total = moe.num_experts * sum(moe.sparse_layers) if moe else 0
+        sizes = ModelSizes.of(engine.model.config, engine.model.dtype) if moe else None
+        stats.update(moe_cache_rate=1.0 if moe else 0.0, expert_cache_slots=total,
+                     expert_pool_bytes=total * sizes.expert_bytes if sizes else 0,
+                     pinned_bytes=0, expert_hits=0, expert_misses=0, expert_hit_rate=0.0,
+                     expert_cpu_executed=0, expert_bytes_h2d=0, expert_bytes_per_token=0.0,
+                     expert_tokens=0, expert_streamed_layers=0)
+    return stats
+
+
+def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None) -> dict[str, Any]:
+    """Resize now (the caller holds the step lock and the engine lock); returns pool_stats.
+    Raises MemoryPlanError (does not fit), ResizeBusy (pages in use), ValueError (bad size)."""
+    pool, cache = engine.pool, getattr(engine, "expert_cache", None)
+    cfg, bs = engine.model.config, pool.block_size
+    new_pages = pool.num_pages if kv_tokens is None else kv_tokens // bs
+    if new_pages < 1:
+        raise ValueError(f"--kv {kv_tokens} is less than one page ({bs} tokens)")
+    new_slots = None
+    if moe_rate is not None:
+        if cfg.moe is None:
+            raise ValueError("--moe: this model has no experts")
+        if cache is None and moe_rate < 1.0:
+            raise ValueError("every expert is resident (the server started with "
+                             "--moe-cache-rate 1, or auto found room for all): restart with "
+                             "--moe-cache-rate below 1 to resize the expert cache live")
+        if cache is not None:
+            new_slots = cache_slots(ModelSizes.of(cfg, engine.model.dtype), moe_rate)
+    kv_per_token = ModelSizes.of(cfg, engine.model.dtype, engine.kv_dtype).kv_bytes_per_token
+    pools = {}
+    if new_pages != pool.num_pages:
+        pools["kv"] = new_pages * bs * kv_per_token
+    if new_slots is not None and new_slots != cache.num_slots:
+        pools["expert_cache"] = (new_slots + 2 * cache.num_experts) * cache.expert_bytes
+    _check_fits(engine, pools)
+    if new_pages < pool.num_pages and pool.pages_held_from(new_pages):
+        raise ResizeBusy(f"{pool.pages_held_from(new_pages)} KV pages past the new size "
+                         f"({new_pages} pages) are held by running requests; pass --wait "
+                         f"SECONDS to wait for them to finish")
+    if "kv" in pools:
+        _resize_kv(engine, new_pages)
+    if "expert_cache" in pools:
+        cache.resize(new_slots)
+    if "kv" in pools and engine.graphs is not None:
+        engine.graphs = engine.recapture_graphs()
+    return pool_stats(engine)
+
+
+def _check_fits(engine, pools: dict[str, int]) -> None:
+    if not pools:
+        return
+    fix = "ask for less, or shrink the other pool first; the old pools keep serving"
+    if engine.arrays.device.is_cpu:
+        available = host_available_bytes()
+        if available is not None:
+            MemoryPlan("the host", pools, HOST_MARGIN, available).check(fix)
+        return
+    import torch
+
+    free, total = torch.cuda.mem_get_info(engine.arrays.torch_device)
+    try:
+        MemoryPlan("the GPU", pools, gpu_margin(total), free).check(fix)
+    except MemoryPlanError as exc:
+        raise MemoryPlanError(f"{exc} (the new pool is allocated beside the old one while "
+                              f"what stays is copied over)") from None
+
+
+def _resize_kv(engine, new_pages: int) -> None:
+    old, bs = engine.kv, engine.pool.block_size
+    new = KVCache(engine.model.config, new_pages, bs, engine.kv_dtype, engine.arrays)
+    keep = min(old.num_slots, new.num_slots)
+    for dst, src in zip(new.k + new.v, old.k + old.v):
+        dst[:keep] = src[:keep]
+    engine.pool.resize(new_pages)
+    engine.kv = new

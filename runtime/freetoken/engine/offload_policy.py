@@ -1,0 +1,96 @@
+"""Which missed experts to copy to the GPU and which to compute on the CPU, per MoE layer step.
+
+A copied expert costs its bytes over PCIe whatever the number of tokens routed to it (and stays
+cached for later steps); an expert computed on the CPU costs reading its weights from host RAM
+plus its FLOPs for each routed token. The two run at the same time (copies on their own stream,
+CPU experts on the host thread), so the step waits for the slower side: the policy hands the
+CPU the experts with the fewest tokens for as long as the CPU side stays shorter than what is
+left to copy (a greedy makespan balance).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Measured at start: pinned host-to-device bytes/s, host-RAM bytes/s one CPU expert
+    streams, and CPU FLOP/s of the expert matmuls."""
+
+    h2d_bytes_per_s: float
+    cpu_bytes_per_s: float
+    cpu_flops: float
+
+
+@dataclass(frozen=True)
+class CoExecPolicy:
+    """Splits a layer's missed experts into (copy, cpu). enabled=False copies every miss."""
+
+    throughput: Throughput
+    expert_bytes: int
+    flops_per_token: int     # 2 * 3 * H * I: gate, up and down of one token through one expert
+    enabled: bool = True
+
+    def copy_seconds(self) -> float:
+        return self.expert_bytes / self.throughput.h2d_bytes_per_s
+
+    def cpu_seconds(self, tokens: int) -> float:
+        t = self.throughput
+        return self.expert_bytes / t.cpu_bytes_per_s + tokens * self.flops_per_token / t.cpu_flops
+
+    def split(self, misses: dict[int, int]) -> tuple[list[int], list[int]]:
+        """misses: expert id -> tokens routed to it this step. Returns (copy ids, cpu ids),
+        each in ascending id order."""
+        if not self.enabled or not misses:
+            return sorted(misses), []
+        per_copy = self.copy_seconds()
+        copy_left = per_copy * len(misses)
+        cpu_total, cpu = 0.0, []
+        for expert in sorted(misses, key=lambda e: (misses[e], e)):
+            cost = self.cpu_seconds(misses[expert])
+            if cpu_total + cost > copy_left - per_copy:   # the CPU would finish last
+                break
+            cpu.append(expert)
+            cpu_total += cost
+            copy_left -= per_copy
+        chosen = set(cpu)
+        return sorted(e for e in misses if e not in chosen), sorted(cpu)
+
+
+def measure_h2d(torch, device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Pinned host-to-device bytes/s (best of `repeats` copies of `nbytes`)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def measure_cpu(torch, hidden: int, inter: int, dtype, repeats: int = 3) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) of one expert's SwiGLU on the CPU through torch, at 1 and 16 tokens:
+    one token is bound by reading the weights, many tokens by the FLOPs."""
+    w13 = torch.randn(2 * inter, hidden).to(dtype)
+    w2 = torch.randn(hidden, inter).to(dtype)
+
+    def run(tokens: int) -> float:
+        x = torch.randn(tokens, hidden).to(dtype)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            gu = x @ w13.T
+            act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            _ = act @ w2.T
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    nbytes = (w13.numel() + w2.numel()) * w13.element_size()
+    one, many = run(1), run(16)
+    flops = 2 * 3 * hidden * inter
+    return nbytes / one, max(15 * flops / max(many - one, 1e-9), flops / one)

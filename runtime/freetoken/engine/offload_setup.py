@@ -1,0 +1,183 @@
+"""Expert offload set-up: the flags' config, the start-up memory plan (called by load_model once
+the model's config is read, before any weight is placed) and attaching the expert cache to a
+loaded model's MoE layers."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from dataclasses import dataclass, replace
+from typing import Any
+
+from freetoken.engine.config import EngineConfigError, default_num_tokens
+from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
+                                          fmt_bytes, host_available_bytes, plan_gpu, plan_host)
+
+log = logging.getLogger("freetoken.offload")
+MOE_CPU_MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """cache_rate: fraction of every expert resident on the GPU (0 < R <= 1), None = auto (the
+    largest that fits beside the weights, the KV pool and the graphs). cpu: "auto" lets the
+    co-execution policy compute missed experts on the CPU; "off" copies every miss."""
+
+    cache_rate: float | None = None
+    cpu: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cache_rate is not None and not 0.0 < self.cache_rate <= 1.0:
+            raise EngineConfigError(f"--moe-cache-rate must be in (0, 1] or auto, got "
+                                    f"{self.cache_rate}")
+        if self.cpu not in MOE_CPU_MODES:
+            raise EngineConfigError(f"--moe-cpu must be one of {MOE_CPU_MODES}, got {self.cpu!r}")
+
+
+def parse_cache_rate(text: str) -> float | None:
+    """'auto' -> None, else a float in (0, 1]; EngineConfigError names the flag otherwise."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise EngineConfigError(f"--moe-cache-rate must be a number in (0, 1] or auto, got "
+                                f"{text!r}") from None
+    OffloadConfig(cache_rate=rate)
+    return rate
+
+
+@dataclass
+class OffloadDecision:
+    """What the start-up plan chose: the cache rate, the KV pool size and the plans."""
+
+    rate: float
+    num_tokens: int
+    plan: MemoryPlan
+    host_plan: MemoryPlan | None
+    cpu: bool
+
+    @property
+    def offloaded(self) -> bool:
+        return self.rate < 1.0
+
+
+def workspace_bytes(cfg, dtype: str, tokens: int) -> int:
+    """An upper estimate of the forward's work buffers for steps of `tokens` tokens."""
+    from freetoken.kernel.ops import moe_workspace_bytes
+
+    item = 4 if dtype == "float32" else 2
+    moe = cfg.moe
+    widths = 8 * cfg.hidden_size + 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size
+    if moe is None:
+        return tokens * widths * item
+    widths += moe.num_experts + 2 * moe.top_k + 3 * moe.shared_intermediate_size
+    return tokens * widths * item + moe_workspace_bytes(tokens, moe.top_k, moe.num_experts,
+                                                        moe.intermediate_size, item)
+
+
+class OffloadPlanner:
+    """The load_model `plan` hook: checks memory before any weight is placed and decides where
+    the experts go. `decision` holds the result (None on the CPU path)."""
+
+    def __init__(self, engine_config, offload: OffloadConfig, device: Any):
+        self.config, self.offload, self.device = engine_config, offload, device
+        self.decision: OffloadDecision | None = None
+
+    def __call__(self, cfg, dtype: str) -> bool:
+        c = self.config
+        min_tokens = default_num_tokens(cfg.max_position)
+        if self.device.is_cpu:
+            # NOTE: GGUF weights stay quantized on the CPU (down to ~0.56 bytes a parameter for
+            # Q4_0), so the check counts them at that floor: it refuses only what cannot fit.
+            sizes = ModelSizes.of(cfg, dtype, "float16")
+            floor = int(cfg.num_params * 0.5625)
+            sizes = replace(sizes, other_weight_bytes=floor, expert_bytes=0)
+            plan_host(sizes, pinned_experts=False, num_tokens=c.num_tokens or min_tokens,
+                      available=host_available_bytes(), on_cpu=True)
+            return False
+        import torch
+
+        sizes = ModelSizes.of(cfg, dtype)
+        free, total = torch.cuda.mem_get_info(torch.device(str(self.device)))
+        rate = self.offload.cache_rate if cfg.moe is not None else 1.0
+        tokens = c.num_tokens or "auto"
+        plan, rate, num_tokens = plan_gpu(
+            sizes, rate="auto" if rate is None else rate, num_tokens=tokens, free=free,
+            total=total, workspace=workspace_bytes(cfg, dtype, c.max_prefill_tokens
+                                                   + c.max_num_seqs),
+            min_tokens=min_tokens)
+        if tokens == "auto":   # more KV than max_num_seqs full contexts is never used at once
+            num_tokens = min(num_tokens, max(min_tokens, c.max_num_seqs * cfg.max_position))
+        host = None
+        if rate < 1.0:
+            host = plan_host(sizes, pinned_experts=True, num_tokens=0,
+                             available=host_available_bytes(), on_cpu=False)
+        self.decision = OffloadDecision(rate, num_tokens, plan, host, self.offload.cpu == "auto")
+        log.info("memory plan: %s; expert cache rate %.3f, KV pool %d tokens", plan.describe(),
+                 rate, num_tokens)
+        return rate < 1.0
+
+
+def pin(tensor, total: int = 0):
+    """A pinned copy of a host tensor; a failure names RLIMIT_MEMLOCK, the bytes needed (`total`:
+    every expert) and the fix."""
+    try:
+        return tensor.pin_memory()
+    except RuntimeError as exc:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else fmt_bytes(soft)
+        size = tensor.numel() * tensor.element_size()
+        raise MemoryPlanError(
+            f"pinning the experts in host memory ({fmt_bytes(max(total, size))} in all) failed "
+            f"at a {fmt_bytes(size)} tensor ({exc}); RLIMIT_MEMLOCK is {limit}: raise it with "
+            f"`ulimit -l unlimited` (systemd: LimitMEMLOCK=infinity; docker: --ulimit "
+            f"memlock=-1), or pass --moe-cache-rate 1 to keep every expert on the GPU") from None
+
+
+def moe_layers(model) -> list:
+    """The MoE MLP blocks of a loaded Decoder, in layer order."""
+    return [layer.mlp for layer in model.layers if hasattr(layer.mlp, "offload")]
+
+
+def attach_expert_cache(model, decision: OffloadDecision):
+    """Pin every MoE layer's host experts, build the cache and route the layers through it."""
+    import torch
+
+    from freetoken.engine.expert_cache import ExpertCache
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu, \
+        measure_h2d
+    from freetoken.kernel import ops
+
+    layers = moe_layers(model)
+    device = model.arrays.torch_device
+    total = sum(t.numel() * t.element_size() for mlp in layers for t in (mlp.w13, mlp.w2))
+    w13, w2 = [], []
+    for mlp in layers:     # layer by layer, so the unpinned copy of one layer at a time is extra
+        w13.append(pin(mlp.w13, total))
+        w2.append(pin(mlp.w2, total))
+        mlp.w13 = mlp.w2 = None
+    _, two_i, h = w13[0].shape
+    slots = cache_slots(ModelSizes.of(model.config, model.dtype), decision.rate)
+    policy = None
+    if decision.cpu:
+        cpu_bw, cpu_flops = measure_cpu(torch, h, two_i // 2, w13[0].dtype)
+        throughput = Throughput(measure_h2d(torch, device), cpu_bw, cpu_flops)
+        policy = CoExecPolicy(throughput, (w13[0][0].numel() + w2[0][0].numel())
+                              * w13[0].element_size(), 6 * h * (two_i // 2))
+        log.info("co-execution policy: %.1f GB/s H2D, CPU %.1f GB/s and %.1f GFLOP/s",
+                 throughput.h2d_bytes_per_s / 1e9, cpu_bw / 1e9, cpu_flops / 1e9)
+    cache = ExpertCache(w13, w2, device, slots, ops.bind("moe_experts", model.device), policy)
+    for index, mlp in enumerate(layers):
+        mlp.offload = _LayerHook(cache, index)
+    return cache
+
+
+class _LayerHook:
+    """MoEMLP.offload for one layer: the cache's run with the layer's index bound."""
+
+    def __init__(self, cache, index: int):
+        self.cache, self.index = cache, index
+
+    def __call__(self, out, x, topk_ids, topk_weights, workspace) -> None:
+        self.cache.run(self.index, out, x, topk_ids, topk_weights, workspace)

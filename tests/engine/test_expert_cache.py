@@ -1,0 +1,158 @@
+"""The expert cache on the CPU: torch CPU tensors stand in for the GPU pool. Every step's output
+is checked against kernel/reference.py's moe_experts over the full stacked experts (identity
+map), whatever the slots, the evictions, the staging and the CPU co-execution did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.expert_cache import ExpertCache, cpu_experts
+from freetoken.engine.expert_slots import SlotLRU
+from freetoken.engine.offload_policy import CoExecPolicy, Throughput
+from freetoken.kernel import reference
+
+E, H, I, K, LAYERS = 8, 32, 16, 2, 3
+
+
+def slot_kernel(out, x, w13, w2, ids, weights, emap, workspace):
+    """moe_experts as the GPU contract states it: a pair whose slot is -1 contributes nothing."""
+    acc = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            s = int(emap[int(ids[t, k])])
+            if s < 0:
+                continue
+            gu = w13[s].double() @ x[t].double()
+            act = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            acc[t] += float(weights[t, k]) * (w2[s].double() @ act)
+    out.copy_(acc.to(out.dtype))
+
+
+@pytest.fixture
+def experts():
+    g = torch.Generator().manual_seed(0)
+    w13 = [torch.randn(E, 2 * I, H, generator=g) * 0.2 for _ in range(LAYERS)]
+    w2 = [torch.randn(E, H, I, generator=g) * 0.2 for _ in range(LAYERS)]
+    return w13, w2
+
+
+def routing(tokens: int, seed: int, skew: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    if skew:   # most tokens on experts 0..2
+        probs = torch.tensor([8.0, 6, 4, 1, 1, 1, 1, 1])
+        ids = torch.stack([torch.multinomial(probs, K, generator=g) for _ in range(tokens)])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    w = torch.rand(tokens, K, generator=g)
+    return ids.to(torch.int32), w / w.sum(1, keepdim=True)
+
+
+def expected(w13, w2, x, ids, weights):
+    out = torch.empty_like(x)
+    reference.moe_experts(out, x, w13, w2, ids, weights, torch.arange(E, dtype=torch.int32),
+                          None)
+    return out
+
+
+def run_steps(cache, w13, w2, steps, tokens, skew=False):
+    for step in range(steps):
+        for layer in range(LAYERS):
+            x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(100 * step + layer))
+            ids, weights = routing(tokens, 1000 * step + layer, skew)
+            out = torch.full_like(x, float("nan"))
+            cache.run(layer, out, x, ids, weights, torch.empty(0, dtype=torch.uint8))
+            want = expected(w13[layer], w2[layer], x, ids, weights)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("slots", [2, 5, 12, 24])
+def test_decode_through_the_lru_matches_the_resident_experts(experts, slots):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", slots, slot_kernel)
+    run_steps(cache, w13, w2, steps=6, tokens=1)
+    s = cache.stats
+    assert s.hits + s.misses == 6 * LAYERS * K          # batch 1: K distinct experts a layer
+    assert s.bytes_h2d == s.misses * cache.expert_bytes
+    if slots >= E * LAYERS:
+        assert s.misses <= E * LAYERS                   # everything fits: each misses once
+
+
+def test_a_cache_that_holds_everything_stops_missing(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", E * LAYERS, slot_kernel)
+    run_steps(cache, w13, w2, steps=8, tokens=3)
+    misses = cache.stats.misses
+    run_steps(cache, w13, w2, steps=4, tokens=3)
+    assert cache.stats.misses == misses <= E * LAYERS
+
+
+def test_misses_beyond_the_free_slots_go_through_staging(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", K, slot_kernel)   # one layer's top-k only
+    run_steps(cache, w13, w2, steps=3, tokens=3)          # 3 tokens route to up to 6 experts
+
+
+def test_prefill_streams_whole_layers_without_touching_the_lru(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", 4, slot_kernel)
+    run_steps(cache, w13, w2, steps=2, tokens=E)          # T * K >= E: streamed
+    assert len(cache.lru) == 0 and cache.stats.hits + cache.stats.misses == 0
+    assert cache.stats.streamed_layers == 2 * LAYERS
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_co_execution_on_the_cpu_gives_the_same_outputs(experts, skew):
+    w13, w2 = experts
+    slow_pcie = Throughput(h2d_bytes_per_s=1e6, cpu_bytes_per_s=1e9, cpu_flops=1e9)
+    policy = CoExecPolicy(slow_pcie, expert_bytes=3 * H * I * 4, flops_per_token=6 * H * I)
+    cache = ExpertCache(w13, w2, "cpu", 6, slot_kernel, policy)
+    run_steps(cache, w13, w2, steps=4, tokens=2, skew=skew)
+    assert cache.stats.cpu_experts > 0
+
+
+def test_cpu_experts_matches_the_reference(experts):
+    w13, w2 = experts
+    x = torch.randn(5, H)
+    ids, weights = routing(5, 7)
+    torch.testing.assert_close(cpu_experts(x, w13[0], w2[0], ids, weights, list(range(E))),
+                               expected(w13[0], w2[0], x, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_resize_keeps_what_still_fits_and_serves_on(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", 16, slot_kernel)
+    run_steps(cache, w13, w2, steps=3, tokens=2)
+    cache.resize(5)
+    assert len(cache.lru) <= 5 and cache.w13.shape[0] == 5 + 2 * E
+    run_steps(cache, w13, w2, steps=3, tokens=2)
+    cache.resize(30)
+    run_steps(cache, w13, w2, steps=3, tokens=2)
+
+
+def test_lru_evicts_the_least_recent_key_not_held():
+    lru = SlotLRU(3)
+    placed = lru.place([(0, 1), (0, 2), (0, 3)], keep=())
+    assert [s for _, s, _ in placed] == [0, 1, 2]
+    lru.lookup((0, 1))                                  # (0, 2) is now the oldest
+    (key, slot, evicted), = lru.place([(1, 0)], keep=[(0, 2)])
+    assert evicted == (0, 3) and slot == 2 and (0, 2) in lru
+    assert not lru.can_place(3, keep=[(0, 1), (0, 2), (1, 0)])
+    with pytest.raises(ValueError, match="do not fit"):
+        lru.place([(2, 0)], keep=[(0, 1), (0, 2), (1, 0)])
+    assert lru.resize(2) == [(1, 0)] and len(lru) == 2
+    lru.check_integrity()
+    with pytest.raises(ValueError, match="at least one slot"):
+        SlotLRU(0)
+
+
+def test_the_engine_hint_decides_between_streaming_and_the_lru(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", 24, slot_kernel)
+    cache.prefill = False
+    run_steps(cache, w13, w2, steps=2, tokens=E)           # a big decode batch: the LRU
+    assert cache.stats.streamed_layers == 0 and cache.stats.misses > 0
+    cache.prefill = True
+    run_steps(cache, w13, w2, steps=1, tokens=1)           # a one-token prompt chunk: streams
+    assert cache.stats.streamed_layers == LAYERS

@@ -1,0 +1,223 @@
+"""Offloaded experts on a GPU against the resident model: cache rates 0.5, 0.1 and ~1, CPU
+co-execution on and off, and pools resized while a request streams. Skipped without a GPU.
+
+The model: a random qwen3_moe with 32 experts, 4 per token, 4 layers (128 experts in all), so
+batch-1 decode goes through the LRU, batch-4 decode at rate 0.1 (12 slots) overflows into the
+staging buffer, and the 40-token prefills stream whole layers. Its greedy margins are small
+(random weights), and the dense kernels are not batch-invariant, so every comparison holds the
+batch composition fixed: a paged runner that prefills the prompts in one step and decodes them
+together, or the engine serving one request at a time, eagerly on both sides. A rate below 1
+runs every expert through the resident kernel with a slot map, so its logits must be
+bit-identical; CPU co-execution adds a float32 CPU partial sum in bf16, so its logits may move by
+bf16 roundings, never by a missing or doubled expert (an O(1) change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.models.helpers import PagedRunner, tiny_hf_model
+from tests.tolerances import EPS
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPE = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_experts=32,
+             num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=1024)
+PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(40)] for i in range(4)]
+NEW = 16
+# co-execution: a few bf16 roundings (2^-7 relative, tests/tolerances.py) of the MoE outputs,
+# carried through 4 layers, against the logits' scale
+COEXEC_RTOL = 8 * EPS["bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("offload-qwen3_moe")
+    tiny_hf_model("qwen3_moe", directory, seed=5, **SHAPE)
+    return directory
+
+
+def offloaded_model(model_dir, rate: float, cpu: bool = False):
+    """(model with an expert cache attached, cache); cpu forces the co-execution policy to
+    hand the CPU most misses, as if PCIe were slow."""
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput
+    from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
+    from freetoken.models.loader import load_model
+
+    loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype: True)
+    cache = attach_expert_cache(loaded.model, OffloadDecision(rate, 2048, None, None, False))
+    if cpu:
+        cache.policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), cache.expert_bytes,
+                                    6 * cache.hidden * cache.inter)
+    return loaded, cache
+
+
+def run_fixed(model, prompts):
+    """Greedy tokens per prompt and the logits of every step, the prompts prefilled in one step
+    and decoded together."""
+    runner = PagedRunner(model, num_blocks=64, block_size=16)
+    logits = runner.step([(i, p) for i, p in enumerate(prompts)])
+    tokens, steps = [[] for _ in prompts], []
+    for _ in range(NEW):
+        logits = logits.float().clone()
+        steps.append(logits)
+        nxt = logits.argmax(-1).tolist()
+        for seq, t in zip(tokens, nxt):
+            seq.append(t)
+        logits = runner.step([(i, [t]) for i, t in enumerate(nxt)])
+    return tokens, steps
+
+
+@pytest.fixture(scope="module")
+def resident(model_dir):
+    from freetoken.models.loader import load_model
+
+    model = load_model(str(model_dir), device="cuda").model
+    return {1: run_fixed(model, PROMPTS[:1]), 4: run_fixed(model, PROMPTS)}
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.1, 0.999])
+def test_offloaded_logits_are_bit_identical(model_dir, resident, rate):
+    loaded, cache = offloaded_model(model_dir, rate)
+    assert cache.num_slots == int(rate * 128)
+    for batch in (1, 4):
+        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch])
+        want_tokens, want_steps = resident[batch]
+        assert tokens == want_tokens
+        for i, (got, want) in enumerate(zip(steps, want_steps)):
+            assert torch.equal(got, want), (batch, i, (got - want).abs().max())
+    s = cache.stats.as_dict()
+    assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
+    assert s["expert_cpu_executed"] == 0
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.1])
+def test_co_execution_moves_logits_by_rounding_only(model_dir, resident, rate):
+    loaded, cache = offloaded_model(model_dir, rate, cpu=True)
+    for batch in (1, 4):
+        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch])
+        want_tokens, want_steps = resident[batch]
+        for i, (got, want) in enumerate(zip(steps, want_steps)):
+            scale = want.abs().max().item()
+            err = (got - want).abs().max().item()
+            assert err <= COEXEC_RTOL * scale, (batch, i, err, scale)
+            if [t[i] for t in tokens] != [t[i] for t in want_tokens]:
+                break    # a near tie went the other way: the histories differ from here on
+    assert cache.stats.cpu_experts > 0
+
+
+def make_engine(model_dir, rate: float, num_tokens: int = 2048, graphs: bool = False):
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.offload_setup import OffloadDecision
+    from freetoken.models.loader import load_model
+
+    config = EngineConfig(num_tokens=num_tokens, max_num_seqs=4, max_prefill_tokens=256,
+                          device="cuda", cuda_graphs=graphs)
+    if rate >= 1.0:
+        return Engine.from_loaded(load_model(str(model_dir), device="cuda"), config).start()
+    loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype: True)
+    decision = OffloadDecision(rate, num_tokens, None, None, False)
+    return Engine.from_loaded(loaded, config, decision).start()
+
+
+def generate(engine, prompt, during=None):
+    """Greedy tokens of one request; `during(i)` runs after the i-th streamed token."""
+    from freetoken.engine.request import SamplingParams
+
+    async def run():
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+        out = []
+        async for o in engine.generate(prompt, params):
+            out.extend(o.token_ids)
+            if during is not None:
+                await asyncio.to_thread(during, len(out))
+        return out
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def engine_reference(model_dir):
+    """One request at a time through resident engines, eager and with decode graphs."""
+    out = {}
+    for graphs in (False, True):
+        engine = make_engine(model_dir, 1.0, graphs=graphs)
+        try:
+            assert (engine.graphs is not None) == graphs
+            out[graphs] = [generate(engine, p) for p in PROMPTS[:2]]
+        finally:
+            engine.shutdown()
+    return out
+
+
+def test_the_offloaded_engine_serves_the_resident_tokens(model_dir, engine_reference):
+    engine = make_engine(model_dir, 0.1)
+    try:
+        assert engine.graphs is None and engine.expert_cache is not None
+        assert [generate(engine, p) for p in PROMPTS[:2]] == engine_reference[False]
+        stats = engine.stats()
+        assert stats["moe_offload"] and stats["expert_misses"] > 0
+        assert stats["pinned_bytes"] == 128 * 3 * 256 * 128 * 2
+        assert stats["expert_streamed_layers"] == 2 * 4
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_resize_mid_stream_keeps_the_tokens(model_dir, engine_reference, rate):
+    import time
+
+    graphs = rate >= 1.0
+    engine = make_engine(model_dir, rate, graphs=graphs)
+    step = engine._step
+
+    def slow_step(*work):
+        time.sleep(0.02)      # NOTE: so every resize below lands while the request streams
+        step(*work)
+
+    engine._step = slow_step
+    moe = rate < 1
+    resizes = {2: dict(kv_tokens=4096), 5: dict(moe_rate=0.1 if moe else None),
+               8: dict(kv_tokens=1024, wait=10.0), 11: dict(moe_rate=0.75 if moe else None)}
+    running = []
+
+    def resize(i):
+        if i in resizes:
+            stats = engine.resize_pools(**resizes[i])
+            running.append(engine.stats()["running"])
+            if resizes[i].get("kv_tokens"):
+                assert stats["kv_pool_tokens"] == resizes[i]["kv_tokens"]
+
+    try:
+        assert generate(engine, PROMPTS[0], during=resize) == engine_reference[graphs][0]
+        assert len(running) == 4 and min(running) == 1
+        if moe:
+            assert engine.expert_cache.num_slots == int(0.75 * 128)
+        else:
+            assert engine.graphs is not None      # recaptured over the new KV pool
+    finally:
+        engine.shutdown()
+
+
+def test_a_resize_beyond_free_memory_is_refused_and_the_old_pools_serve(model_dir,
+                                                                        engine_reference):
+    from freetoken.engine.memory_plan import MemoryPlanError
+
+    engine = make_engine(model_dir, 0.5)
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        kv_per_token = 2 * 4 * 2 * 64 * 2
+        with pytest.raises(MemoryPlanError, match="does not fit"):
+            engine.resize_pools(kv_tokens=2 * free // kv_per_token)
+        assert engine.stats()["kv_pool_tokens"] == 2048
+        assert generate(engine, PROMPTS[1]) == engine_reference[False][1]
+    finally:
+        engine.shutdown()
