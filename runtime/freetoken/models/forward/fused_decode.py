@@ -1,0 +1,130 @@
+"""The GPU decode step (up to 8 tokens) in fewer launches: fused projections over an un-normed
+residual stream.
+
+The unfused forward keeps two buffers in step (residual, and hidden = its norm) and runs, per
+dense layer: qkv mm, [2 rms_norm for a per-head q/k norm], rotary, store_kv, attention, o mm,
+fused_add_rms_norm, gate_up mm, silu_and_mul, down mm, fused_add_rms_norm: 10 launches (12).
+Here the residual alone is carried, and each projection norms its own input:
+
+    decode_gemv        input RMSNorm prologue (+ qkv bias)        <- norm + qkv mm
+    rope_store_kv      per-head q/k norm + rotary + KV store      <- [2 norms] + rotary + store
+    paged_attention                                               (unchanged)
+    decode_gemv_add    residual += o(attn)                        <- o mm + the add
+    decode_gemv_swiglu post-attention RMSNorm prologue, SwiGLU    <- norm + gate_up mm + silu
+    decode_gemv_add    residual += down(act)                      <- down mm + the add
+
+6 launches per dense layer. A MoE layer fuses its attention half; its MLP runs the routed
+kernels on the normed input (rms_norm, router, top-k, experts, then the residual add).
+Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
+stores it, so the two paths differ only in the f32 summation order of the dot products.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from freetoken.kernel import ops
+from freetoken.models.batch import Array, ForwardBatch
+from freetoken.models.checkpoint.weights import LayerWeights
+from freetoken.models.config import ModelConfig
+from freetoken.models.forward.workspace import WorkViews
+
+if TYPE_CHECKING:
+    from freetoken.models.forward.decoder import DecoderLayer, Kernels
+
+MAX_TOKENS = 8          # the GEMV keeps one accumulator per token and row in registers
+_GROUPS = (32, 64, 128, 256)
+_BLOCK = 256
+
+
+def gemv_group(rows: int, k: int, sms: int) -> int:
+    """Threads per output row of decode_gemv: the fewest (one warp) unless the grid would leave
+    SMs idle; then the K loop is split over more threads of the block (up to 256), as long as
+    each thread keeps at least two 16-byte vectors of the row to load."""
+    group = _GROUPS[0]
+    while (group < _GROUPS[-1] and -(-rows // (_BLOCK // group)) < 2 * sms
+           and k // 8 >= 4 * group):
+        group *= 2
+    return group
+
+
+def _plain(weight) -> bool:
+    """A float weight the GEMV reads: one contiguous, 16-byte aligned torch tensor, K % 8 == 0."""
+    return (hasattr(weight, "is_contiguous") and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] % 8 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) -> bool:
+    """The rule, decided once at load: GPU, bf16/f16 activations, per-head or no q/k norm, and
+    every projection weight a plain tensor the GEMV can read (GGUF blocks and split parts keep
+    the unfused path). At T <= 8 a GEMV that streams each weight once in 16-byte loads is
+    bandwidth-bound, while cuBLAS pads M to its smallest tile and cannot fuse the epilogues."""
+    from freetoken import env
+
+    if device.is_cpu or dtype not in ("bfloat16", "float16") or not env.read().fused_decode:
+        return False
+    if cfg.qk_norm not in (None, "head"):
+        return False
+    widths = (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.q_size)
+    if any(w % 8 for w in widths):
+        return False
+    names = ("qkv", "o")
+    for i, lw in enumerate(layers):
+        dense = ("gate_up", "down") if not cfg.is_sparse(i) else ()
+        if not all(_plain(lw[n]) for n in names + dense):
+            return False
+        bias = lw.get("qkv_bias")
+        if bias is not None and not (hasattr(bias, "data_ptr") and bias.is_contiguous()
+                                     and bias.data_ptr() % 16 == 0):
+            return False
+        if dense and cfg.intermediate_size % 8:
+            return False
+    return True
+
+
+class FusedLayer:
+    """One decoder layer's decode step over the residual stream (see the module doc)."""
+
+    def __init__(self, layer: DecoderLayer, w: LayerWeights, cfg: ModelConfig, index: int,
+                 rope: Array, kernels: Kernels, sms: int, device):
+        self.attn, self.mlp, self.ops = layer.attn, layer.mlp, kernels
+        self.gemv, self.gemv_add, self.gemv_swiglu, self.rope_store_kv = (
+            ops.bind(name, device) for name in
+            ("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu", "rope_store_kv"))
+        self.input_norm, self.post_norm = w["input_norm"], w["post_norm"]
+        self.qkv, self.bias, self.o = w["qkv"], w.get("qkv_bias"), w["o"]
+        self.rope, self.eps = rope, cfg.rms_norm_eps
+        self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
+        self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
+        h = cfg.hidden_size
+        self.g_qkv = gemv_group(self.qkv.shape[0], h, sms)
+        self.g_o = gemv_group(h, cfg.q_size, sms)
+        self.dense = not cfg.is_sparse(index)
+        if self.dense:
+            self.gate_up, self.down = w["gate_up"], w["down"]
+            inter = self.down.shape[1]
+            self.g_up = gemv_group(inter, h, sms)
+            self.g_down = gemv_group(h, inter, sms)
+
+    def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
+                block_size: int) -> None:
+        """w.residual holds this layer's input; on return, its output (neither normed)."""
+        a = self.attn
+        self.gemv(w.qkv, w.residual, self.qkv, self.bias, self.input_norm, self.eps,
+                        self.g_qkv)
+        q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
+        self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
+                          batch.slot_mapping, self.q_norm, self.k_norm, self.eps, a.head_dim,
+                          a.is_neox)
+        self.ops.paged_attention(w.attn3, w.q3_cols, k_cache, v_cache, batch.block_tables,
+                                 batch.seq_lens, batch.query_start_loc, block_size, a.scale,
+                                 a.window, *self.ops.attn_extra)
+        self.gemv_add(w.residual, w.attn, self.o, self.g_o)
+        if self.dense:
+            self.gemv_swiglu(w.act, w.residual, self.gate_up, self.post_norm, self.eps,
+                                   self.g_up)
+            self.gemv_add(w.residual, w.act, self.down, self.g_down)
+            return
+        self.ops.rms_norm(w.hidden, w.residual, self.post_norm, self.eps)
+        y = self.mlp(w.hidden, w)
+        w.residual.add_(y)  # rounded once to the dtype, as the unfused fused_add_rms_norm
