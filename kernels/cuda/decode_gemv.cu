@@ -60,31 +60,45 @@ __device__ void token_inv_rms(const GemvArgs& a, float* inv_rms) {
   __syncthreads();
 }
 
-// acc[r][t] += W[row r] . x[t] over this thread's share of the K vectors.
+constexpr int kUnroll = 4;  // 16-byte weight loads in flight per thread and row
+
+// acc[r][t] += W[row r] . x[t] over this thread's share of the K vectors: vectors lane,
+// lane + group, ... (a group reads whole 16-byte-per-thread rows, coalesced), kUnroll of them
+// loaded before any is used so that enough bytes are in flight to reach HBM bandwidth.
 template <typename T, int NT, int NW, bool NORM>
 __device__ __forceinline__ void dot_rows(const GemvArgs& a, const T* const (&wrow)[NW],
                                          const float* inv_rms, int lane, float (&acc)[NW][NT]) {
   constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(a.x);
   const T* nw = static_cast<const T*>(a.norm);
-#pragma unroll 4
-  for (int i = lane; i < a.k_vecs; i += a.group) {
-    Vec<T, V> wv[NW];
+  for (int i0 = lane; i0 < a.k_vecs; i0 += kUnroll * a.group) {
+    Vec<T, V> wv[kUnroll][NW];
 #pragma unroll
-    for (int r = 0; r < NW; ++r) wv[r] = load_vec<T, V>(wrow[r] + i * V);
-    Vec<T, V> g;
-    if (NORM) g = load_vec<T, V>(nw + i * V);
+    for (int u = 0; u < kUnroll; ++u) {
+      int i = i0 + u * a.group;
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      if (t >= a.tokens) break;
-      Vec<T, V> xv = load_vec<T, V>(x + t * a.x_stride + i * V);
+      for (int r = 0; r < NW; ++r) {
+        if (i < a.k_vecs) wv[u][r] = load_vec<T, V>(wrow[r] + static_cast<int64_t>(i) * V);
+      }
+    }
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        float xf = to_float(xv.v[e]);
-        // the unfused norm stores its output in T: round the same way
-        if (NORM) xf = to_float(from_float<T>(xf * inv_rms[t] * to_float(g.v[e])));
+    for (int u = 0; u < kUnroll; ++u) {
+      int i = i0 + u * a.group;
+      if (i >= a.k_vecs) break;
+      Vec<T, V> g;
+      if (NORM) g = load_vec<T, V>(nw + i * V);
 #pragma unroll
-        for (int r = 0; r < NW; ++r) acc[r][t] += to_float(wv[r].v[e]) * xf;
+      for (int t = 0; t < NT; ++t) {
+        if (t >= a.tokens) break;
+        Vec<T, V> xv = load_vec<T, V>(x + t * a.x_stride + i * V);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float xf = to_float(xv.v[e]);
+          // the unfused norm stores its output in T: round the same way
+          if (NORM) xf = to_float(from_float<T>(xf * inv_rms[t] * to_float(g.v[e])));
+#pragma unroll
+          for (int r = 0; r < NW; ++r) acc[r][t] += to_float(wv[u][r].v[e]) * xf;
+        }
       }
     }
   }
