@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=3,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+             num_attention_heads=16, num_key_value_heads=4, head_dim=64,
              rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6)
 
 
