@@ -71,6 +71,9 @@ __device__ __forceinline__ void dot_rows(const GemvArgs& a, const T* const (&wro
   constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(a.x);
   const T* nw = static_cast<const T*>(a.norm);
+  float inv[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) inv[t] = NORM ? inv_rms[t] : 1.f;
   for (int i0 = lane; i0 < a.k_vecs; i0 += kUnroll * a.group) {
     Vec<T, V> wv[kUnroll][NW];
 #pragma unroll
@@ -95,7 +98,7 @@ __device__ __forceinline__ void dot_rows(const GemvArgs& a, const T* const (&wro
         for (int e = 0; e < V; ++e) {
           float xf = to_float(xv.v[e]);
           // the unfused norm stores its output in T: round the same way
-          if (NORM) xf = to_float(from_float<T>(xf * inv_rms[t] * to_float(g.v[e])));
+          if (NORM) xf = to_float(from_float<T>(xf * inv[t] * to_float(g.v[e])));
 #pragma unroll
           for (int r = 0; r < NW; ++r) acc[r][t] += to_float(wv[u][r].v[e]) * xf;
         }

@@ -81,7 +81,7 @@ class Env:
     hip_clang: str | None       # FREETOKEN_HIP_CLANG: the clang that compiles HIP (path or name)
     log_level: str              # FREETOKEN_LOG_LEVEL
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
-    fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 8)
+    fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
 
 
 VARIABLES = {
@@ -103,7 +103,7 @@ VARIABLES = {
     "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error); debug also shows "
                            "tracebacks",
     "FREETOKEN_RELEASE_URL": f"where ci/nightly.sh publishes pairs (default {RELEASE_URL})",
-    "FREETOKEN_FUSED_DECODE": "GPU steps of up to 8 tokens run the fused decode kernels "
+    "FREETOKEN_FUSED_DECODE": "GPU steps of up to 4 tokens run the fused decode kernels "
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
 }
 

@@ -1,4 +1,4 @@
-"""The GPU decode step (up to 8 tokens) in fewer launches: fused projections over an un-normed
+"""The GPU decode step (up to 4 tokens) in fewer launches: fused projections over an un-normed
 residual stream.
 
 The unfused forward keeps two buffers in step (residual, and hidden = its norm) and runs, per
@@ -13,7 +13,8 @@ Here the residual alone is carried, and each projection norms its own input:
     decode_gemv_swiglu post-attention RMSNorm prologue, SwiGLU    <- norm + gate_up mm + silu
     decode_gemv_add    residual += down(act)                      <- down mm + the add
 
-6 launches per dense layer. A MoE layer fuses its attention half; its MLP runs the routed
+6 launches per dense layer for steps of 1-2 tokens; 8 at 3-4 tokens, where each RMSNorm runs
+as its own kernel (see MAX_TOKENS). A MoE layer fuses its attention half; its MLP runs the routed
 kernels on the normed input (rms_norm, router, top-k, experts, then the residual add).
 Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
 stores it, so the two paths differ only in the f32 summation order of the dot products.
@@ -32,7 +33,14 @@ from freetoken.models.forward.workspace import WorkViews
 if TYPE_CHECKING:
     from freetoken.models.forward.decoder import DecoderLayer, Kernels
 
-MAX_TOKENS = 8          # the GEMV keeps one accumulator per token and row in registers
+# How many tokens a step may have to take this path. The GEMV streams each weight once, but its
+# f32 work grows with the tokens: per weight, about 1 + 2T instructions (1 + 3.5T with the norm
+# prologue, which re-rounds x for every row). An H200 issues ~14 per weight at full HBM
+# bandwidth (33 T thread-instructions/s over 2.4 T bf16 weights/s), so the norm rides in the
+# prologue up to 2 tokens and runs as its own kernel at 3-4; wider steps take cuBLAS, whose
+# tensor cores do the work of 8 tokens at the cost of one.
+MAX_TOKENS = 4
+NORM_IN_PROLOGUE_TOKENS = 2
 _GROUPS = (32, 64, 128, 256)
 _BLOCK = 256
 
@@ -57,8 +65,9 @@ def _plain(weight) -> bool:
 def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) -> bool:
     """The rule, decided once at load: GPU, bf16/f16 activations, per-head or no q/k norm, and
     every projection weight a plain tensor the GEMV can read (GGUF blocks and split parts keep
-    the unfused path). At T <= 8 a GEMV that streams each weight once in 16-byte loads is
-    bandwidth-bound, while cuBLAS pads M to its smallest tile and cannot fuse the epilogues."""
+    the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
+    streams each weight once in 16-byte loads is bandwidth-bound, while cuBLAS pads M to its
+    smallest tile and cannot fuse the epilogues."""
     from freetoken import env
 
     if device.is_cpu or dtype not in ("bfloat16", "float16") or not env.read().fused_decode:
@@ -109,22 +118,30 @@ class FusedLayer:
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:
         """w.residual holds this layer's input; on return, its output (neither normed)."""
-        a = self.attn
-        self.gemv(w.qkv, w.residual, self.qkv, self.bias, self.input_norm, self.eps,
-                        self.g_qkv)
+        a, eps = self.attn, self.eps
+        x, norm = self._normed_input(w, batch.num_tokens, self.input_norm)
+        self.gemv(w.qkv, x, self.qkv, self.bias, norm, eps, self.g_qkv)
         q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
         self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
-                          batch.slot_mapping, self.q_norm, self.k_norm, self.eps, a.head_dim,
-                          a.is_neox)
+                           batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
+                           a.is_neox)
         self.ops.paged_attention(w.attn3, w.q3_cols, k_cache, v_cache, batch.block_tables,
                                  batch.seq_lens, batch.query_start_loc, block_size, a.scale,
                                  a.window, *self.ops.attn_extra)
         self.gemv_add(w.residual, w.attn, self.o, self.g_o)
         if self.dense:
-            self.gemv_swiglu(w.act, w.residual, self.gate_up, self.post_norm, self.eps,
-                                   self.g_up)
+            x, norm = self._normed_input(w, batch.num_tokens, self.post_norm)
+            self.gemv_swiglu(w.act, x, self.gate_up, norm, eps, self.g_up)
             self.gemv_add(w.residual, w.act, self.down, self.g_down)
             return
-        self.ops.rms_norm(w.hidden, w.residual, self.post_norm, self.eps)
+        self.ops.rms_norm(w.hidden, w.residual, self.post_norm, eps)
         y = self.mlp(w.hidden, w)
         w.residual.add_(y)  # rounded once to the dtype, as the unfused fused_add_rms_norm
+
+    def _normed_input(self, w: WorkViews, tokens: int, weight: Array) -> tuple[Array, Array]:
+        """(x, the norm weight for the GEMV's prologue or None): the norm runs in the prologue
+        for steps of up to NORM_IN_PROLOGUE_TOKENS tokens, else as rms_norm into w.hidden."""
+        if tokens <= NORM_IN_PROLOGUE_TOKENS:
+            return w.residual, weight
+        self.ops.rms_norm(w.hidden, w.residual, weight, self.eps)
+        return w.hidden, None
