@@ -35,18 +35,28 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _order_error(xn, w):
+    """What the f32 summation order of a dot product over K can move it by, per output:
+    FAST_MATH_ULPS f32 ulps of sum |x_i w_i|, growing like sqrt(K) (float64 numpy [T, N])."""
+    k = xn.shape[1]
+    mag = (xn.float().abs() @ w.float().abs().T).double().cpu().numpy()
+    return FAST_MATH_ULPS * EPS["float32"] * mag * math.sqrt(k)
+
+
 def _assert_dot_close(out, ref, xn, w, dtype):
     """A dot product over K in f32, rounded once to dtype. When the kernel norms x itself, an
     element of xn may round to the neighbouring dtype value (its f32 inverse RMS is summed in
     another order): allow a few such flips, each at most one ulp of that element's product."""
-    k = xn.shape[1]
-    mag = (xn.float().abs() @ w.float().abs().T).double().cpu().numpy()
     flips = 4 * EPS[_dtype_name(dtype)] * (xn.float().abs().max() * w.float().abs().max()).item()
     e = ref.double().cpu().numpy()
-    limit = (FAST_MATH_ULPS * EPS["float32"] * mag * math.sqrt(k) + flips
-             + 2 * EPS[_dtype_name(dtype)] * np.abs(e))
+    limit = _order_error(xn, w) + flips + 2 * EPS[_dtype_name(dtype)] * np.abs(e)
     err = np.abs(out.double().cpu().numpy() - e)
     assert (err <= limit).all(), f"max excess {(err - limit).max():.3g} at {np.argmax(err - limit)}"
+
+
+def _groups(n, k):
+    """One warp per row, a whole block per row (the split-K reduction), and the rule's pick."""
+    return sorted({32, 256, fused_decode.gemv_group(n, k, _sms())})
 
 
 def _normed(x, norm, eps):
@@ -77,7 +87,7 @@ def test_decode_gemv(dtype, t, n, k, norm, bias):
     b = torch.randn(n, generator=g).to(_dev(), dtype) if bias else None
     xn = _normed(x, nw, 1e-6)
     ref = xn.float() @ w.float().T + (b.float() if bias else 0)
-    for group in sorted({32, 256, fused_decode.gemv_group(n, k, _sms())}):
+    for group in _groups(n, k):
         out = torch.full((t, n), float("nan"), device=_dev(), dtype=dtype)
         ops.decode_gemv(out, x, w, b, nw, 1e-6, group)
         _assert_dot_close(out, ref.to(dtype), xn, w, dtype)
@@ -89,11 +99,15 @@ def test_decode_gemv(dtype, t, n, k, norm, bias):
 def test_decode_gemv_add(dtype, t, n, k):
     x, w, g = _inputs(t, n, k, dtype, seed=7 * n + k)
     residual = torch.randn(t, n, generator=g).to(_dev(), dtype)
-    prod = (x.float() @ w.float().T).to(dtype)
+    prod = (x.float() @ w.float().T).to(dtype)  # the unfused chain: mm, then the add
     ref = (residual.float() + prod.float()).to(dtype)
-    ops.decode_gemv_add(residual, x, w, fused_decode.gemv_group(n, k, _sms()))
-    # the product may round to its neighbour (f32 order), then the sum rounds once more
-    assert_close(residual, ref, dtype, magnitude=prod.float().abs() + 1e-30, ulps=2)
+    # the product may round to its neighbour (one ulp of it) or, where it nearly cancels,
+    # further (its f32 summation order); the sum then rounds once more (2 ulp of |ref|)
+    mag = prod.float().abs().cpu().numpy() + _order_error(x, w) / EPS[_dtype_name(dtype)]
+    for group in _groups(n, k):
+        out = residual.clone()
+        ops.decode_gemv_add(out, x, w, group)
+        assert_close(out, ref, dtype, magnitude=mag, ulps=2, msg=f"group {group}")
 
 
 @gpu
@@ -108,13 +122,20 @@ def test_decode_gemv_swiglu(dtype, t, inter, k, norm):
     gate_up = (xn.float() @ w.float().T).to(dtype)  # the unfused chain: mm, then silu_and_mul
     ref = torch.empty(t, inter, device=_dev(), dtype=dtype)
     reference.silu_and_mul(ref, gate_up)
-    out = torch.full((t, inter), float("nan"), device=_dev(), dtype=dtype)
-    ops.decode_gemv_swiglu(out, x, w, nw, 1e-5, fused_decode.gemv_group(inter, k, _sms()))
-    gf, uf = gate_up[:, :inter].float(), gate_up[:, inter:].float()
-    # g and u may each round to their neighbour (f32 order): d(silu(g) u) is at most one ulp
-    # of g times |silu'(g) u| (|silu'| < 1.1) plus one ulp of u times |silu(g)|
-    mag = 1.1 * gf.abs() * uf.abs() + torch.nn.functional.silu(gf).abs() * uf.abs()
-    assert_close(out, ref, dtype, magnitude=mag, ulps=1)
+    gf, uf = gate_up[:, :inter].float().cpu(), gate_up[:, inter:].float().cpu()
+    # g and u may each round to their neighbour, or further where they nearly cancel (f32
+    # order, `order` below, in dtype ulps; with the norm in the prologue, plus a few flipped
+    # elements of xn as in _assert_dot_close): d(silu(g) u) is that error of g times
+    # |silu'(g) u| (|silu'| < 1.1) plus that of u times |silu(g)|
+    flips = 4 * (xn.float().abs().max() * w.float().abs().max()).item() if norm else 0.0
+    order = torch.from_numpy(_order_error(xn, w) / EPS[_dtype_name(dtype)]).float() + flips
+    og, ou = order[:, :inter], order[:, inter:]
+    mag = (1.1 * (gf.abs() + og) * uf.abs()
+           + torch.nn.functional.silu(gf).abs() * (uf.abs() + ou)).numpy()
+    for group in _groups(inter, k):
+        out = torch.full((t, inter), float("nan"), device=_dev(), dtype=dtype)
+        ops.decode_gemv_swiglu(out, x, w, nw, 1e-5, group)
+        assert_close(out, ref, dtype, magnitude=mag, ulps=1, msg=f"group {group}")
 
 
 @gpu
@@ -196,11 +217,15 @@ def test_fused_decode_is_gpu_16_bit_only(monkeypatch):
             return False
 
     w = torch.zeros(128, 64, dtype=torch.bfloat16)
-    layers = [{"qkv": w, "o": w[:64], "gate_up": w, "down": torch.zeros(64, 128)}]
+    # as the loader stores them: "qkv" and "gate_up" are lists of row parts, one matrix when
+    # the parts concatenate (checkpoint/weights.py's _fuse_rows)
+    layers = [{"qkv": [w], "o": w[:64], "gate_up": [w], "down": torch.zeros(64, 128)}]
     cpu, gpu_dev = parse_device("cpu"), parse_device("cuda:0")
     assert not fused_decode.supported(Cfg, layers, "bfloat16", cpu)
     assert not fused_decode.supported(Cfg, layers, "float32", gpu_dev)
     assert fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev)
+    split = [dict(layers[0], qkv=[w[:64], w[64:96], w[96:]])]  # parts that did not concatenate
+    assert not fused_decode.supported(Cfg, split, "bfloat16", gpu_dev)
     monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "0")
     assert not fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev)
     monkeypatch.delenv("FREETOKEN_FUSED_DECODE")

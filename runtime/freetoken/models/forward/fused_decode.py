@@ -56,8 +56,17 @@ def gemv_group(rows: int, k: int, sms: int) -> int:
     return group
 
 
+def _matrix(weight):
+    """The one matrix of a fused entry: the loader stores "qkv" and "gate_up" as a list of row
+    parts, one matrix when they concatenate (weights.py's _fuse_rows); else None."""
+    if isinstance(weight, list):
+        return weight[0] if len(weight) == 1 else None
+    return weight
+
+
 def _plain(weight) -> bool:
     """A float weight the GEMV reads: one contiguous, 16-byte aligned torch tensor, K % 8 == 0."""
+    weight = _matrix(weight)
     return (hasattr(weight, "is_contiguous") and weight.is_contiguous()
             and weight.dim() == 2 and weight.shape[1] % 8 == 0 and weight.data_ptr() % 16 == 0)
 
@@ -101,7 +110,7 @@ class FusedLayer:
             ops.bind(name, device) for name in
             ("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu", "rope_store_kv"))
         self.input_norm, self.post_norm = w["input_norm"], w["post_norm"]
-        self.qkv, self.bias, self.o = w["qkv"], w.get("qkv_bias"), w["o"]
+        self.qkv, self.bias, self.o = _matrix(w["qkv"]), w.get("qkv_bias"), w["o"]
         self.rope, self.eps = rope, cfg.rms_norm_eps
         self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
         self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
@@ -110,7 +119,7 @@ class FusedLayer:
         self.g_o = gemv_group(h, cfg.q_size, sms)
         self.dense = not cfg.is_sparse(index)
         if self.dense:
-            self.gate_up, self.down = w["gate_up"], w["down"]
+            self.gate_up, self.down = _matrix(w["gate_up"]), w["down"]
             inter = self.down.shape[1]
             self.g_up = gemv_group(inter, h, sms)
             self.g_down = gemv_group(h, inter, sms)
