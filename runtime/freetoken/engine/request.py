@@ -175,6 +175,9 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of full pages
     num_published: int = 0           # leading pages already offered to the prefix cache
     cached_tokens: int | None = None  # prompt tokens reused at first admission
+    # prepare.py's int32 copy of `pages`: (the list it copies, the array, entries copied). The
+    # scheduler only appends to a pages list or replaces it, so the copy stays valid.
+    page_rows: tuple | None = field(default=None, repr=False)
 
     @property
     def num_output(self) -> int:
