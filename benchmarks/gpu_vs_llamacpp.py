@@ -82,7 +82,8 @@ def freetoken(folder: str, gen: int) -> dict:
                           max_prefill_tokens=max(PREFILLS), device="cuda", prefix_cache=False)
     engine = Engine.from_loaded(loaded, config).start()
     engine.warm_up()
-    vocab, out = loaded.config.vocab_size, {}
+    # whether the load-time rule put the fused decode layers in (FREETOKEN_FUSED_DECODE)
+    vocab, out = loaded.config.vocab_size, {"fused_decode": loaded.model._fused is not None}
     try:
         asyncio.run(_batch(engine, 1, 16, 4, vocab))  # settle allocations and graphs
         for n in PREFILLS:
@@ -139,6 +140,8 @@ def report(name: str, ours: dict, peer: dict, ceiling: float) -> None:
     print(f"\n== {name} ==  batch-1 ceiling {ceiling:.0f} tok/s (D2D bandwidth / step bytes)"
           + (f"; llama.cpp's own ceiling of its GGUF: {peer['ceiling']:.0f}" if "ceiling" in peer
              else ""))
+    print(f"FreeToken decode steps of up to 4 tokens: "
+          f"{'fused kernels' if ours.get('fused_decode') else 'unfused chain'}")
     if "skipped" in peer:
         print(f"llama.cpp: skipped: {peer['skipped']}")
     print(f"{'':26}{'FreeToken':>12}{'llama.cpp':>12}{'ratio':>8}{'% ceiling':>11}")
