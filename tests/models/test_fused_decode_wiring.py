@@ -53,9 +53,15 @@ def _models(folder):
     return config, plain, fused
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3_moe"])
+# qwen2_moe: dense and routed layers in turn, a shared expert
+EXTRA = {"qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=2),
+         "mistral": dict(sliding_window=8)}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
+                                  "qwen2_moe"])
 def test_fused_decode_steps_match_transformers(arch, tmp_path, reference_ops):
-    hf = tiny_hf_model(arch, tmp_path, seed=11, **SHAPE)
+    hf = tiny_hf_model(arch, tmp_path, seed=11, **{**SHAPE, **EXTRA.get(arch, {})})
     config, plain, fused = _models(tmp_path)
     gen = torch.Generator().manual_seed(4)
     vocab = hf.config.vocab_size
