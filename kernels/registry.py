@@ -162,6 +162,21 @@ KERNELS: tuple[Kernel, ...] = (
         doc="Gated DeltaNet: short causal conv1d and the gated delta-rule recurrence over "
             "per-sequence state slots (prefill chunks and decode)",
     ),
+    Kernel(
+        name="decode_gemv",
+        functions=("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu"),
+        cuda=("cuda/decode_gemv.cu",),
+        rocm=True,
+        doc="small-batch (T <= 8) decode projections: RMSNorm prologue, bias / residual-add / "
+            "SwiGLU epilogues",
+    ),
+    Kernel(
+        name="rope_kv",
+        functions=("rope_store_kv",),
+        cuda=("cuda/rope_kv.cu",),
+        rocm=True,
+        doc="per-head q/k RMSNorm + rotary embedding + paged KV store in one launch",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

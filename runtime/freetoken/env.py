@@ -81,6 +81,7 @@ class Env:
     hip_clang: str | None       # FREETOKEN_HIP_CLANG: the clang that compiles HIP (path or name)
     log_level: str              # FREETOKEN_LOG_LEVEL
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
+    fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
 
 
 VARIABLES = {
@@ -102,6 +103,8 @@ VARIABLES = {
     "FREETOKEN_LOG_LEVEL": "logging level (debug, info, warning, error); debug also shows "
                            "tracebacks",
     "FREETOKEN_RELEASE_URL": f"where ci/nightly.sh publishes pairs (default {RELEASE_URL})",
+    "FREETOKEN_FUSED_DECODE": "GPU steps of up to 4 tokens run the fused decode kernels "
+                              "(default on; off: the unfused cuBLAS chain, for comparison)",
 }
 
 
@@ -128,5 +131,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         hip_clang=(e.get("FREETOKEN_HIP_CLANG") or "").strip() or None,
         log_level=level,
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
+        fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
     )
 

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -55,8 +56,9 @@ def test_seed_is_reproducible_and_independent_of_batch_mates(kind):
     assert [row[0] for row in first] == [row[0] for row in alone]
     mixed = [resolved(temperature=0)] + params[:1]
     gens = [create_generator(None), create_generator(7)]
-    with_greedy = [sample_tokens(logits[[1, 0]], mixed, gens)[1] for _ in range(20)]
-    assert with_greedy == [row[0] for row in alone]
+    both = [sample_tokens(logits[[1, 0]], mixed, gens) for _ in range(20)]
+    assert [tokens[1] for tokens in both] == [row[0] for row in alone]
+    assert {tokens[0] for tokens in both} == {int(np.asarray(logits[1]).argmax())}  # greedy row
     assert len({row[0] for row in first}) > 1  # it really samples
 
 

@@ -26,7 +26,7 @@ from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
 from freetoken.engine.state_snapshots import StateSnapshots
-from freetoken.engine.stream import RequestStream
+from freetoken.engine.stream import RequestStream, batched_delivery
 from freetoken.models.batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
@@ -332,17 +332,18 @@ class Engine:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
         if self.expert_cache is not None:   # prompt chunks stream whole expert layers
             self.expert_cache.prefill = batch.max_query_len > 1
-        try:
-            with self.arrays.no_grad():
-                if self.graphs is not None and self.graphs.can_run(batch):
-                    logits = self.graphs.run(batch)
-                else:
-                    logits = self.model.forward(batch, self.kv)
-            with self._cond:
-                self._process(plan, logits)
-        except Exception as exc:  # a failed step fails its requests, not the server
-            logger.exception("engine step failed")
-            self._fail(plan, f"model step failed: {exc}")
+        with batched_delivery():  # the step's outputs reach each event loop in one wake-up
+            try:
+                with self.arrays.no_grad():
+                    if self.graphs is not None and self.graphs.can_run(batch):
+                        logits = self.graphs.run(batch)
+                    else:
+                        logits = self.model.forward(batch, self.kv)
+                with self._cond:
+                    self._process(plan, logits)
+            except Exception as exc:  # a failed step fails its requests, not the server
+                logger.exception("engine step failed")
+                self._fail(plan, f"model step failed: {exc}")
         with self._cond:
             if not self.scheduler.has_work:
                 self.pool.check_integrity(self.scheduler.owned_pages())

@@ -34,21 +34,30 @@ def sample_tokens(logits, params: Sequence[SamplingParams],
     params must be resolved (temperature, top_k, top_p set).
     """
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    tokens = greedy_tokens(logits) if len(rows) < len(params) else [0] * len(params)
     if not rows:
-        return tokens
+        return greedy_tokens(logits)
     uniforms = [generators[i].random() for i in rows]
     chosen_params = [params[i] for i in rows]
     if is_torch(logits):
-        from freetoken.engine.sampling_torch import sample_rows
-
-        picked = logits if len(rows) == len(params) else logits[rows]
-        chosen = sample_rows(picked.float(), chosen_params, uniforms).tolist()
-    else:
-        chosen = [sample_row(logits[i], p, u) for i, p, u in zip(rows, chosen_params, uniforms)]
+        return _sample_torch(logits, rows, chosen_params, uniforms)
+    tokens = greedy_tokens(logits) if len(rows) < len(params) else [0] * len(params)
+    chosen = [sample_row(logits[i], p, u) for i, p, u in zip(rows, chosen_params, uniforms)]
     for row, token in zip(rows, chosen):
         tokens[row] = token
     return tokens
+
+
+def _sample_torch(logits, rows: list[int], params: list[SamplingParams],
+                  uniforms: list[float]) -> list[int]:
+    """Sampled rows and the greedy rest, combined on the device: one read-back per step."""
+    from freetoken.engine.sampling_torch import sample_rows
+
+    if len(rows) == logits.shape[0]:
+        return sample_rows(logits.float(), params, uniforms).tolist()
+    tokens = logits.argmax(-1)
+    index = logits.new_tensor(rows, dtype=tokens.dtype)
+    tokens[index] = sample_rows(logits[index].float(), params, uniforms)
+    return tokens.tolist()
 
 
 def greedy_tokens(logits) -> list[int]:

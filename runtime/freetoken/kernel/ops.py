@@ -275,3 +275,36 @@ def gdn_recurrence(out: torch.Tensor, qkv: torch.Tensor, ba: torch.Tensor,
     per slot as in gdn_conv1d. GPU: dk in {64, 128, 256}, dv a multiple of 4."""
     _fn("gdn_recurrence", qkv.device)(out, qkv, ba, a_log, dt_bias, ssm_state, positions,
                                       query_start_loc, state_slots)
+
+
+def decode_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                group: int) -> None:
+    """GPU decode projection, T <= 8 tokens, bf16/f16: out[T, N] = xn @ weight[N, K].T (+ bias)
+    with xn = rms_norm(x) * norm_weight when norm_weight is given (else x). `group` threads
+    (32/64/128/256) share one output row: see forward/fused_decode.py's gemv_group."""
+    _fn("decode_gemv", x.device)(out, x, weight, bias, norm_weight, eps, group)
+
+
+def decode_gemv_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    group: int) -> None:
+    """In place: residual[T, N] += x[T, K] @ weight.T, the product rounded to the dtype first."""
+    _fn("decode_gemv_add", x.device)(residual, x, weight, group)
+
+
+def decode_gemv_swiglu(out: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor,
+                       norm_weight: torch.Tensor | None, eps: float, group: int) -> None:
+    """out[T, I] = silu(g) * u where [g | u] = xn @ gate_up[2I, K].T (xn as in decode_gemv)."""
+    _fn("decode_gemv_swiglu", x.device)(out, x, gate_up, norm_weight, eps, group)
+
+
+def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, eps: float, head_dim: int,
+                  is_neox: bool) -> None:
+    """rms_norm per head (when q_norm/k_norm are given), rotary_embedding, store_kv in one GPU
+    launch: q [T, Hq*D] is rotated in place; k and v [T, Hk*D] are read, and k (rotated) and v
+    land in the caches [S, Hk, D] at slot_mapping (k itself is left as it was)."""
+    _fn("rope_store_kv", q.device)(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                   slot_mapping, q_norm, k_norm, eps, head_dim, is_neox)

@@ -253,3 +253,41 @@ def moe_experts_quant(out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, 
     w2d = dequantize_rows_np(_host(w2)[used], qtype2)
     compact = np.searchsorted(used, emap).clip(0, len(used) - 1).astype(np.int32)
     moe_experts(out, x, w13d, w2d, topk_ids, topk_weights, compact, workspace)
+
+
+def _normed(x, norm_weight, eps):
+    if norm_weight is None:
+        return x
+    xn = torch.empty_like(x)
+    rms_norm(xn, x, norm_weight, eps)
+    return xn
+
+
+def decode_gemv(out, x, weight, bias, norm_weight, eps, group):
+    """The unfused chain: [rms_norm], mm (+ bias), rounded once to out's dtype."""
+    y = _normed(x, norm_weight, eps).float() @ weight.float().T
+    out.copy_((y + bias.float() if bias is not None else y).to(out.dtype))
+
+
+def decode_gemv_add(residual, x, weight, group):
+    prod = (x.float() @ weight.float().T).to(residual.dtype)
+    residual.copy_((residual.float() + prod.float()).to(residual.dtype))
+
+
+def decode_gemv_swiglu(out, x, gate_up, norm_weight, eps, group):
+    silu_and_mul(out, (_normed(x, norm_weight, eps).float() @ gate_up.float().T).to(out.dtype))
+
+
+def rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm,
+                  k_norm, eps, head_dim, is_neox):
+    """The unfused chain: [per-head rms_norm of q and k], rotary_embedding, store_kv; q is
+    written in place, k and v are left as they are."""
+    t = q.shape[0]
+    qh, kh = q.reshape(t, -1, head_dim).clone(), k.reshape(t, -1, head_dim).clone()
+    if q_norm is not None:
+        rms_norm(qh, qh.clone(), q_norm, eps)
+        rms_norm(kh, kh.clone(), k_norm, eps)
+    qf, kf = qh.view(t, -1), kh.view(t, -1)
+    rotary_embedding(positions, qf, kf, cos_sin_cache, head_dim, is_neox)
+    q.copy_(qf)
+    store_kv(kh, v.reshape(t, -1, head_dim), k_cache, v_cache, slot_mapping)

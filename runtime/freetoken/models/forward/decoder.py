@@ -16,6 +16,7 @@ from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
+from freetoken.models.forward import fused_decode
 from freetoken.models.forward.attention import AttentionBlock
 from freetoken.models.forward.gdn import GatedDeltaNetBlock
 from freetoken.models.forward.linear import make_linear
@@ -106,6 +107,8 @@ class Decoder:
                                     kernels, arrays)
                        for i, (lw, nxt) in enumerate(zip(weights.layers, norms))]
         self._first_norm = kernels.arg(weights.layers[0]["input_norm"])
+        self._final_norm = kernels.arg(weights.final_norm)
+        self._fused = self._fused_layers(weights)
         self._embed = weights.embed
         self._embed_arg = kernels.arg(weights.embed.data if quantized_embedding else weights.embed)
         self._kv_args: tuple = (None, [], [])
@@ -114,6 +117,34 @@ class Decoder:
         self._workspace = Workspace(config, dtype, arrays)
         if self.device.is_cpu:
             _apply_kernel_threads()
+
+    def _fused_layers(self, weights: DecoderWeights) -> list | None:
+        """The fused decode layers (fused_decode.py), where the rule there allows them."""
+        if not fused_decode.supported(self.config, weights.layers, self.dtype, self.device):
+            return None
+        import torch
+
+        props = torch.cuda.get_device_properties(self.arrays.torch_device)
+        return [fused_decode.FusedLayer(layer, lw, self.config, i, self._rope, self._k,
+                                        props.multi_processor_count, self.device)
+                for i, (layer, lw) in enumerate(zip(self.layers, weights.layers))]
+
+    def _layers_into(self, w: WorkViews, batch: ForwardBatch, kv: KVCache) -> Array:
+        """Embed, run every layer; the final-normed hidden states [T, hidden]."""
+        self._embed_into(w.residual, batch.input_ids)
+        if self.config.embed_scale != 1.0:
+            array_view(w.residual)[...] *= self.config.embed_scale
+        caches = zip(*self._kv_caches(kv))
+        if self._fused is not None and batch.num_tokens <= fused_decode.MAX_TOKENS:
+            for layer, (k_cache, v_cache) in zip(self._fused, caches):
+                layer.forward(w, batch, k_cache, v_cache, kv.block_size)
+            self._k.rms_norm(w.hidden, w.residual, self._final_norm, self.config.rms_norm_eps)
+            return w.hidden
+        self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)
+        x = w.hidden
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            x = layer.forward(x, w, batch, k_cache, v_cache, kv.block_size)
+        return x
 
     def reserve(self, max_tokens: int) -> None:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
@@ -140,14 +171,7 @@ class Decoder:
                                               if f.name != "max_query_len"
                                               and getattr(batch, f.name) is not None})
         w = self._workspace.views(batch.num_tokens)
-        self._embed_into(w.residual, batch.input_ids)
-        if self.config.embed_scale != 1.0:
-            array_view(w.residual)[...] *= self.config.embed_scale
-        self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)
-        x, block_size = w.hidden, kv.block_size
-        for layer, k_cache, v_cache in zip(self.layers, *self._kv_caches(kv)):
-            x = layer.forward(x, w, batch, k_cache, v_cache, block_size)
-        rows = x
+        x = rows = self._layers_into(w, batch, kv)
         if batch.num_tokens != batch.num_seqs:  # else every token is its sequence's last
             rows = arg(self.arrays.empty((batch.num_seqs, self.config.hidden_size), self.dtype))
             self._k.gather_rows(rows, batch.logits_indices, x)

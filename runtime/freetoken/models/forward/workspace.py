@@ -21,7 +21,8 @@ class WorkViews:
     k/v [T, Hk*D] are views of its columns (rows strided by q+2kv, which the kernels accept);
     with a per-head q/k norm and T > 1, q and k are contiguous copies instead (made by
     ``split_qkv``) so that q_heads/k_heads [T*H, D] can view them. q3/k3/v3 and attn3 are the
-    same memory as [T, H, D]; gate_up [T, 2I]; act [T, I]; attn [T, Hq*D].
+    same memory as [T, H, D]; gate_up [T, 2I]; act [T, I]; attn [T, Hq*D]. qkv_cols (q, k, v)
+    and q3_cols are always the column views (the fused decode step norms q/k in place there).
     MoE models add alt [T, hidden] (a layer whose MLP cannot write in place writes there, and
     the next layer reads it), router_logits [T, E], topk_weights f32 / topk_ids int32 [T, K],
     moe_workspace (uint8 scratch of the experts kernel) and, with a shared expert,
@@ -42,6 +43,8 @@ class WorkViews:
         self.q = self.qkv[:, :qs]
         self.k = self.qkv[:, qs:qs + kvs]
         self.v = self.qkv[:, qs + kvs:]
+        cols = (self.q, self.k, self.v)  # column views, even where q/k get copies below
+        self.q3_cols = view_as(self.q, (t, cfg.num_heads, d))
         self.split_qkv = _nothing
         if copy_qk:
             self._sources = (self.q, self.k)
@@ -57,6 +60,7 @@ class WorkViews:
         for name, value in list(vars(self).items()):
             if name[0] != "_" and not callable(value):
                 setattr(self, name, arrays.kernel_arg(value))
+        self.qkv_cols = tuple(arrays.kernel_arg(c) for c in cols)
 
     def other(self, x):
         """The [T, hidden] buffer that is not `x` (hidden or alt)."""

@@ -1,0 +1,161 @@
+"""The GPU decode step (up to 4 tokens) in fewer launches: fused projections over an un-normed
+residual stream.
+
+The unfused forward keeps two buffers in step (residual, and hidden = its norm) and runs, per
+dense layer: qkv mm, [2 rms_norm for a per-head q/k norm], rotary, store_kv, attention, o mm,
+fused_add_rms_norm, gate_up mm, silu_and_mul, down mm, fused_add_rms_norm: 10 launches (12).
+Here the residual alone is carried, and each projection norms its own input:
+
+    decode_gemv        input RMSNorm prologue (+ qkv bias)        <- norm + qkv mm
+    rope_store_kv      per-head q/k norm + rotary + KV store      <- [2 norms] + rotary + store
+    paged_attention                                               (unchanged)
+    decode_gemv_add    residual += o(attn)                        <- o mm + the add
+    decode_gemv_swiglu post-attention RMSNorm prologue, SwiGLU    <- norm + gate_up mm + silu
+    decode_gemv_add    residual += down(act)                      <- down mm + the add
+
+6 launches per dense layer for steps of 1-2 tokens; 8 at 3-4 tokens, where each RMSNorm runs
+as its own kernel (see MAX_TOKENS). A MoE layer fuses its attention half; its MLP runs the routed
+kernels on the normed input (rms_norm, router, top-k, experts, then the residual add).
+Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
+stores it, so the two paths differ only in the f32 summation order of the dot products.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from freetoken.kernel import ops
+from freetoken.models.batch import Array, ForwardBatch
+from freetoken.models.checkpoint.weights import LayerWeights
+from freetoken.models.config import ModelConfig
+from freetoken.models.forward.workspace import WorkViews
+
+if TYPE_CHECKING:
+    from freetoken.models.forward.decoder import DecoderLayer, Kernels
+
+# How many tokens a step may have to take this path. The GEMV streams each weight once, but its
+# f32 work grows with the tokens: per weight, about 1 + 2T instructions (1 + 3.5T with the norm
+# prologue, which re-rounds x for every row). An H200 issues ~14 per weight at full HBM
+# bandwidth (33 T thread-instructions/s over 2.4 T bf16 weights/s), so the norm rides in the
+# prologue up to 2 tokens and runs as its own kernel at 3-4; wider steps take cuBLAS, whose
+# tensor cores do the work of 8 tokens at the cost of one.
+MAX_TOKENS = 4
+NORM_IN_PROLOGUE_TOKENS = 2
+_GROUPS = (32, 64, 128, 256)
+_BLOCK = 256
+
+
+def gemv_group(rows: int, k: int, sms: int) -> int:
+    """Threads per output row of decode_gemv: the fewest (one warp) unless the grid would leave
+    SMs idle; then the K loop is split over more threads of the block (up to 256), as long as
+    each thread keeps at least two 16-byte vectors of the row to load."""
+    group = _GROUPS[0]
+    while (group < _GROUPS[-1] and -(-rows // (_BLOCK // group)) < 2 * sms
+           and k // 8 >= 4 * group):
+        group *= 2
+    return group
+
+
+def _matrix(weight):
+    """The one matrix of a fused entry: the loader stores "qkv" and "gate_up" as a list of row
+    parts, one matrix when they concatenate (weights.py's _fuse_rows); else None."""
+    if isinstance(weight, list):
+        return weight[0] if len(weight) == 1 else None
+    return weight
+
+
+def _plain(weight) -> bool:
+    """A float weight the GEMV reads: one contiguous, 16-byte aligned torch tensor, K % 8 == 0."""
+    weight = _matrix(weight)
+    return (hasattr(weight, "is_contiguous") and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] % 8 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) -> bool:
+    """The rule, decided once at load: GPU, bf16/f16 activations, per-head or no q/k norm, and
+    every projection weight a plain tensor the GEMV can read (GGUF blocks and split parts keep
+    the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
+    streams each weight once in 16-byte loads is bandwidth-bound, while cuBLAS pads M to its
+    smallest tile and cannot fuse the epilogues."""
+    from freetoken import env
+
+    if device.is_cpu or dtype not in ("bfloat16", "float16") or not env.read().fused_decode:
+        return False
+    if cfg.qk_norm not in (None, "head"):
+        return False
+    # what the fused layer does not model: Gemma's GELU, block-output norms and scaled
+    # embedding, hybrid models' GDN layers and gated attention
+    if (cfg.activation != "silu" or cfg.block_out_norms or cfg.embed_scale != 1.0
+            or cfg.linear is not None or cfg.attn_output_gate):
+        return False
+    widths = (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.q_size)
+    if any(w % 8 for w in widths):
+        return False
+    names = ("qkv", "o")
+    for i, lw in enumerate(layers):
+        dense = ("gate_up", "down") if not cfg.is_sparse(i) else ()
+        if not all(_plain(lw[n]) for n in names + dense):
+            return False
+        bias = lw.get("qkv_bias")
+        if bias is not None and not (hasattr(bias, "data_ptr") and bias.is_contiguous()
+                                     and bias.data_ptr() % 16 == 0):
+            return False
+        if dense and cfg.intermediate_size % 8:
+            return False
+    return True
+
+
+class FusedLayer:
+    """One decoder layer's decode step over the residual stream (see the module doc)."""
+
+    def __init__(self, layer: DecoderLayer, w: LayerWeights, cfg: ModelConfig, index: int,
+                 rope: Array, kernels: Kernels, sms: int, device):
+        self.attn, self.mlp, self.ops = layer.attn, layer.mlp, kernels
+        self.gemv, self.gemv_add, self.gemv_swiglu, self.rope_store_kv = (
+            ops.bind(name, device) for name in
+            ("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu", "rope_store_kv"))
+        self.input_norm, self.post_norm = w["input_norm"], w["post_norm"]
+        self.qkv, self.bias, self.o = _matrix(w["qkv"]), w.get("qkv_bias"), w["o"]
+        self.rope, self.eps = rope, cfg.rms_norm_eps
+        self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
+        self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
+        h = cfg.hidden_size
+        self.g_qkv = gemv_group(self.qkv.shape[0], h, sms)
+        self.g_o = gemv_group(h, cfg.q_size, sms)
+        self.dense = not cfg.is_sparse(index)
+        if self.dense:
+            self.gate_up, self.down = _matrix(w["gate_up"]), w["down"]
+            inter = self.down.shape[1]
+            self.g_up = gemv_group(inter, h, sms)
+            self.g_down = gemv_group(h, inter, sms)
+
+    def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
+                block_size: int) -> None:
+        """w.residual holds this layer's input; on return, its output (neither normed)."""
+        a, eps = self.attn, self.eps
+        x, norm = self._normed_input(w, batch.num_tokens, self.input_norm)
+        self.gemv(w.qkv, x, self.qkv, self.bias, norm, eps, self.g_qkv)
+        q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
+        self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
+                           batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
+                           a.is_neox)
+        self.ops.paged_attention(w.attn3, w.q3_cols, k_cache, v_cache, batch.block_tables,
+                                 batch.seq_lens, batch.query_start_loc, block_size, a.scale,
+                                 a.window, *self.ops.attn_extra)
+        self.gemv_add(w.residual, w.attn, self.o, self.g_o)
+        if self.dense:
+            x, norm = self._normed_input(w, batch.num_tokens, self.post_norm)
+            self.gemv_swiglu(w.act, x, self.gate_up, norm, eps, self.g_up)
+            self.gemv_add(w.residual, w.act, self.down, self.g_down)
+            return
+        self.ops.rms_norm(w.hidden, w.residual, self.post_norm, eps)
+        y = self.mlp(w.hidden, w)
+        w.residual.add_(y)  # rounded once to the dtype, as the unfused fused_add_rms_norm
+
+    def _normed_input(self, w: WorkViews, tokens: int, weight: Array) -> tuple[Array, Array]:
+        """(x, the norm weight for the GEMV's prologue or None): the norm runs in the prologue
+        for steps of up to NORM_IN_PROLOGUE_TOKENS tokens, else as rms_norm into w.hidden."""
+        if tokens <= NORM_IN_PROLOGUE_TOKENS:
+            return w.residual, weight
+        self.ops.rms_norm(w.hidden, w.residual, weight, self.eps)
+        return w.hidden, None

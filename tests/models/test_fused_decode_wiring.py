@@ -1,0 +1,84 @@
+"""The fused decode step's wiring (forward/fused_decode.py), runnable without a GPU: every op,
+fused or not, is replaced by its plain-torch reference (kernel/reference.py), the model is
+built on torch CPU tensors, and the fused layers are put in place as the GPU load would.
+Their logits must match transformers' float32 forward as closely as the unfused step's do;
+a wrong buffer, norm weight or residual add is off by O(1). The kernels themselves are checked
+against the same references on the GPU (tests/kernel/test_decode_fused_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.arrays import TorchArrays, parse_device
+from freetoken.kernel import ops, reference
+from freetoken.models.checkpoint.hf import read_hf_dir
+from freetoken.models.checkpoint.weights import Placement, build_decoder_weights
+from freetoken.models.forward import fused_decode
+from freetoken.models.forward.decoder import _MOE_OPS, _OPS, Decoder
+from tests.models.helpers import PagedRunner, assert_logits_close, tiny_hf_model
+
+FUSED_OPS = ("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu", "rope_store_kv")
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+class _CopyingArrays(TorchArrays):
+    """Places every weight in fresh memory, as a copy to the GPU does (on the CPU, torch may
+    keep a float32 tensor as a view into the checkpoint's buffer, at any alignment)."""
+
+    def place(self, weight, dtype: str):
+        return super().place(weight, dtype).clone()
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    for name in _OPS + _MOE_OPS + FUSED_OPS + ("embedding",):
+        monkeypatch.setattr(ops, name, getattr(reference, name))
+
+
+def _models(folder):
+    """(unfused, fused) Decoders over the same float32 torch CPU weights."""
+    config, tensors, _, _ = read_hf_dir(folder)
+    arrays = _CopyingArrays(parse_device("cpu"))
+    weights = build_decoder_weights(tensors, config, Placement(arrays, "float32"))
+    # the load-time rule accepts this layout (one matrix per fused entry) on a GPU
+    assert fused_decode.supported(config, weights.layers, "bfloat16", parse_device("cuda:0"))
+    plain = Decoder(config, weights, arrays, "float32")
+    fused = Decoder(config, weights, arrays, "float32")
+    assert plain._fused is None and fused._fused is None  # CPU: the rule says no
+    fused._fused = [fused_decode.FusedLayer(layer, lw, config, i, fused._rope, fused._k, 132,
+                                            fused.device)
+                    for i, (layer, lw) in enumerate(zip(fused.layers, weights.layers))]
+    return config, plain, fused
+
+
+# qwen2_moe: dense and routed layers in turn, a shared expert
+EXTRA = {"qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=2),
+         "mistral": dict(sliding_window=8)}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
+                                  "qwen2_moe"])
+def test_fused_decode_steps_match_transformers(arch, tmp_path, reference_ops):
+    hf = tiny_hf_model(arch, tmp_path, seed=11, **{**SHAPE, **EXTRA.get(arch, {})})
+    config, plain, fused = _models(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 3, 20)]
+    runners = [PagedRunner(m, num_blocks=16, block_size=4, seed=2) for m in (plain, fused)]
+    seqs = [list(p) for p in prompts]
+    for runner in runners:
+        for seq, prompt in enumerate(prompts):
+            runner.step([(seq, prompt)])  # 20 tokens > MAX_TOKENS: unfused prefill
+    # T = 3 and 4 (norms as kernels), 2 and 1 (norms in the GEMV prologues), a 4-token chunk
+    steps = [[(0, [5]), (1, [6]), (2, [7])], [(2, [8]), (0, [9])], [(1, [10])],
+             [(0, [11, 12, 13, 14])], [(0, [1]), (1, [2]), (2, [3])]]
+    for chunks in steps:
+        theirs, ours = (r.step(chunks).clone() for r in runners)  # (plain, fused)
+        for row, (seq, tokens) in enumerate(chunks):
+            seqs[seq] += tokens
+            with torch.no_grad():
+                ref = hf(torch.tensor([seqs[seq]])).logits[0, -1]
+            assert_logits_close(ours[row], ref, config, msg=f"fused {arch} {chunks} row {row}")
+            assert_logits_close(theirs[row], ref, config, msg=f"plain {arch} {chunks}")
