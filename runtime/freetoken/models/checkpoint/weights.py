@@ -13,9 +13,11 @@ import numpy as np
 from freetoken.arrays import HostArrays, TorchArrays, is_torch
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.errors import MissingTensorError, ModelFormatError
+from freetoken.models.quant import scaled
+from freetoken.models.quant.scaled import ScaledWeight
 
 Array = Any  # a numpy array (CPU, and as read from GGUF) or a torch tensor
-Weight = Union[Array, QuantWeight]
+Weight = Union[Array, QuantWeight, ScaledWeight]
 
 
 class TensorSource(Protocol):
@@ -70,6 +72,11 @@ def _shape(weight: Weight) -> tuple[int, ...]:
 
 
 def _place(weight: Weight, where: Placement) -> Weight:
+    if isinstance(weight, ScaledWeight):
+        # FP8/NVFP4: dequantized once on the CPU; a GPU keeps the bytes and their scales
+        if where.arrays.device.is_cpu:
+            return where.arrays.place(scaled.dequantize(weight), where.dtype)
+        return scaled.to_device(weight, where.arrays.torch_device)
     if isinstance(weight, QuantWeight):
         if where.keeps_quantized:
             return weight
@@ -78,8 +85,12 @@ def _place(weight: Weight, where: Placement) -> Weight:
 
 
 def _fuse_rows(parts: list[Weight]) -> list[Weight]:
-    """One matrix when the parts concatenate (same float dtype, or same GGUF block type)."""
-    if not any(isinstance(p, QuantWeight) for p in parts):
+    """One matrix when the parts concatenate (same float dtype, or same GGUF block type, or
+    scaled weights whose scales line up)."""
+    if all(isinstance(p, ScaledWeight) for p in parts):
+        joined = scaled.concat_rows(parts)
+        return parts if joined is None else [joined]
+    if not any(isinstance(p, (QuantWeight, ScaledWeight)) for p in parts):
         return [_concat(parts)]
     if all(isinstance(p, QuantWeight) for p in parts):
         qtypes = {p.qtype for p in parts}
@@ -155,7 +166,10 @@ class _Reader:
             joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
                                  (raw[0].shape[0], rows, raw[0].shape[2]))
         else:
-            floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
+            # NOTE: scaled (FP8/NVFP4) experts become floats on every device for now: the fused
+            # MoE kernels read float or GGUF experts only.
+            floats = [dequantize(w) if isinstance(w, QuantWeight) else
+                      scaled.dequantize(w) if isinstance(w, ScaledWeight) else w for w in raw]
             placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
             joined = placed[0] if len(placed) == 1 else _concat(placed, axis=1)
         release = getattr(self.src, "release", None)
@@ -224,6 +238,8 @@ def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
     """Every tensor of a dense decoder, checked against `cfg` and placed per `where`."""
     read = _Reader(src, where, cfg.architecture)
     embed = read.required("embed", (cfg.vocab_size, cfg.hidden_size))
+    if isinstance(embed, ScaledWeight):     # looked up by row: floats, as the kernel reads
+        embed = where.arrays.place(scaled.dequantize(embed), where.dtype)
     head = None if cfg.tie_word_embeddings else read.required(
         "lm_head", (cfg.vocab_size, cfg.hidden_size))
     rot = cfg.rope_dim or cfg.head_dim
