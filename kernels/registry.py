@@ -145,6 +145,14 @@ KERNELS: tuple[Kernel, ...] = (
         rocm=True,
         doc="MoE routing (softmax top-k) and routed expert MLPs (SwiGLU)",
     ),
+    Kernel(
+        name="scaled_gemm",
+        functions=("scaled_gemv", "scaled_dequantize"),
+        cuda=("cuda/scaled_gemm.cu",),
+        rocm=True,
+        doc="FP8 (block, channel, tensor scales) and NVFP4 weights: dequantizing GEMV for "
+            "decode, dequantize-to-float for the prefill GEMM",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

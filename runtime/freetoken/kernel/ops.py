@@ -227,3 +227,20 @@ def moe_experts_quant(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2:
     Q4_0 (2), Q4_1 (3), Q8_0 (8) (H and I multiples of 32), F16 (1), BF16 (30) or F32 (0)."""
     get_function("moe", "moe_experts_quant", "cpu")(
         out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
+
+
+def scaled_gemv(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                row_scale: torch.Tensor, fmt: int, block_n: int, block_k: int) -> None:
+    """GPU decode product over a scaled weight W [N, K] (models/quant/scaled.py), T <= 8:
+    out[T, N] = x[T, K] @ W.T with W[n, k] = value(data)[n, k] * scales[n // block_n,
+    k // block_k] * row_scale[n]. fmt 0 (FP8): data uint8 [N, K] e4m3 bytes, scales float32
+    [ceil(N/bn), ceil(K/bk)]; fmt 1 (NVFP4): data uint8 [N, K/2] (low nibble first), scales
+    uint8 e4m3 bytes [N, K/16] (the block arguments are ignored). row_scale float32 [N];
+    x, out bf16/f16/f32; K a multiple of 16."""
+    _fn("scaled_gemv", x.device)(out, x, data, scales, row_scale, fmt, block_n, block_k)
+
+
+def scaled_dequantize(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                      row_scale: torch.Tensor, fmt: int, block_n: int, block_k: int) -> None:
+    """out[N, K] (bf16/f16/f32, contiguous) = the scaled weight of ``scaled_gemv``."""
+    _fn("scaled_dequantize", data.device)(out, data, scales, row_scale, fmt, block_n, block_k)

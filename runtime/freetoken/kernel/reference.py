@@ -240,3 +240,27 @@ def moe_experts_quant(out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, 
     w2d = dequantize_rows_np(_host(w2)[used], qtype2)
     compact = np.searchsorted(used, emap).clip(0, len(used) - 1).astype(np.int32)
     moe_experts(out, x, w13d, w2d, topk_ids, topk_weights, compact, workspace)
+
+
+def _scaled_values(data, scales, row_scale, fmt, block_n, block_k):
+    """float32 [N, K] of a scaled weight as scaled_gemv reads it (fmt 0 FP8, 1 NVFP4)."""
+    from freetoken.models.quant import scaled
+
+    if fmt == 0:
+        n, k = data.shape
+        weight = scaled.ScaledWeight(scaled.FP8, data.view(torch.float8_e4m3fn), scales, (n, k),
+                                     (block_n, min(block_k, k)), row_scale)
+    else:
+        n, k = data.shape[0], 2 * data.shape[1]
+        weight = scaled.ScaledWeight(scaled.NVFP4, data, scales.view(torch.float8_e4m3fn),
+                                     (n, k), (1, 16), row_scale)
+    return scaled.dequantize(weight)
+
+
+def scaled_gemv(out, x, data, scales, row_scale, fmt, block_n, block_k):
+    w = _scaled_values(data, scales, row_scale, fmt, block_n, block_k)
+    out.copy_((x.float() @ w.T).to(out.dtype))
+
+
+def scaled_dequantize(out, data, scales, row_scale, fmt, block_n, block_k):
+    out.copy_(_scaled_values(data, scales, row_scale, fmt, block_n, block_k).to(out.dtype))
