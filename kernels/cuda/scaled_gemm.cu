@@ -16,50 +16,11 @@
 namespace freetoken {
 namespace {
 
-constexpr int kFormatFp8 = 0;
-constexpr int kFormatNvfp4 = 1;
+constexpr int kFormatFp8 = kScaledFp8;
+constexpr int kFormatNvfp4 = kScaledNvfp4;
 constexpr int kMaxTokens = 8;
 constexpr int kRowsPerBlock = 8;  // warps per block, one weight row each
-constexpr int kChunk = 16;        // values per lane per step
-
-struct ScaleGrid {
-  const void* scales;  // FP8: float32 grid; NVFP4: e4m3 bytes [N, K / 16]
-  const float* row_scale;
-  int bn, bk, cols;    // rows and columns one scale covers; grid columns
-};
-
-template <typename T>
-__device__ __forceinline__ void load_x16(const T* p, float (&v)[kChunk]) {
-  constexpr int kPer = 16 / sizeof(T);
-#pragma unroll
-  for (int part = 0; part < kChunk / kPer; ++part) {
-    Vec<T, kPer> x = load_vec<T, kPer>(p + part * kPer);
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) v[part * kPer + e] = to_float(x.v[e]);
-  }
-}
-
-// 16 decoded weights of row `row` starting at column `col`, and the scale they share.
-template <int FORMAT>
-__device__ __forceinline__ float decode16(const uint8_t* wrow, int row, int col,
-                                          const ScaleGrid& g, float (&w)[kChunk]) {
-  if constexpr (FORMAT == kFormatFp8) {
-    Vec<uint32_t, 4> q = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(wrow + col));
-    const uint32_t* words = q.v;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) w[i] = e4m3_to_float((words[i / 4] >> (8 * (i % 4))) & 0xFFu);
-    const float* grid = static_cast<const float*>(g.scales);
-    return grid[static_cast<int64_t>(row / g.bn) * g.cols + col / g.bk];
-  } else {
-    Vec<uint32_t, 2> q =
-        load_vec<uint32_t, 2>(reinterpret_cast<const uint32_t*>(wrow + col / 2));
-    const uint32_t* words = q.v;
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) w[i] = e2m1_to_float((words[i / 8] >> (4 * (i % 8))) & 0xFu);
-    const uint8_t* grid = static_cast<const uint8_t*>(g.scales);
-    return e4m3_to_float(grid[static_cast<int64_t>(row) * g.cols + col / kChunk]);
-  }
-}
+constexpr int kChunk = kScaledChunk;
 
 template <typename T, int FORMAT, int NT>
 __device__ __forceinline__ void accumulate(const T* x, int64_t x_stride, int ntok, int col,
@@ -96,8 +57,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarp)
     // both steps' bytes are requested before either is used: two loads in flight per lane
     float w0[kChunk], w1[kChunk];
     bool second = col + kStep < k;
-    float s0 = decode16<FORMAT>(wrow, row, col, g, w0);
-    float s1 = second ? decode16<FORMAT>(wrow, row, col + kStep, g, w1) : 0.f;
+    float s0 = scaled_decode16<FORMAT>(wrow, row, col, g, w0);
+    float s1 = second ? scaled_decode16<FORMAT>(wrow, row, col + kStep, g, w1) : 0.f;
     accumulate<T, FORMAT, NT>(x, x_stride, ntok, col, w0, s0, acc);
     if (second) accumulate<T, FORMAT, NT>(x, x_stride, ntok, col + kStep, w1, s1, acc);
   }
@@ -120,7 +81,7 @@ __global__ void scaled_dequantize_kernel(T* __restrict__ out, const uint8_t* __r
     int col = static_cast<int>(i - static_cast<int64_t>(row) * (k / kChunk)) * kChunk;
     int64_t row_bytes = FORMAT == kFormatFp8 ? k : k / 2;
     float w[kChunk];
-    float s = decode16<FORMAT>(data + row * row_bytes, row, col, g, w) * g.row_scale[row];
+    float s = scaled_decode16<FORMAT>(data + row * row_bytes, row, col, g, w) * g.row_scale[row];
     constexpr int kPer = 16 / sizeof(T);
     T* dst = out + static_cast<int64_t>(row) * k + col;
 #pragma unroll

@@ -124,3 +124,59 @@ def test_dequantize_kernel_is_exact_in_float32(fmt):
     ops.scaled_dequantize(out, *args)
     # one float32 product (two for NVFP4's second-level scale) per value
     assert_close(out.cpu(), ref, torch.float32, magnitude=ref.abs(), ulps=2)
+
+
+def _stacked_experts(fmt, slots, rows, cols, seed, dev):
+    """A stacked expert weight [S, rows, cols] and its float64 reference (bit by bit)."""
+    w = torch.randn(slots, rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if fmt == "nvfp4":
+        packed, local, second = quantize_nvfp4(w)
+        ref = (e2m1_values(packed.numpy()) * expand(e4m3_values(local.view(torch.uint8).numpy()),
+                                                    1, 16, rows, cols)
+               * second.double().numpy()[:, None, None])
+        weight = scaled.ScaledWeight(scaled.NVFP4, packed, local, (slots, rows, cols), (1, 16),
+                                     second[:, None].expand(slots, rows).contiguous())
+    else:
+        q, grid = quantize_fp8(w, 128, 128)
+        ref = e4m3_values(q.view(torch.uint8).numpy()) * expand(grid.double().numpy(), 128, 128,
+                                                                 rows, cols)
+        weight = scaled.ScaledWeight(scaled.FP8, q, grid, (slots, rows, cols), (128, 128))
+    return scaled.to_device(weight, dev), torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 40])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scaled_experts_match_torch(fmt, tokens, dtype):
+    """Qwen3-30B-A3B's expert shapes (H 2048, I 768) over 16 slots, 8 experts per token: the
+    decode kernel (T <= 8) and the dequantize + grouped GEMM path (T = 40)."""
+    from freetoken.kernel import ops, reference
+    from freetoken.models.forward.scaled_moe import ScaledExperts
+
+    dev = torch.device("cuda")
+    slots, hidden, inter, top_k = 16, 2048, 768, 8
+    gate, rg = _stacked_experts(fmt, slots, inter, hidden, 1, dev)
+    up, ru = _stacked_experts(fmt, slots, inter, hidden, 2, dev)
+    down, rd = _stacked_experts(fmt, slots, hidden, inter, 3, dev)
+    experts = ScaledExperts(scaled.concat_rows([gate, up]), scaled.concat_rows([down]), top_k)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(slots, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = ids.to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    emap = torch.arange(slots, dtype=torch.int32)
+    workspace = torch.empty(ops.moe_workspace_bytes(tokens, top_k, slots, inter, dtype),
+                            dtype=torch.uint8, device=dev)
+    out = torch.empty(tokens, hidden, dtype=dtype, device=dev)
+    experts(out, x.to(dev), ids.to(dev), weights.to(dev), emap.to(dev), workspace)
+    expected = torch.empty(tokens, hidden, dtype=torch.float64)
+    reference.moe_experts(expected, x.double(), torch.cat([rg, ru], dim=1), rd, ids, weights,
+                          emap, None)
+    # bf16: the activations between the projections (and, for T > 8, the dequantized weights)
+    # are rounded to bf16, a relative error of one bf16 rounding per product whose sum scales
+    # with the result itself; float32: only the accumulation over H + I terms rounds
+    scale = expected.abs().max()
+    terms = hidden + inter if dtype == torch.float32 else 1
+    assert_close(out.cpu(), expected, dtype, compute=dtype, magnitude=scale, terms=terms)

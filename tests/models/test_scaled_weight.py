@@ -91,3 +91,40 @@ def test_scaled_linear_passes_fused_weights_to_the_kernels(fmt, tokens, monkeypa
     expected = x.double() @ weight.T
     assert_close(out, expected, torch.float32, terms=weight.shape[1],
                  magnitude=(x.double().abs() @ weight.abs().T))
+
+
+def _stacked(fmt, slots, rows, cols, seed):
+    w = torch.randn(slots, rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.2
+    if fmt == "nvfp4":
+        packed, local, second = quantize_nvfp4(w)
+        return scaled.ScaledWeight(scaled.NVFP4, packed, local, (slots, rows, cols), (1, 16),
+                                   second[:, None].expand(slots, rows).contiguous())
+    q, grid = quantize_fp8(w, 128, 128)
+    return scaled.ScaledWeight(scaled.FP8, q, grid, (slots, rows, cols), (128, 128))
+
+
+@pytest.mark.parametrize("tokens", [3, 12])
+@pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4"])
+def test_scaled_experts_wiring_matches_float_experts(fmt, tokens, monkeypatch):
+    """The GPU experts' wiring (per-slot views, block arguments, the decode kernel / dequantize-
+    then-grouped-GEMM split) on the CPU, the kernels replaced by their torch references."""
+    from freetoken.kernel import ops, reference
+    from freetoken.models.forward.scaled_moe import ScaledExperts
+
+    for name in ("moe_experts_scaled", "moe_experts", "scaled_dequantize"):
+        monkeypatch.setattr(ops, name, getattr(reference, name))
+    slots, hidden, inter, top_k = 4, 64, 160, 2
+    gate, up = _stacked(fmt, slots, inter, hidden, 1), _stacked(fmt, slots, inter, hidden, 2)
+    w13 = scaled.concat_rows([gate, up])
+    w2 = scaled.concat_rows([_stacked(fmt, slots, hidden, inter, 3)])
+    experts = ScaledExperts(w13, w2, top_k)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.randint(0, slots, (tokens, top_k), generator=gen, dtype=torch.int32)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    emap = torch.arange(slots, dtype=torch.int32)
+    out, expected = torch.empty(tokens, hidden), torch.empty(tokens, hidden)
+    experts(out, x, ids, weights, emap, torch.empty(0, dtype=torch.uint8))
+    floats13 = torch.cat([scaled.dequantize(gate), scaled.dequantize(up)], dim=1)
+    reference.moe_experts(expected, x, floats13, scaled.dequantize(w2), ids, weights, emap, None)
+    assert_close(out, expected, torch.float32, terms=hidden + inter)

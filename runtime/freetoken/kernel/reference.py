@@ -264,3 +264,13 @@ def scaled_gemv(out, x, data, scales, row_scale, fmt, block_n, block_k):
 
 def scaled_dequantize(out, data, scales, row_scale, fmt, block_n, block_k):
     out.copy_(_scaled_values(data, scales, row_scale, fmt, block_n, block_k).to(out.dtype))
+
+
+def moe_experts_scaled(out, x, w13, w13_scales, w13_rows, w2, w2_scales, w2_rows, fmt, bn13,
+                       bk13, bn2, bk2, topk_ids, topk_weights, expert_map, act):
+    """moe_experts over scaled experts (the slots dequantized one by one, then moe_experts)."""
+    w13f = torch.stack([_scaled_values(w13[s], w13_scales[s], w13_rows[s], fmt, bn13, bk13)
+                        for s in range(w13.shape[0])])
+    w2f = torch.stack([_scaled_values(w2[s], w2_scales[s], w2_rows[s], fmt, bn2, bk2)
+                       for s in range(w2.shape[0])])
+    moe_experts(out, x, w13f, w2f, topk_ids, topk_weights, expert_map, None)

@@ -74,7 +74,7 @@ def _shape(weight: Weight) -> tuple[int, ...]:
 def _place(weight: Weight, where: Placement) -> Weight:
     if isinstance(weight, ScaledWeight):
         # FP8/NVFP4: dequantized once on the CPU; a GPU keeps the bytes and their scales
-        if where.arrays.device.is_cpu:
+        if where.arrays.device.is_cpu or not scaled.kernel_ready(weight):
             return where.arrays.place(scaled.dequantize(weight), where.dtype)
         return scaled.to_device(weight, where.arrays.torch_device)
     if isinstance(weight, QuantWeight):
@@ -158,6 +158,12 @@ class _Reader:
         for (name, shape), weight in zip(parts, raw):
             if weight is None or _shape(weight) != shape:
                 self.check(name, weight, shape)      # raises, naming the tensor
+        if all(isinstance(w, ScaledWeight) and scaled.kernel_ready(w) for w in raw) \
+                and not self.where.keeps_quantized:
+            # FP8/NVFP4 experts stay in their format on a GPU when their scales line up
+            joined = scaled.concat_rows([_place(w, self.where) for w in raw])
+            if joined is not None:
+                return joined
         quant = [isinstance(w, QuantWeight) for w in raw]
         if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
             if len(raw) == 1:
@@ -166,8 +172,6 @@ class _Reader:
             joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
                                  (raw[0].shape[0], rows, raw[0].shape[2]))
         else:
-            # NOTE: scaled (FP8/NVFP4) experts become floats on every device for now: the fused
-            # MoE kernels read float or GGUF experts only.
             floats = [dequantize(w) if isinstance(w, QuantWeight) else
                       scaled.dequantize(w) if isinstance(w, ScaledWeight) else w for w in raw]
             placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]
@@ -207,10 +211,10 @@ def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
     e, inter = moe.num_experts, moe.intermediate_size
     gate_up = read.stacked([(p + "experts.gate", (e, inter, h)), (p + "experts.up", (e, inter, h))])
     down = read.stacked([(p + "experts.down", (e, h, inter))])
-    if isinstance(gate_up, QuantWeight) != isinstance(down, QuantWeight):
-        # one kernel call takes both: GGUF blocks for both, or floats for both
-        gate_up, down = (read.where.arrays.place(dequantize(x), read.where.dtype)
-                         if isinstance(x, QuantWeight) else x for x in (gate_up, down))
+    if _kind(gate_up) != _kind(down):
+        # one kernel call takes both: GGUF blocks, one scaled format, or floats for both
+        gate_up, down = (read.where.arrays.place(_floats(x), read.where.dtype)
+                         if _kind(x) != "float" else x for x in (gate_up, down))
     w = {"router": read.required(p + "router", (e, h)),
          "experts.gate_up": gate_up, "experts.down": down}
     if moe.shared_intermediate_size:
@@ -221,6 +225,16 @@ def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
             gate = gate.reshape(1, h)
         w["shared_gate"] = read.check(p + "shared_gate", gate, (1, h))
     return w
+
+
+def _kind(weight: Weight) -> str:
+    if isinstance(weight, QuantWeight):
+        return "gguf"
+    return weight.format if isinstance(weight, ScaledWeight) else "float"
+
+
+def _floats(weight: Weight) -> Array:
+    return dequantize(weight) if isinstance(weight, QuantWeight) else scaled.dequantize(weight)
 
 
 def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:

@@ -21,7 +21,8 @@ _FORMAT_IDS = {FP8: 0, NVFP4: 1}
 _SCRATCH: dict[tuple[Any, Any], Any] = {}
 
 
-def _scratch(device, dtype, numel: int):
+def scratch(device, dtype, numel: int):
+    """A flat buffer of `numel` values on `device`, shared by every scaled op of its dtype."""
     import torch
 
     key = (device, dtype)
@@ -60,7 +61,7 @@ class ScaledLinear:
         if x.shape[0] <= GEMV_MAX_TOKENS:
             self._gemv(out, x, self.data, self.scales, self.row_scale, self.format, *self.block)
         else:
-            w = _scratch(x.device, x.dtype, self.out_features * self.in_features)
+            w = scratch(x.device, x.dtype, self.out_features * self.in_features)
             w = w.view(self.out_features, self.in_features)
             self._dequantize(w, self.data, self.scales, self.row_scale, self.format, *self.block)
             torch.mm(x, w.T, out=out)

@@ -47,6 +47,13 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kernel_ready(weight: ScaledWeight) -> bool:
+    """Whether the GPU kernels take this layout: 16 values share one scale (columns a
+    multiple of 16, column blocks too unless one block spans the row)."""
+    cols, bk = weight.shape[-1], weight.block[1]
+    return cols % 16 == 0 and (bk % 16 == 0 or bk >= cols)
+
+
 def e2m1_to_float(packed):
     """float32 [..., 2n] values of packed e2m1 bytes [..., n] (low nibble first)."""
     import torch
