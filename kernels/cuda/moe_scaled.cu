@@ -169,6 +169,28 @@ ExpertWeights check_experts(const TensorView& data, const TensorView& scales,
                        static_cast<int>(scales.size(1)), static_cast<int>(scales.size(2))};
 }
 
+void launch_experts(FloatType ft, int64_t fmt, TensorView out, TensorView x, TensorView act,
+                    const ExpertWeights& g13, const ExpertWeights& g2, const Args& a,
+                    cudaStream_t stream) {
+  int64_t tokens = a.tokens, top_k = a.top_k;
+  dim3 gu(static_cast<unsigned>(tokens * top_k), static_cast<unsigned>(ceil_div(a.inter, kWarps)));
+  dim3 dn(static_cast<unsigned>(tokens), static_cast<unsigned>(ceil_div(a.hidden, kWarps)));
+  FT_CUDA_DISPATCH_FLOAT(ft, T, {
+    if (fmt == kScaledFp8) {
+      scaled_gate_up_kernel<T, kScaledFp8><<<gu, kWarps * kWarp, 0, stream>>>(
+          data_of<T>(act), data_of<T>(x), g13, a);
+      scaled_down_kernel<T, kScaledFp8><<<dn, kWarps * kWarp, 0, stream>>>(
+          data_of<T>(out), data_of<T>(act), g2, a);
+    } else {
+      scaled_gate_up_kernel<T, kScaledNvfp4><<<gu, kWarps * kWarp, 0, stream>>>(
+          data_of<T>(act), data_of<T>(x), g13, a);
+      scaled_down_kernel<T, kScaledNvfp4><<<dn, kWarps * kWarp, 0, stream>>>(
+          data_of<T>(out), data_of<T>(act), g2, a);
+    }
+  });
+  check_launch("moe_experts_scaled");
+}
+
 /*! \brief moe_experts for decode batches over scaled experts; act [>= T*K, I] in x's dtype. */
 void moe_experts_scaled(TensorView out, TensorView x, TensorView w13, TensorView w13_scales,
                         TensorView w13_rows, TensorView w2, TensorView w2_scales,
@@ -209,23 +231,7 @@ void moe_experts_scaled(TensorView out, TensorView x, TensorView w13, TensorView
          static_cast<int>(expert_map.numel()), static_cast<int>(w13.size(0)),
          static_cast<int>(hidden), static_cast<int>(inter)};
   DeviceGuard guard(dev);
-  cudaStream_t stream = stream_for(x);
-  dim3 gu(static_cast<unsigned>(tokens * top_k), static_cast<unsigned>(ceil_div(inter, kWarps)));
-  dim3 dn(static_cast<unsigned>(tokens), static_cast<unsigned>(ceil_div(hidden, kWarps)));
-  FT_CUDA_DISPATCH_FLOAT(ft, T, {
-    if (fmt == kScaledFp8) {
-      scaled_gate_up_kernel<T, kScaledFp8><<<gu, kWarps * kWarp, 0, stream>>>(
-          data_of<T>(act), data_of<T>(x), g13, a);
-      scaled_down_kernel<T, kScaledFp8><<<dn, kWarps * kWarp, 0, stream>>>(
-          data_of<T>(out), data_of<T>(act), g2, a);
-    } else {
-      scaled_gate_up_kernel<T, kScaledNvfp4><<<gu, kWarps * kWarp, 0, stream>>>(
-          data_of<T>(act), data_of<T>(x), g13, a);
-      scaled_down_kernel<T, kScaledNvfp4><<<dn, kWarps * kWarp, 0, stream>>>(
-          data_of<T>(out), data_of<T>(act), g2, a);
-    }
-  });
-  check_launch("moe_experts_scaled");
+  launch_experts(ft, fmt, out, x, act, g13, g2, a, stream_for(x));
 }
 
 }  // namespace
