@@ -104,8 +104,9 @@ def _stacked(fmt, slots, rows, cols, seed):
 
 
 @pytest.mark.parametrize("tokens", [3, 12])
-@pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4"])
-def test_scaled_experts_wiring_matches_float_experts(fmt, tokens, monkeypatch):
+@pytest.mark.parametrize("fmt, hidden, inter", [("fp8-block", 64, 160), ("fp8-block", 128, 256),
+                                                ("nvfp4", 64, 160)])
+def test_scaled_experts_wiring_matches_float_experts(fmt, hidden, inter, tokens, monkeypatch):
     """The GPU experts' wiring (per-slot views, block arguments, the decode kernel / dequantize-
     then-grouped-GEMM split) on the CPU, the kernels replaced by their torch references."""
     from freetoken.kernel import ops, reference
@@ -113,7 +114,7 @@ def test_scaled_experts_wiring_matches_float_experts(fmt, tokens, monkeypatch):
 
     for name in ("moe_experts_scaled", "moe_experts", "scaled_dequantize"):
         monkeypatch.setattr(ops, name, getattr(reference, name))
-    slots, hidden, inter, top_k = 4, 64, 160, 2
+    slots, top_k = 4, 2
     gate, up = _stacked(fmt, slots, inter, hidden, 1), _stacked(fmt, slots, inter, hidden, 2)
     w13 = scaled.concat_rows([gate, up])
     w2 = scaled.concat_rows([_stacked(fmt, slots, hidden, inter, 3)])

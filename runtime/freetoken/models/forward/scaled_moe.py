@@ -30,6 +30,11 @@ class _Stacked:
     def args(self) -> tuple:
         return (self.data, self.scales, self.row_scale)
 
+    def flat(self) -> tuple:
+        """(data, scales, row_scale) of every slot as one [S * rows, ...] matrix."""
+        return (self.data.view(-1, self.data.shape[-1]),
+                self.scales.view(-1, self.scales.shape[-1]), self.row_scale.view(-1))
+
 
 class ScaledExperts:
     """out = the routed SwiGLU experts of x (``ops.moe_experts``'s contract) over scaled
@@ -71,6 +76,11 @@ class ScaledExperts:
         w13 = flat[:size13].view(a.slots, a.rows, a.cols)
         w2 = flat[size13:].view(b.slots, b.rows, b.cols)
         for stacked, dst in ((a, w13), (b, w2)):
+            if stacked.rows % stacked.block[0] == 0:
+                # whole scale blocks per slot: the slots read as one tall matrix, one launch
+                self._dequantize(dst.view(-1, stacked.cols), *stacked.flat(), self.format,
+                                 *stacked.block)
+                continue
             for s in range(stacked.slots):
                 self._dequantize(dst[s], stacked.data[s], stacked.scales[s],
                                  stacked.row_scale[s], self.format, *stacked.block)
