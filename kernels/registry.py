@@ -177,6 +177,21 @@ KERNELS: tuple[Kernel, ...] = (
         rocm=True,
         doc="per-head q/k RMSNorm + rotary embedding + paged KV store in one launch",
     ),
+    Kernel(
+        name="scaled_gemm",
+        functions=("scaled_gemv", "scaled_dequantize"),
+        cuda=("cuda/scaled_gemm.cu",),
+        rocm=True,
+        doc="FP8 (block, channel, tensor scales) and NVFP4 weights: dequantizing GEMV for "
+            "decode, dequantize-to-float for the prefill GEMM",
+    ),
+    Kernel(
+        name="moe_scaled",
+        functions=("moe_experts_scaled",),
+        cuda=("cuda/moe_scaled.cu",),
+        rocm=True,
+        doc="routed SwiGLU experts over FP8/NVFP4 expert weights for decode batches",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -98,7 +98,7 @@ def test_missing_experts_are_refused_naming_every_layout(tiny_checkpoint, tmp_pa
         assert expected in message
 
 
-@pytest.mark.parametrize("method", ["fp8", "made_up_method"])
+@pytest.mark.parametrize("method", ["awq", "made_up_method"])
 def test_quantization_config_is_refused_by_method(method, tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen3_moe")
     copy = shutil.copytree(directory, tmp_path / "model")

@@ -308,3 +308,36 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     land in the caches [S, Hk, D] at slot_mapping (k itself is left as it was)."""
     _fn("rope_store_kv", q.device)(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                    slot_mapping, q_norm, k_norm, eps, head_dim, is_neox)
+
+
+def scaled_gemv(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                row_scale: torch.Tensor, fmt: int, block_n: int, block_k: int) -> None:
+    """GPU decode product over a scaled weight W [N, K] (models/quant/scaled.py), T <= 8:
+    out[T, N] = x[T, K] @ W.T with W[n, k] = value(data)[n, k] * scales[n // block_n,
+    k // block_k] * row_scale[n]. fmt 0 (FP8): data uint8 [N, K] e4m3 bytes, scales float32
+    [ceil(N/bn), ceil(K/bk)]; fmt 1 (NVFP4): data uint8 [N, K/2] (low nibble first), scales
+    uint8 e4m3 bytes [N, K/16] (the block arguments are ignored). row_scale float32 [N];
+    x, out bf16/f16/f32; K a multiple of 16."""
+    _fn("scaled_gemv", x.device)(out, x, data, scales, row_scale, fmt, block_n, block_k)
+
+
+def scaled_dequantize(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                      row_scale: torch.Tensor, fmt: int, block_n: int, block_k: int) -> None:
+    """out[N, K] (bf16/f16/f32, contiguous) = the scaled weight of ``scaled_gemv``."""
+    _fn("scaled_dequantize", data.device)(out, data, scales, row_scale, fmt, block_n, block_k)
+
+
+def moe_experts_scaled(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
+                       w13_scales: torch.Tensor, w13_rows: torch.Tensor, w2: torch.Tensor,
+                       w2_scales: torch.Tensor, w2_rows: torch.Tensor, fmt: int, bn13: int,
+                       bk13: int, bn2: int, bk2: int, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                       act: torch.Tensor) -> None:
+    """``moe_experts`` on the GPU over scaled experts, for decode batches: w13 uint8
+    [S, 2I, H] (FP8) or [S, 2I, H/2] (NVFP4) and w2 [S, H, I] / [S, H, I/2], each with its
+    scales and row scales laid out per slot as ``scaled_gemv``'s (the block arguments for FP8
+    grids); act: contiguous scratch of x's dtype holding at least T*K*I values. H and I
+    multiples of 16; no host sync, capturable in a CUDA graph."""
+    _fn("moe_experts_scaled", x.device)(
+        out, x, w13, w13_scales, w13_rows, w2, w2_scales, w2_rows, fmt, bn13, bk13, bn2, bk2,
+        topk_ids, topk_weights, expert_map, act)

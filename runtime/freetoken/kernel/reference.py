@@ -291,3 +291,37 @@ def rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapp
     rotary_embedding(positions, qf, kf, cos_sin_cache, head_dim, is_neox)
     q.copy_(qf)
     store_kv(kh, v.reshape(t, -1, head_dim), k_cache, v_cache, slot_mapping)
+
+
+def _scaled_values(data, scales, row_scale, fmt, block_n, block_k):
+    """float32 [N, K] of a scaled weight as scaled_gemv reads it (fmt 0 FP8, 1 NVFP4)."""
+    from freetoken.models.quant import scaled
+
+    if fmt == 0:
+        n, k = data.shape
+        weight = scaled.ScaledWeight(scaled.FP8, data.view(torch.float8_e4m3fn), scales, (n, k),
+                                     (block_n, min(block_k, k)), row_scale)
+    else:
+        n, k = data.shape[0], 2 * data.shape[1]
+        weight = scaled.ScaledWeight(scaled.NVFP4, data, scales.view(torch.float8_e4m3fn),
+                                     (n, k), (1, 16), row_scale)
+    return scaled.dequantize(weight)
+
+
+def scaled_gemv(out, x, data, scales, row_scale, fmt, block_n, block_k):
+    w = _scaled_values(data, scales, row_scale, fmt, block_n, block_k)
+    out.copy_((x.float() @ w.T).to(out.dtype))
+
+
+def scaled_dequantize(out, data, scales, row_scale, fmt, block_n, block_k):
+    out.copy_(_scaled_values(data, scales, row_scale, fmt, block_n, block_k).to(out.dtype))
+
+
+def moe_experts_scaled(out, x, w13, w13_scales, w13_rows, w2, w2_scales, w2_rows, fmt, bn13,
+                       bk13, bn2, bk2, topk_ids, topk_weights, expert_map, act):
+    """moe_experts over scaled experts (the slots dequantized one by one, then moe_experts)."""
+    w13f = torch.stack([_scaled_values(w13[s], w13_scales[s], w13_rows[s], fmt, bn13, bk13)
+                        for s in range(w13.shape[0])])
+    w2f = torch.stack([_scaled_values(w2[s], w2_scales[s], w2_rows[s], fmt, bn2, bk2)
+                       for s in range(w2.shape[0])])
+    moe_experts(out, x, w13f, w2f, topk_ids, topk_weights, expert_map, None)

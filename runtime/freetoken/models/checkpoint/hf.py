@@ -14,8 +14,11 @@ from typing import Any
 import torch
 
 from freetoken.models.checkpoint.hf_config import config_from_hf
+from freetoken.models.checkpoint.hf_quant import (QuantScheme, parse_scheme,
+                                                  read_modelopt_config, read_scaled)
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.errors import ModelFormatError
+from freetoken.models.quant import scaled
 from freetoken.models.registry import (HF_EXPERTS_FUSED, HF_EXPERTS_PER_EXPERT,
                                        HF_EXPERTS_STACKED, HF_GLOBAL, HF_LAYER,
                                        HF_TEXT_PREFIXES, ArchSpec, spec_for_hf)
@@ -40,8 +43,10 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any]:
 class HFTensors:
     """Canonical-name access to a directory's safetensors (a ``TensorSource``)."""
 
-    def __init__(self, directory: Path, spec: ArchSpec, config: ModelConfig):
+    def __init__(self, directory: Path, spec: ArchSpec, config: ModelConfig,
+                 scheme: QuantScheme | None = None):
         self.source = str(directory)
+        self._scheme = scheme
         self._handles: dict[Path, Any] = {}
         self._file_of = self._index(directory)
         moe = spec.moe
@@ -110,7 +115,13 @@ class HFTensors:
         which = self._projections[("gate", "up", "down").index(proj)]
         return prefix + HF_EXPERTS_PER_EXPERT.format(moe=self._moe, e=layout, proj=which)
 
-    def _tensor(self, hf_name: str) -> torch.Tensor | None:
+    def _tensor(self, hf_name: str) -> torch.Tensor | scaled.ScaledWeight | None:
+        """The tensor `hf_name`, or its scaled weight when the checkpoint stores it so."""
+        if self._scheme is None:
+            return self._raw(hf_name)
+        return read_scaled(self._scheme, hf_name, self._raw, self.source)[1]
+
+    def _raw(self, hf_name: str) -> torch.Tensor | None:
         file = self._file_of.get(hf_name)
         if file is None:
             return None
@@ -132,7 +143,9 @@ class HFTensors:
         """[E, rows, cols] for one projection of every expert, from whichever layout exists."""
         fused = self._tensor(self._expert_names(index, proj, "fused"))
         if fused is not None and proj != "down":
-            half = fused.shape[1] // 2
+            half, rows = fused.shape[1] // 2, fused.shape[1]
+            if isinstance(fused, scaled.ScaledWeight):
+                return scaled.slice_rows(fused, *((0, half) if proj == "gate" else (half, rows)))
             return fused[:, :half] if proj == "gate" else fused[:, half:]
         if fused is not None:
             return fused
@@ -143,7 +156,10 @@ class HFTensors:
                  for e in range(self._num_experts)]
         if not parts or any(p is None for p in parts):
             return None
-        return torch.stack(parts)
+        if all(isinstance(p, scaled.ScaledWeight) for p in parts):
+            return scaled.stack(parts)
+        return torch.stack([scaled.dequantize(p) if isinstance(p, scaled.ScaledWeight) else p
+                            for p in parts])
 
 
 def hf_generation_defaults(gen: dict[str, Any]) -> GenerationDefaults:
@@ -168,5 +184,6 @@ def read_hf_dir(directory: Path
     raw = read_json(directory / "config.json")
     source = str(directory / "config.json")
     config = config_from_hf(raw, source)
+    scheme = parse_scheme(raw, read_modelopt_config(directory), source)
     gen = read_json(directory / "generation_config.json", required=False)
-    return config, HFTensors(directory, spec_for_hf(raw, source), config), raw, gen
+    return config, HFTensors(directory, spec_for_hf(raw, source), config, scheme), raw, gen

@@ -10,8 +10,6 @@ from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.models.registry import (HF_NUM_EXPERTS_KEYS, ArchSpec, HybridSpec, MoESpec,
                                        spec_for_hf)
 
-# quantization_config methods this build runs: none yet (weights must be bf16/fp16/fp32).
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
 
 
 def require(values: dict[str, Any], key: str, source: str) -> Any:
@@ -21,19 +19,15 @@ def require(values: dict[str, Any], key: str, source: str) -> Any:
 
 
 def _check_quantization(cfg: dict[str, Any], source: str) -> None:
-    """A quantized checkpoint this build cannot run is refused, never loaded as floats."""
+    """A quantized checkpoint this build cannot run is refused by name, never loaded as
+    floats (the schemes it runs: checkpoint/hf_quant.py)."""
+    from freetoken.models.checkpoint.hf_quant import parse_scheme
+
     quant = cfg.get("quantization_config")
-    if quant is None:
-        return
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-    if method in SUPPORTED_QUANT_METHODS:
-        return
-    supported = ", ".join(SUPPORTED_QUANT_METHODS) or "none"
-    raise UnsupportedModelError(
-        f"{source}: quantization_config quant_method {method!r} is not supported (supported "
-        f"methods: {supported}; HF checkpoints must hold bfloat16, float16 or float32 "
-        f"weights, or use a GGUF file of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16 "
-        f"or F32)")
+    if isinstance(quant, dict) and quant.get("quant_method") == "modelopt" \
+            and "quant_algo" not in quant:
+        return      # named in hf_quant_config.json, checked when the directory is read
+    parse_scheme(cfg, None, source)
 
 
 def _sliding_window(cfg: dict[str, Any], spec: ArchSpec, source: str) -> int:

@@ -13,9 +13,11 @@ import numpy as np
 from freetoken.arrays import HostArrays, TorchArrays, is_torch
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.errors import MissingTensorError, ModelFormatError, UnsupportedModelError
+from freetoken.models.quant import scaled
+from freetoken.models.quant.scaled import ScaledWeight
 
 Array = Any  # a numpy array (CPU, and as read from GGUF) or a torch tensor
-Weight = Union[Array, QuantWeight]
+Weight = Union[Array, QuantWeight, ScaledWeight]
 
 
 class TensorSource(Protocol):
@@ -95,6 +97,11 @@ def _shape(weight: Weight) -> tuple[int, ...]:
 
 
 def _place(weight: Weight, where: Placement) -> Weight:
+    if isinstance(weight, ScaledWeight):
+        # FP8/NVFP4: dequantized once on the CPU; a GPU keeps the bytes and their scales
+        if where.arrays.device.is_cpu or not scaled.kernel_ready(weight):
+            return where.arrays.place(scaled.dequantize(weight), where.dtype)
+        return scaled.to_device(weight, where.arrays.torch_device)
     if isinstance(weight, QuantWeight):
         if where.keeps(weight.qtype):
             if where.arrays.device.is_cpu:
@@ -106,8 +113,12 @@ def _place(weight: Weight, where: Placement) -> Weight:
 
 
 def _fuse_rows(parts: list[Weight]) -> list[Weight]:
-    """One matrix when the parts concatenate (same float dtype, or same GGUF block type)."""
-    if not any(isinstance(p, QuantWeight) for p in parts):
+    """One matrix when the parts concatenate (same float dtype, or same GGUF block type, or
+    scaled weights whose scales line up)."""
+    if all(isinstance(p, ScaledWeight) for p in parts):
+        joined = scaled.concat_rows(parts)
+        return parts if joined is None else [joined]
+    if not any(isinstance(p, (QuantWeight, ScaledWeight)) for p in parts):
         return [_concat(parts)]
     if all(isinstance(p, QuantWeight) for p in parts):
         qtypes = {p.qtype for p in parts}
@@ -188,6 +199,13 @@ class _Reader:
             if weight is None or _shape(weight) != shape:
                 self.check(name, weight, shape)      # raises, naming the tensor
             self.servable(name, weight)
+        if all(isinstance(w, ScaledWeight) and scaled.kernel_ready(w) for w in raw) \
+                and not self.where.keeps_quantized and self.where.experts is None:
+            # FP8/NVFP4 experts stay in their format on a GPU when their scales line up
+            # (offloaded experts are dequantized: the expert cache moves float slots)
+            joined = scaled.concat_rows([_place(w, self.where) for w in raw])
+            if joined is not None:
+                return joined
         quant = [isinstance(w, QuantWeight) for w in raw]
         if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
             if len(raw) == 1:
@@ -196,7 +214,8 @@ class _Reader:
             joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
                                  (raw[0].shape[0], rows, raw[0].shape[2]))
         else:
-            floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
+            floats = [dequantize(w) if isinstance(w, QuantWeight) else
+                      scaled.dequantize(w) if isinstance(w, ScaledWeight) else w for w in raw]
             placed = [self.where.expert_arrays.place(w, self.where.dtype) for w in floats]
             joined = placed[0] if len(placed) == 1 else _concat(placed, axis=1)
         release = getattr(self.src, "release", None)
@@ -237,10 +256,10 @@ def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
     e, inter = moe.num_experts, moe.intermediate_size
     gate_up = read.stacked([(p + "experts.gate", (e, inter, h)), (p + "experts.up", (e, inter, h))])
     down = read.stacked([(p + "experts.down", (e, h, inter))])
-    if isinstance(gate_up, QuantWeight) != isinstance(down, QuantWeight):
-        # one kernel call takes both: GGUF blocks for both, or floats for both
-        gate_up, down = (read.where.expert_arrays.place(dequantize(x), read.where.dtype)
-                         if isinstance(x, QuantWeight) else x for x in (gate_up, down))
+    if _kind(gate_up) != _kind(down):
+        # one kernel call takes both: GGUF blocks, one scaled format, or floats for both
+        gate_up, down = (read.where.expert_arrays.place(_floats(x), read.where.dtype)
+                         if _kind(x) != "float" else x for x in (gate_up, down))
     w = {"router": read.required(p + "router", (e, h)),
          "experts.gate_up": gate_up, "experts.down": down}
     if moe.shared_intermediate_size:
@@ -251,6 +270,16 @@ def _moe_mlp(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
             gate = gate.reshape(1, h)
         w["shared_gate"] = read.check(p + "shared_gate", gate, (1, h))
     return w
+
+
+def _kind(weight: Weight) -> str:
+    if isinstance(weight, QuantWeight):
+        return "gguf"
+    return weight.format if isinstance(weight, ScaledWeight) else "float"
+
+
+def _floats(weight: Weight) -> Array:
+    return dequantize(weight) if isinstance(weight, QuantWeight) else scaled.dequantize(weight)
 
 
 def _layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
@@ -272,6 +301,8 @@ def build_decoder_weights(src: TensorSource, cfg: ModelConfig, where: Placement
     """Every tensor of a dense decoder, checked against `cfg` and placed per `where`."""
     read = _Reader(src, where, cfg.architecture)
     embed = read.required("embed", (cfg.vocab_size, cfg.hidden_size))
+    if isinstance(embed, ScaledWeight):     # looked up by row: floats, as the kernel reads
+        embed = where.arrays.place(scaled.dequantize(embed), where.dtype)
     head = None if cfg.tie_word_embeddings else read.required(
         "lm_head", (cfg.vocab_size, cfg.hidden_size))
     rot = cfg.rope_dim or cfg.head_dim

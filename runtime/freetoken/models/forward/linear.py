@@ -8,6 +8,7 @@ import numpy as np
 
 from freetoken.arrays import HostArrays, array_view, is_torch
 from freetoken.models.config import QuantWeight
+from freetoken.models.quant.scaled import ScaledWeight
 from freetoken.models.checkpoint.weights import Array, Weight
 
 
@@ -99,4 +100,8 @@ def make_linear(weights: Weight | list[Weight], bias: Array | None = None):
         return PartsLinear([make_linear(w) for w in weights], bias)
     if isinstance(weights, QuantWeight):
         return QuantLinear(weights, bias)
+    if isinstance(weights, ScaledWeight):
+        from freetoken.models.forward.scaled_linear import ScaledLinear
+
+        return ScaledLinear(weights, bias)
     return DenseLinear(weights, bias)

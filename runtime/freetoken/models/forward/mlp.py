@@ -2,7 +2,7 @@
 expert. Each takes the normed input x and returns the buffer holding its output.
 
 MoE: router linear -> ops.moe_topk_softmax -> ops.moe_experts (GGUF blocks on the CPU:
-ops.moe_experts_quant) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I]) and
+ops.moe_experts_quant; FP8/NVFP4 experts on a GPU: scaled_moe.ScaledExperts) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I]) and
 an identity expert map; qwen2_moe adds shared_mlp(x) * sigmoid(x @ shared_gate). No loop over
 experts: the kernels sort tokens by expert themselves.
 """
@@ -19,6 +19,7 @@ from freetoken.models.checkpoint.weights import LayerWeights, Weight
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward.linear import make_linear
 from freetoken.models.forward.workspace import WorkViews
+from freetoken.models.quant.scaled import ScaledWeight
 
 if TYPE_CHECKING:
     from freetoken.models.forward.decoder import Kernels
@@ -53,9 +54,15 @@ class MoEMLP:
         self.router = make_linear(w["router"])
         self.renormalize = moe.renormalize
         w13, w2 = w["experts.gate_up"], w["experts.down"]
+        self.scaled = None
+        if isinstance(w13, ScaledWeight):     # FP8/NVFP4 experts on a GPU
+            from freetoken.models.forward.scaled_moe import ScaledExperts
+
+            self.scaled = ScaledExperts(w13, w2, moe.top_k)
+            w13 = w2 = None
         self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
-        self.w13 = arg(w13.data if self.qtypes else w13)
-        self.w2 = arg(w2.data if self.qtypes else w2)
+        self.w13 = None if w13 is None else arg(w13.data if self.qtypes else w13)
+        self.w2 = None if w2 is None else arg(w2.data if self.qtypes else w2)
         # every expert resident: slot e holds expert e (an offload cache remaps this later)
         self.expert_map = arg(arrays.index(np.arange(moe.num_experts, dtype=np.int32)))
         # Expert offload replaces the experts call: offload(out, x, topk_ids, topk_weights,
@@ -72,6 +79,8 @@ class MoEMLP:
         ops.moe_topk_softmax(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
         if self.offload is not None:
             self.offload(out, x, w.topk_ids, w.topk_weights, w.moe_workspace)
+        elif self.scaled is not None:
+            self.scaled(out, x, w.topk_ids, w.topk_weights, self.expert_map, w.moe_workspace)
         elif self.qtypes:
             ops.moe_experts_quant(out, x, self.w13, self.w2, *self.qtypes, w.topk_ids,
                                   w.topk_weights, self.expert_map, w.moe_workspace)

@@ -1,0 +1,69 @@
+"""Projections over FP8/NVFP4 weights kept in their own format on the GPU (the CPU
+dequantizes them at load, so only GPU weights reach this module).
+
+Decode batches (up to ``GEMV_MAX_TOKENS`` rows) run ``scaled_gemv``, which reads the weight's
+bytes once and applies its scales in registers; larger batches dequantize the weight into a
+scratch buffer shared by every layer of the device and dtype, then multiply on the tensor cores
+through torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
+
+GEMV_MAX_TOKENS = 8        # kernels/cuda/scaled_gemm.cu kMaxTokens
+_FORMAT_IDS = {FP8: 0, NVFP4: 1}
+# (device, dtype) -> flat scratch tensor, grown to the largest weight it has held.
+# NOTE: grows only outside CUDA graph capture in practice: the engine runs a warm-up forward
+# of the largest decode batch (every layer) before capturing anything.
+_SCRATCH: dict[tuple[Any, Any], Any] = {}
+
+
+def scratch(device, dtype, numel: int):
+    """A flat buffer of `numel` values on `device`, shared by every scaled op of its dtype."""
+    import torch
+
+    key = (device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+class ScaledLinear:
+    """out[T, N] = x[T, K] @ dequant(W).T (+ bias) for a ScaledWeight W [N, K] on a GPU."""
+
+    def __init__(self, weight: ScaledWeight, bias=None):
+        import torch
+
+        from freetoken.kernel import ops
+
+        if len(weight.shape) != 2:
+            raise ValueError(f"a scaled projection takes a 2-D weight, got {weight.shape}")
+        device = weight.data.device
+        self._gemv = ops.bind("scaled_gemv", device)
+        self._dequantize = ops.bind("scaled_dequantize", device)
+        self.out_features, self.in_features = weight.shape
+        self.data = weight.data.view(torch.uint8)
+        self.scales = weight.scales.view(torch.uint8) if weight.format == NVFP4 \
+            else weight.scales.float().contiguous()
+        self.row_scale = weight.row_scale if weight.row_scale is not None else torch.ones(
+            self.out_features, dtype=torch.float32, device=device)
+        self.format = _FORMAT_IDS[weight.format]
+        self.block = weight.block
+        self.bias = bias
+
+    def __call__(self, out, x) -> None:
+        import torch
+
+        if x.shape[0] <= GEMV_MAX_TOKENS:
+            self._gemv(out, x, self.data, self.scales, self.row_scale, self.format, *self.block)
+        else:
+            w = scratch(x.device, x.dtype, self.out_features * self.in_features)
+            w = w.view(self.out_features, self.in_features)
+            self._dequantize(w, self.data, self.scales, self.row_scale, self.format, *self.block)
+            torch.mm(x, w.T, out=out)
+        if self.bias is not None:
+            out += self.bias

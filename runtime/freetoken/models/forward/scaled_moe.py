@@ -1,0 +1,87 @@
+"""Routed experts over FP8/NVFP4 expert weights kept in their format on the GPU.
+
+Decode batches (up to ``GEMV_MAX_TOKENS`` tokens) run ``moe_experts_scaled``, which reads only
+the routed experts' bytes; larger batches dequantize every slot into the shared scratch and run
+``moe_experts``' grouped GEMMs on it (prefill reads most experts anyway).
+"""
+
+from __future__ import annotations
+
+from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS, scratch
+from freetoken.models.quant.scaled import NVFP4, ScaledWeight
+
+_FORMAT_IDS = {"fp8_e4m3": 0, NVFP4: 1}
+
+
+class _Stacked:
+    """One stacked expert tensor [S, rows, cols] as the kernels take it."""
+
+    def __init__(self, weight: ScaledWeight):
+        import torch
+
+        self.slots, self.rows, self.cols = weight.shape
+        self.data = weight.data.view(torch.uint8)
+        self.scales = (weight.scales.view(torch.uint8) if weight.format == NVFP4
+                       else weight.scales.float().contiguous())
+        self.row_scale = weight.row_scale if weight.row_scale is not None else torch.ones(
+            self.slots, self.rows, dtype=torch.float32, device=weight.data.device)
+        self.block = weight.block
+
+    def args(self) -> tuple:
+        return (self.data, self.scales, self.row_scale)
+
+    def flat(self) -> tuple:
+        """(data, scales, row_scale) of every slot as one [S * rows, ...] matrix."""
+        return (self.data.view(-1, self.data.shape[-1]),
+                self.scales.view(-1, self.scales.shape[-1]), self.row_scale.view(-1))
+
+
+class ScaledExperts:
+    """out = the routed SwiGLU experts of x (``ops.moe_experts``'s contract) over scaled
+    w13 [S, 2I, H] and w2 [S, H, I] of one format."""
+
+    def __init__(self, w13: ScaledWeight, w2: ScaledWeight, top_k: int):
+        from freetoken.kernel import ops
+
+        if w13.format != w2.format:
+            raise ValueError(f"expert formats differ: {w13.format} and {w2.format}")
+        device = w13.data.device
+        self._gemv = ops.bind("moe_experts_scaled", device)
+        self._experts = ops.bind("moe_experts", device)
+        self._dequantize = ops.bind("scaled_dequantize", device)
+        self.w13, self.w2 = _Stacked(w13), _Stacked(w2)
+        self.format = _FORMAT_IDS[w13.format]
+        self.top_k = top_k
+        self._act = {}      # dtype -> [GEMV_MAX_TOKENS * K * I] scratch, made on first use
+
+    def __call__(self, out, x, topk_ids, topk_weights, expert_map, workspace) -> None:
+        if x.shape[0] <= GEMV_MAX_TOKENS:
+            act = self._act.get(x.dtype)
+            if act is None:
+                import torch
+
+                act = self._act[x.dtype] = torch.empty(
+                    GEMV_MAX_TOKENS * self.top_k * self.w2.cols, dtype=x.dtype, device=x.device)
+            self._gemv(out, x, *self.w13.args(), *self.w2.args(), self.format, *self.w13.block,
+                       *self.w2.block, topk_ids, topk_weights, expert_map, act)
+            return
+        w13, w2 = self._dequantized(x.dtype, x.device)
+        self._experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)
+
+    def _dequantized(self, dtype, device):
+        """Every slot as floats in the shared scratch: ([S, 2I, H], [S, H, I])."""
+        a, b = self.w13, self.w2
+        size13, size2 = a.slots * a.rows * a.cols, b.slots * b.rows * b.cols
+        flat = scratch(device, dtype, size13 + size2)
+        w13 = flat[:size13].view(a.slots, a.rows, a.cols)
+        w2 = flat[size13:].view(b.slots, b.rows, b.cols)
+        for stacked, dst in ((a, w13), (b, w2)):
+            if stacked.rows % stacked.block[0] == 0:
+                # whole scale blocks per slot: the slots read as one tall matrix, one launch
+                self._dequantize(dst.view(-1, stacked.cols), *stacked.flat(), self.format,
+                                 *stacked.block)
+                continue
+            for s in range(stacked.slots):
+                self._dequantize(dst[s], stacked.data[s], stacked.scales[s],
+                                 stacked.row_scale[s], self.format, *stacked.block)
+        return w13, w2

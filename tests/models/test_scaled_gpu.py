@@ -1,0 +1,66 @@
+"""FP8 / NVFP4 checkpoints on the GPU, weights kept in their format (kernels/cuda/scaled_gemm.cu),
+against the same checkpoint dequantized on the CPU in float32.
+
+The GPU computes in bf16, so it cannot match float32 exactly: the scaled model must be about as
+close to the CPU result as the same weights served as plain bf16 on the GPU are, and pick the
+same greedy token wherever the CPU's top-2 margin exceeds that error. Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.models.loader import load_model
+from tests.models.helpers import PagedRunner
+from tests.models.scaled_checkpoint import write_scaled
+from tests.models.test_scaled_hf import MOE, SHAPES
+from tests.models.helpers import tiny_hf_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DECODE_STEPS = 6
+
+
+def _drive(model, a: list[int], b: list[int], feed: list[list[int]] | None):
+    """Prefill a and b together, then decode; returns every step's logits (float32, CPU)
+    and the tokens fed (greedy from this model unless `feed` gives them)."""
+    runner = PagedRunner(model)
+    steps, fed = [], []
+    logits = runner.step([(0, a), (1, b)])
+    for i in range(DECODE_STEPS):
+        steps.append(torch.as_tensor(logits).float().cpu().clone())
+        nxt = feed[i] if feed else [int(t) for t in steps[-1].argmax(-1)]
+        fed.append(nxt)
+        logits = runner.step([(0, nxt[:1]), (1, nxt[1:])])
+    steps.append(torch.as_tensor(logits).float().cpu().clone())
+    return steps, fed
+
+
+@pytest.mark.parametrize("arch, layout", [
+    ("qwen3", "fp8-block"), ("qwen3", "ct-channel"), ("qwen3", "modelopt-fp8"),
+    ("qwen3", "modelopt-nvfp4"), ("qwen3", "ct-nvfp4"),
+    ("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-nvfp4")])
+def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, tmp_path):
+    float_dir = tmp_path / "float"
+    float_dir.mkdir()
+    tiny_hf_model(arch, float_dir, **SHAPES, **(MOE if arch == "qwen3_moe" else {}))
+    directory, _ = write_scaled(float_dir, tmp_path / layout, layout)
+    cpu = load_model(str(directory), device="cpu").model
+    gpu = load_model(str(directory), device="cuda").model
+    plain = load_model(str(directory / "reference"), device="cuda").model
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, cpu.config.vocab_size, (21,), generator=gen).tolist()
+    b = torch.randint(0, cpu.config.vocab_size, (13,), generator=gen).tolist()
+    expected, fed = _drive(cpu, a, b, None)
+    ours, _ = _drive(gpu, a, b, fed)
+    bf16, _ = _drive(plain, a, b, fed)
+    for step, (e, o, p) in enumerate(zip(expected, ours, bf16)):
+        scale = e.abs().max()
+        bf16_error = (p - e).abs().max()
+        error = (o - e).abs().max()
+        assert error <= 2 * bf16_error + 2 ** -8 * scale, \
+            f"{layout} step {step}: error {error:.4g}, plain bf16 {bf16_error:.4g}"
+        top2 = e.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * max(error, bf16_error)
+        assert torch.equal(o.argmax(-1)[clear], e.argmax(-1)[clear]), f"{layout} step {step}"
