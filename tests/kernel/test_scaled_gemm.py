@@ -82,8 +82,9 @@ def _check_linear(weight, ref, dtype, tokens):
     if tokens <= 8:
         assert_close(out.cpu(), expected, dtype, compute=torch.float32, magnitude=rss,
                      terms=k, msg=f"T={tokens}")
-    else:
-        assert_close(out.cpu(), expected, dtype, magnitude=rss, msg=f"T={tokens}")
+    else:   # float32 output: the GEMM's own float32 accumulation over K terms rounds too
+        terms = k if dtype == torch.float32 else 1
+        assert_close(out.cpu(), expected, dtype, magnitude=rss, terms=terms, msg=f"T={tokens}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

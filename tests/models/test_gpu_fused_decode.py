@@ -72,10 +72,12 @@ def test_fused_decode_matches_unfused_accuracy(arch, tmp_path, monkeypatch, moe_
                 ref = hf(torch.tensor([seqs[seq]], device="cuda")).logits[0, -1]
             err_fused, err_plain = _rel(ours[row], ref), _rel(theirs[row], ref)
             errors.append((err_fused, err_plain))
-            assert err_fused < 0.25, (arch, chunks, row, err_fused)  # a bug is O(1)
-            # a bf16 rounding can flip a near-tied expert choice in a MoE: means only there
-            assert arch.endswith("moe") or err_fused < max(2 * err_plain, 2 * EPS["bfloat16"]), (
-                arch, chunks, row, err_fused, err_plain)
+            # a bf16 rounding can flip a near-tied expert choice in a MoE and move one row's
+            # logits by O(1) in either path: there only the means over every row are compared
+            if not arch.endswith("moe"):
+                assert err_fused < 0.25, (arch, chunks, row, err_fused)  # a bug is O(1)
+                assert err_fused < max(2 * err_plain, 2 * EPS["bfloat16"]), (
+                    arch, chunks, row, err_fused, err_plain)
     mean_fused = sum(e for e, _ in errors) / len(errors)
     mean_plain = sum(e for _, e in errors) / len(errors)
     assert mean_fused < max(2 * mean_plain, 2 * EPS["bfloat16"]), (arch, errors)

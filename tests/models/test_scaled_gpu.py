@@ -20,6 +20,8 @@ from tests.models.helpers import tiny_hf_model
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DECODE_STEPS = 6
+# the CPU tests' shapes (not multiples of 128) with a head size the GPU attention kernel takes
+GPU_SHAPES = {**SHAPES, "head_dim": 64, "num_attention_heads": 3, "num_key_value_heads": 1}
 
 
 def _drive(model, a: list[int], b: list[int], feed: list[list[int]] | None):
@@ -44,7 +46,7 @@ def _drive(model, a: list[int], b: list[int], feed: list[list[int]] | None):
 def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, tmp_path):
     float_dir = tmp_path / "float"
     float_dir.mkdir()
-    tiny_hf_model(arch, float_dir, **SHAPES, **(MOE if arch == "qwen3_moe" else {}))
+    tiny_hf_model(arch, float_dir, **GPU_SHAPES, **(MOE if arch == "qwen3_moe" else {}))
     directory, _ = write_scaled(float_dir, tmp_path / layout, layout)
     cpu = load_model(str(directory), device="cpu").model
     gpu = load_model(str(directory), device="cuda").model

@@ -21,10 +21,11 @@ MOE_CPU_MODES = ("auto", "off")
 class OffloadConfig:
     """cache_rate: fraction of every expert resident on the GPU (0 < R <= 1), None = auto (the
     largest that fits beside the weights, the KV pool and the graphs). cpu: "auto" lets the
-    co-execution policy compute missed experts on the CPU; "off" copies every miss."""
+    co-execution policy compute missed experts on the CPU; "off" (the default: on the measured
+    host, copying a bf16 expert beat computing it with torch on the CPU) copies every miss."""
 
     cache_rate: float | None = None
-    cpu: str = "auto"
+    cpu: str = "off"
 
     def __post_init__(self) -> None:
         if self.cache_rate is not None and not 0.0 < self.cache_rate <= 1.0:
