@@ -153,6 +153,14 @@ KERNELS: tuple[Kernel, ...] = (
         doc="GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks in VRAM: decode GEMV, prefill GEMM, "
             "row gather",
     ),
+    Kernel(
+        name="moe_gguf",
+        functions=("moe_experts_gguf",),
+        cuda=("cuda/moe_gguf.cu",),
+        rocm=True,  # HIP: a CUDA-core tile replaces the wmma tensor-core tile of prefill
+        doc="routed expert MLPs (SwiGLU) over GGUF blocks in VRAM, gate/up and down types "
+            "independent",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -38,8 +38,8 @@ GPU_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)       # and Q4_K, Q5_K, Q6_K
 @dataclass(frozen=True)
 class Placement:
     """Where weights live and in which float dtype. GGUF blocks stay quantized where a kernel
-    reads them (the GPU kernels take bf16 activations: other GPU dtypes dequantize at load);
-    routed experts stay quantized on the CPU only."""
+    reads them (the GPU kernels take bf16 activations: other GPU dtypes dequantize at load),
+    routed experts included."""
 
     arrays: HostArrays | TorchArrays
     dtype: str                     # float32 | bfloat16 | float16
@@ -48,6 +48,11 @@ class Placement:
     def keeps_quantized(self) -> bool:
         """Stacked GGUF experts stay in their blocks (the CPU experts kernel reads them)."""
         return self.arrays.device.is_cpu
+
+    def keeps_experts(self, qtype: int) -> bool:
+        """Whether stacked experts of GGML type `qtype` stay in their blocks here (read by the
+        CPU's moe_experts_quant, or by the GPU's moe_experts_gguf with bf16 activations)."""
+        return self.keeps(qtype)
 
     def keeps(self, qtype: int) -> bool:
         """Whether a matrix of GGML type `qtype` stays in its blocks here."""
@@ -182,12 +187,14 @@ class _Reader:
                 self.check(name, weight, shape)      # raises, naming the tensor
             self.servable(name, weight)
         quant = [isinstance(w, QuantWeight) for w in raw]
-        if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
+        if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_experts(
+                raw[0].qtype):
             if len(raw) == 1:
-                return raw[0]
+                return _place(raw[0], self.where)
             rows = sum(w.shape[1] for w in raw)
-            joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
-                                 (raw[0].shape[0], rows, raw[0].shape[2]))
+            joined = _place(QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw],
+                                                                      axis=1),
+                                        (raw[0].shape[0], rows, raw[0].shape[2])), self.where)
         else:
             floats = [dequantize(w) if isinstance(w, QuantWeight) else w for w in raw]
             placed = [self.where.arrays.place(w, self.where.dtype) for w in floats]

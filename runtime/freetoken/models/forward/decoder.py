@@ -32,7 +32,8 @@ class Kernels:
                  quantized_embedding: bool, quantized_experts: bool):
         device = arrays.device
         names = _OPS + (_MOE_OPS if cfg.moe is not None else ())
-        names += ("moe_experts_quant",) if quantized_experts else ()
+        quant_experts = "moe_experts_quant" if device.is_cpu else "moe_experts_gguf"
+        names += (quant_experts,) if quantized_experts else ()
         for name in names:
             setattr(self, name, ops.bind(name, device))
         quant_embed = "dequantize_rows" if device.is_cpu else "gguf_dequantize_rows"
