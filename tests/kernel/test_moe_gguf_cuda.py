@@ -165,6 +165,18 @@ def test_routing_and_experts_replay_in_a_cuda_graph(T):
 
 
 @gpu
+@pytest.mark.parametrize("T,K,E", [(4, 2, 8), (300, 8, 64)])   # decode and prefill plans
+def test_workspace_bytes_match_the_kernel_exactly(T, K, E):
+    x, (w13, _), (w2, _), ids, weights, emap = make_case(T, E, K, 256, 256, Q4_K, Q6_K)
+    out = torch.empty_like(x)
+    need = ops.moe_workspace_bytes(T, K, E, 256, x.dtype)
+    ws = torch.empty(need, dtype=torch.uint8, device=_dev())
+    ops.moe_experts_gguf(out, x, w13, w2, Q4_K, Q6_K, ids, weights, emap, ws)
+    with pytest.raises(Exception, match=f"workspace must hold at least {need} bytes"):
+        ops.moe_experts_gguf(out, x, w13, w2, Q4_K, Q6_K, ids, weights, emap, ws[: need - 1])
+
+
+@gpu
 def test_bad_arguments_name_the_argument():
     case = make_case(4, 8, 2, 256, 256, Q4_K, Q6_K)
     x, (w13, _), (w2, _), ids, weights, emap = case
