@@ -121,6 +121,7 @@ align_kernel(TileTable tt, int* __restrict__ sorted, const int* __restrict__ top
   }
 }
 
+#if !defined(FT_HOST_EMULATION)  // a host build (tests/kernel/moe_gguf_emu.cc) launches itself
 /*! \brief The tile table and the pair ids sorted by expert, per `plan`, on `stream`. */
 inline void launch_align(const TileTable& tt, int* sorted, const int* topk_ids,
                          const int* expert_map, const Plan& plan, int experts, int slots,
@@ -133,6 +134,7 @@ inline void launch_align(const TileTable& tt, int* sorted, const int* topk_ids,
                                           plan.tile_m, static_cast<int>(plan.max_tiles));
   check_launch("moe align");
 }
+#endif
 
 /*! \brief The tile table, sorted pair ids, activations and f32 chunk inside the workspace. */
 template <typename Act>
