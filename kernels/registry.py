@@ -192,6 +192,14 @@ KERNELS: tuple[Kernel, ...] = (
         rocm=True,
         doc="routed SwiGLU experts over FP8/NVFP4 expert weights for decode batches",
     ),
+    Kernel(
+        name="moe_gguf",
+        functions=("moe_experts_gguf",),
+        cuda=("cuda/moe_gguf.cu",),
+        rocm=True,  # HIP: a CUDA-core tile replaces the wmma tensor-core tile of prefill
+        doc="routed expert MLPs (SwiGLU) over GGUF blocks in VRAM, gate/up and down types "
+            "independent",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -21,13 +21,14 @@ def row_bytes(qtype: int, cols: int) -> int:
     return cols // weights * nbytes
 
 
-def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, row_bytes] of valid blocks (finite scales, about 0.05 in magnitude)."""
+def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator,
+                  size: float = 1.0) -> np.ndarray:
+    """uint8 [rows, row_bytes] of valid blocks (finite scales, about 0.05 * size in magnitude)."""
     weights, nbytes = BLOCKS[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // weights, nbytes), dtype=np.uint8)
     for field in _SCALES[qtype]:
         sign = rng.choice([-1.0, 1.0], size=raw.shape[:2]) if field == 2 else 1.0
-        scale = (sign * _SCALE_SIZE[qtype] * rng.uniform(0.5, 1.5, size=raw.shape[:2]))
+        scale = (sign * size * _SCALE_SIZE[qtype] * rng.uniform(0.5, 1.5, size=raw.shape[:2]))
         raw[:, :, field:field + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
 

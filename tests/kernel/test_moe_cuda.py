@@ -34,10 +34,11 @@ def _dev():
 
 # ---------------------------------------------------------------- references
 
-def reference_experts(x, w13, w2, ids, weights, expert_map):
+def reference_experts(x, w13, w2, ids, weights, expert_map, weight_unit=0.0):
     """(ref, round_bound, acc_bound, walk) in float64: the contract's formula; worst-case bounds
     for the kernel's dtype roundings and for its f32 accumulation; the per-element size of the
-    roundings' random walk."""
+    roundings' random walk. weight_unit: the relative rounding of the weights inside the kernel
+    (a kernel that decodes quantized weights to bf16 tiles), added to round_bound."""
     T, H = x.shape
     inter = w2.shape[2]
     u = UNIT[x.dtype]
@@ -57,6 +58,9 @@ def reference_experts(x, w13, w2, ids, weights, expert_map):
         y_abs = act.abs() @ wd.abs().T
         ref.index_add_(0, t_idx, ws * (act @ wd.T))
         round_bound.index_add_(0, t_idx, ws.abs() * u * y_abs)
+        if weight_unit:  # gate/up rows move act by act_sens; down rows move y by y_abs
+            round_bound.index_add_(0, t_idx, ws.abs() * weight_unit * (
+                act_sens @ wd.abs().T + y_abs))
         acc_bound.index_add_(0, t_idx, ws.abs() * (
             (8 + 4 * math.sqrt(inter)) * EPS32 * y_abs
             + 4 * EPS32 * math.sqrt(H) * (act_sens @ wd.abs().T)))

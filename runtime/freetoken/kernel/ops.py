@@ -341,3 +341,15 @@ def moe_experts_scaled(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
     _fn("moe_experts_scaled", x.device)(
         out, x, w13, w13_scales, w13_rows, w2, w2_scales, w2_rows, fmt, bn13, bk13, bn2, bk2,
         topk_ids, topk_weights, expert_map, act)
+
+
+def moe_experts_gguf(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     qtype13: int, qtype2: int, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                     workspace: torch.Tensor) -> None:
+    """``moe_experts`` on the GPU over GGUF blocks kept in VRAM: out/x bf16 [T, H]; w13 uint8
+    [S, 2I, row_bytes] (gate rows, then up rows) and w2 uint8 [S, H, row_bytes] hold one weight
+    row per row in GGML type qtype13 / qtype2 (each any of Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12,
+    Q5_K 13, Q6_K 14); workspace as moe_experts with itemsize 2. No host sync, no allocation."""
+    _fn("moe_experts_gguf", x.device)(
+        out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)

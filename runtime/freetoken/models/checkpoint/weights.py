@@ -41,8 +41,8 @@ GPU_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)       # Q5_0 and Q5_1 are dequantized at
 @dataclass(frozen=True)
 class Placement:
     """Where weights live and in which float dtype. GGUF blocks stay quantized where a kernel
-    reads them (the GPU kernels take bf16 activations: other GPU dtypes dequantize at load);
-    routed experts stay quantized on the CPU only."""
+    reads them (the GPU kernels take bf16 activations: other GPU dtypes dequantize at load),
+    routed experts included."""
 
     arrays: HostArrays | TorchArrays
     dtype: str                     # float32 | bfloat16 | float16
@@ -57,6 +57,12 @@ class Placement:
     def keeps_quantized(self) -> bool:
         """Stacked GGUF experts stay in their blocks (the CPU experts kernel reads them)."""
         return self.arrays.device.is_cpu
+
+    def keeps_experts(self, qtype: int) -> bool:
+        """Whether stacked experts of GGML type `qtype` stay in their blocks here (read by the
+        CPU's moe_experts_quant, or by the GPU's moe_experts_gguf with bf16 activations).
+        Offloaded experts become floats: the expert cache moves float slots."""
+        return self.experts is None and self.keeps(qtype)
 
     def keeps(self, qtype: int) -> bool:
         """Whether a matrix of GGML type `qtype` stays in its blocks here."""
@@ -207,12 +213,14 @@ class _Reader:
             if joined is not None:
                 return joined
         quant = [isinstance(w, QuantWeight) for w in raw]
-        if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_quantized:
+        if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_experts(
+                raw[0].qtype):
             if len(raw) == 1:
-                return raw[0]
+                return _place(raw[0], self.where)
             rows = sum(w.shape[1] for w in raw)
-            joined = QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw], axis=1),
-                                 (raw[0].shape[0], rows, raw[0].shape[2]))
+            joined = _place(QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw],
+                                                                      axis=1),
+                                        (raw[0].shape[0], rows, raw[0].shape[2])), self.where)
         else:
             floats = [dequantize(w) if isinstance(w, QuantWeight) else
                       scaled.dequantize(w) if isinstance(w, ScaledWeight) else w for w in raw]

@@ -37,7 +37,8 @@ class Kernels:
                  quantized_embedding: bool, quantized_experts: bool):
         device = arrays.device
         names = _OPS + (_MOE_OPS if cfg.moe is not None else ())
-        names += ("moe_experts_quant",) if quantized_experts else ()
+        quant_experts = "moe_experts_quant" if device.is_cpu else "moe_experts_gguf"
+        names += (quant_experts,) if quantized_experts else ()
         names += _GDN_OPS if cfg.linear is not None else ()
         names += ("gelu_tanh_and_mul",) if cfg.activation == "gelu_tanh" else ()
         for name in names:
@@ -124,7 +125,10 @@ class Decoder:
             return None
         import torch
 
-        props = torch.cuda.get_device_properties(self.arrays.torch_device)
+        where = torch.device(getattr(self.arrays, "torch_device", "cpu"))
+        if where.type != "cuda":        # a GPU placement stood in by host tensors (tests)
+            return None
+        props = torch.cuda.get_device_properties(where)
         return [fused_decode.FusedLayer(layer, lw, self.config, i, self._rope, self._k,
                                         props.multi_processor_count, self.device)
                 for i, (layer, lw) in enumerate(zip(self.layers, weights.layers))]

@@ -1,10 +1,11 @@
 """The MLP blocks: a dense SwiGLU MLP, and a routed-expert (MoE) MLP with an optional shared
 expert. Each takes the normed input x and returns the buffer holding its output.
 
-MoE: router linear -> ops.moe_topk_softmax -> ops.moe_experts (GGUF blocks on the CPU:
-ops.moe_experts_quant; FP8/NVFP4 experts on a GPU: scaled_moe.ScaledExperts) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I]) and
-an identity expert map; qwen2_moe adds shared_mlp(x) * sigmoid(x @ shared_gate). No loop over
-experts: the kernels sort tokens by expert themselves.
+MoE: router linear -> ops.moe_topk_softmax -> ops.moe_experts (GGUF blocks: the CPU's
+ops.moe_experts_quant, the GPU's ops.moe_experts_gguf; FP8/NVFP4 experts on a GPU:
+scaled_moe.ScaledExperts) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I])
+and an identity expert map; qwen2_moe adds shared_mlp(x) * sigmoid(x @ shared_gate). No loop
+over experts: the kernels sort tokens by expert themselves.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class MoEMLP:
         self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
         self.w13 = None if w13 is None else arg(w13.data if self.qtypes else w13)
         self.w2 = None if w2 is None else arg(w2.data if self.qtypes else w2)
+        if self.qtypes:
+            self.experts_quant = (kernels.moe_experts_quant if arrays.device.is_cpu
+                                  else kernels.moe_experts_gguf)
         # every expert resident: slot e holds expert e (an offload cache remaps this later)
         self.expert_map = arg(arrays.index(np.arange(moe.num_experts, dtype=np.int32)))
         # Expert offload replaces the experts call: offload(out, x, topk_ids, topk_weights,
@@ -82,8 +86,8 @@ class MoEMLP:
         elif self.scaled is not None:
             self.scaled(out, x, w.topk_ids, w.topk_weights, self.expert_map, w.moe_workspace)
         elif self.qtypes:
-            ops.moe_experts_quant(out, x, self.w13, self.w2, *self.qtypes, w.topk_ids,
-                                  w.topk_weights, self.expert_map, w.moe_workspace)
+            self.experts_quant(out, x, self.w13, self.w2, *self.qtypes, w.topk_ids,
+                               w.topk_weights, self.expert_map, w.moe_workspace)
         else:
             ops.moe_experts(out, x, self.w13, self.w2, w.topk_ids, w.topk_weights,
                             self.expert_map, w.moe_workspace)

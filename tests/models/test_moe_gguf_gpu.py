@@ -1,0 +1,170 @@
+"""MoE GGUF files on the GPU with their routed experts kept in VRAM (moe_experts_gguf).
+
+A Q4_K_M-like file (Q4_K gate/up experts, Q6_K down experts: random valid blocks, since gguf's
+quantizer has no K-quants) on the GPU against the same file with its experts dequantized to
+bf16 at load (the float experts kernel; every other tensor identical), and a Q8_0-expert file
+on the GPU against the CPU's quantized experts kernel. The comparisons are those of
+test_gguf_gpu.py (5% of the largest logit; a wrong block decode is off by O(100%)). The first
+test runs here too, on the CPU, through the torch references (the loader, the placement and
+MoEMLP's GPU branch), with gguf's numpy dequantizer behind moe_experts_gguf.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.kernel import ops, reference
+from freetoken.models import loader
+from freetoken.models.checkpoint.weights import Placement
+from freetoken.models.loader import load_model
+from tests.kernel.gguf_random import dequantize, random_blocks
+from tests.models.helpers import PagedRunner, tiny_hf_model
+from tests.models.test_gguf_gpu import _compare
+from tests.models.test_gguf_gpu_plumbing import fake_gpu  # noqa: F401 (a fixture)
+from tests.models.tiny_gguf import write_gguf
+
+needs_gpu = [pytest.mark.gpu,
+             pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+Q8_0, Q4_K, Q6_K = 8, 12, 14
+# Expert matrices of whole K-quant blocks (256 weights) on both of their axes.
+# Expert weights of about 0.05 * EXPERT_SIZE, so that the experts dominate the logits: through
+# the references on the CPU, gate and up swapped move them by 150% of the largest logit, exact
+# f32 expert weights against bf16-rounded ones (the GEMV path against the reference) by 1.8%.
+EXPERT_SIZE = 8.0
+SHAPE = dict(hidden_size=256, moe_intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64)
+
+
+def k_mix_moe_file(tmp_path) -> tuple:
+    """(path, raw expert blocks by GGUF name): qwen3_moe, 8 experts, 2 per token."""
+    hf = tiny_hf_model("qwen3_moe", tmp_path, seed=4, **SHAPE)
+    cfg, rng = hf.config, np.random.default_rng(0)
+    e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    raw = {}
+    for i in range(cfg.num_hidden_layers):
+        for part, qtype, rows, cols in (("gate", Q4_K, inter, h), ("up", Q4_K, inter, h),
+                                        ("down", Q6_K, h, inter)):
+            blocks = random_blocks(qtype, e * rows, cols, rng, EXPERT_SIZE).reshape(e, rows, -1)
+            raw[f"blk.{i}.ffn_{part}_exps.weight"] = (blocks, qtype)
+    path = tmp_path / "moe-k-mix.gguf"
+    write_gguf(hf, tmp_path, path, "qwen3_moe", None, raw=raw)
+    return path, raw
+
+
+def _experts_dequantized(monkeypatch) -> None:
+    """Loads after this dequantize GGUF experts at load (the float experts kernel's input)."""
+    monkeypatch.setattr(Placement, "keeps_experts", lambda self, qtype: False)
+
+
+def _check_placement(model, raw: dict, on_gpu: bool) -> None:
+    for i, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        assert mlp.qtypes == (Q4_K, Q6_K)
+        w13, w2 = mlp.w13, mlp.w2
+        assert w13.dtype == w2.dtype == torch.uint8 and w13.is_cuda == on_gpu
+        gate, up = raw[f"blk.{i}.ffn_gate_exps.weight"][0], raw[f"blk.{i}.ffn_up_exps.weight"][0]
+        assert w13.nbytes == gate.nbytes + up.nbytes         # the file's blocks, nothing more
+        assert w2.nbytes == raw[f"blk.{i}.ffn_down_exps.weight"][0].nbytes
+        expected = np.concatenate([gate, up], axis=1)     # gate rows, then up rows, per expert
+        assert np.array_equal(w13.cpu().numpy(), expected)
+
+
+def _fake_moe_experts_gguf(out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights,
+                           expert_map, workspace):
+    def floats(w, qtype):
+        values = dequantize(w.numpy().reshape(-1, w.shape[-1]), qtype)
+        return torch.from_numpy(values).reshape(*w.shape[:-1], -1).to(x.dtype)
+
+    reference.moe_experts(out, x, floats(w13, qtype13), floats(w2, qtype2), topk_ids,
+                          topk_weights, expert_map, workspace)
+
+
+@pytest.fixture
+def fake_moe_gpu(fake_gpu, monkeypatch):
+    for name in ("moe_topk_softmax", "moe_experts"):
+        monkeypatch.setattr(ops, name, getattr(reference, name))
+    monkeypatch.setattr(ops, "moe_experts_gguf", _fake_moe_experts_gguf)
+
+
+def test_plumbing_experts_stay_quantized_on_a_gpu_placement(fake_moe_gpu, monkeypatch,
+                                                            tmp_path):
+    path, raw = k_mix_moe_file(tmp_path)
+    quant = load_model(str(path), device="cuda")
+    _check_placement(quant.model, raw, on_gpu=False)       # the fake GPU keeps host tensors
+    _experts_dequantized(monkeypatch)
+    floats = load_model(str(path), device="cuda")
+    assert not floats.model.layers[0].mlp.qtypes
+    prompt = list(range(3, 40))
+    a = PagedRunner(quant.model).step([(0, prompt)])[0].float()
+    b = PagedRunner(floats.model).step([(0, prompt)])[0].float()
+    # the same bf16 model but for bf16-rounded expert weights in b
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_plumbing_other_gpu_dtypes_dequantize_experts_at_load(fake_moe_gpu, tmp_path, dtype):
+    path, _ = k_mix_moe_file(tmp_path)
+    loaded = loader.load_model(str(path), device="cuda", dtype=dtype)
+    mlp = loaded.model.layers[0].mlp
+    assert not mlp.qtypes and mlp.w13.dtype == getattr(torch, dtype)
+
+
+def gpu_test(fn):
+    for mark in needs_gpu:
+        fn = mark(fn)
+    return fn
+
+
+@gpu_test
+def test_k_mix_experts_stay_in_vram_and_match_the_dequantized_experts(monkeypatch, tmp_path):
+    path, raw = k_mix_moe_file(tmp_path)
+    gpu = load_model(str(path), device="cuda")
+    _check_placement(gpu.model, raw, on_gpu=True)
+    _experts_dequantized(monkeypatch)
+    reference_model = load_model(str(path), device="cuda")
+    assert not reference_model.model.layers[0].mlp.qtypes
+    _compare(gpu.model, reference_model.model, gpu.config.vocab_size)
+
+
+@gpu_test
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_q8_0_experts_on_the_gpu_match_the_cpu(arch, tiny_checkpoint, tmp_path):
+    directory, hf = tiny_checkpoint(arch)
+    path = tmp_path / f"{arch}-q8.gguf"
+    write_gguf(hf, directory, path, arch, Q8_0, quantize_only=("_exps.weight",))
+    gpu, cpu = load_model(str(path), device="cuda"), load_model(str(path))
+    sparse = [layer.mlp for layer in gpu.model.layers if getattr(layer.mlp, "qtypes", None)]
+    assert sparse and all(m.qtypes == (Q8_0, Q8_0) and m.w13.is_cuda for m in sparse)
+    _compare(gpu.model, cpu.model, gpu.config.vocab_size)
+
+
+@gpu_test
+def test_k_mix_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
+    import asyncio
+
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.request import SamplingParams
+
+    path, _ = k_mix_moe_file(tmp_path)
+    loaded = load_model(str(path), device="cuda")
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
+    logits, eager = runner.step([(0, prompt)])[0], []
+    for _ in range(12):
+        eager.append(int(logits.argmax()))
+        logits = runner.step([(0, eager[-1:])])[0]
+    engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=4096, max_num_seqs=8,
+                                                     device="cuda")).start()
+
+    async def run():
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+    try:
+        assert engine.graphs is not None
+        assert asyncio.run(run()) == eager
+    finally:
+        engine.shutdown()
