@@ -96,9 +96,9 @@ def replay_conversation(engine, turns) -> list[list[int]]:
 
 
 def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
-    """With the prefix cache on, each turn resumes from the snapshot at its predecessor's last
-    full prompt page; the output equals the cache-off engine's (which recomputes every turn)
-    and transformers'."""
+    """With the prefix cache on, each turn resumes from the snapshot at the last full page its
+    predecessor's prompt and answer reached; the output equals the cache-off engine's (which
+    recomputes every turn) and transformers'."""
     hf = build_hybrid("qwen3_next", tmp_path)
     loaded = load_model(str(tmp_path))
     gen = torch.Generator().manual_seed(5)
@@ -117,10 +117,13 @@ def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
             engine.shutdown()
     assert results[True] == results[False]
     on = stats[True]
-    assert on["state_snapshots_saved"] == 3 and on["state_snapshots_restored"] == 2
-    # snapshots after 16, 24 and 48 tokens (each prompt's last full page of 8); turn 2
-    # (32 tokens) resumes at 16, turn 3 (49 tokens) at 24
-    assert on["prefix_cache_hit_tokens"] > 0 and stats[False]["prefix_cache_hit_tokens"] == 0
+    # pages of 8; turn 1 (19 prompt tokens, 6 generated: 24 computed) snapshots at 16 (its
+    # prompt's last full page) and 24 (its answer's); turn 2 (32 tokens) resumes at 24 and
+    # snapshots at 32 (prompt and turn end at once); turn 3 (49 tokens) resumes at 32 and
+    # snapshots at 48 (its answer stops at 54, short of the next page)
+    assert on["state_snapshots_saved"] == 4 and on["state_snapshots_restored"] == 2
+    assert on["prefix_cache_hit_tokens"] == 24 + 32
+    assert stats[False]["prefix_cache_hit_tokens"] == 0
     reference = float64_reference(hf)
     history = []
     for message, out in zip(turns, results[True]):
