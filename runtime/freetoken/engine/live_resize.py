@@ -10,6 +10,7 @@ data, so the requests in flight continue on the same pages and states.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
@@ -161,7 +162,10 @@ def _resize_kv(engine, new_pages: int) -> None:
 def _resize_states(engine, num_slots: int) -> None:
     """New state arrays of `num_slots` slots in the KV cache; slots below both sizes keep their
     states (running sequences hold only those: the caller checked)."""
-    kv, cfg = engine.kv, engine.model.config
+    # a new KVCache object (sharing the attention pools): the model converts a cache's arrays
+    # to kernel arguments once per object
+    kv, cfg = copy.copy(engine.kv), engine.model.config
+    kv.k, kv.v = list(kv.k), list(kv.v)
     keep = min(kv.num_state_slots, num_slots)
     for layer in range(cfg.num_layers):
         if not cfg.is_linear(layer):
@@ -175,6 +179,7 @@ def _resize_states(engine, num_slots: int) -> None:
             pools[layer] = new
     kv.num_state_slots = num_slots
     engine.states.resize(num_slots)
+    _swap_kv(engine, kv)
 
 
 def _swap_kv(engine, new) -> None:
