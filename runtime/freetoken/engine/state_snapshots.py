@@ -6,10 +6,10 @@ delta-rule state) at the page boundaries it is most likely to be resumed from, k
 page's prefix-cache key: the last full page of the prompt (a retry or an edited last message
 repeats it) and the last full page the generated tokens reach (an agent's next turn repeats
 prompt and answer and appends to them; that one moves forward page by page while the request
-decodes, so a request holds one such row at a time). A later request whose cached prefix reaches a snapshot starts there: its slot
-gets the snapshot's states and only the tokens after it are computed. A prefix that reaches no
-snapshot is recomputed from the start. The store is bounded; the least recently used snapshot
-goes first.
+decodes, so a request holds one such row at a time). A later request whose cached prefix
+reaches a snapshot starts there: its slot gets the snapshot's states and only the tokens after
+it are computed. A prefix that reaches no snapshot is recomputed from the start. The store is
+bounded; the least recently used snapshot goes first.
 """
 
 from __future__ import annotations
