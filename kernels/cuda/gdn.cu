@@ -6,8 +6,10 @@
 // The recurrence runs token by token: a block owns one (sequence, value head, 16 value columns)
 // and keeps that slice of the f32 state in registers for the whole chunk; lane l of a warp holds
 // rows l, l+32, ... of 4 adjacent columns, so the k^T S and q^T S products are warp sums.
-// TODO: a chunked (WY / UT-transform) prefill form; this one is sequential in the tokens.
+// A step with long prefill chunks runs the chunked form instead (gdn_chunked.cuh; the rule is
+// at use_chunked below); decode steps always run this sequential one.
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/gdn_chunked.cuh"
 #include "freetoken/gdn_math.h"
 
 namespace freetoken {
@@ -211,6 +213,59 @@ void launch_recurrence(int64_t dk, dim3 grid, cudaStream_t stream, T* out, const
   }
 }
 
+// The chunked kernel runs when the step has at least kChunkMinTokens tokens more than sequences
+// (so some sequence brings a prefill chunk of about that length or more; a decode-only step has
+// T == B), in chunks of 64 tokens, or 32 where the device's shared memory per block cannot hold
+// 64 (HIP: 64 KiB); with neither, the sequential kernel runs.
+constexpr int64_t kChunkMinTokens = 64;
+
+int chunk_size_for(int64_t dk, int dev) {
+#if defined(__HIP_PLATFORM_AMD__)
+  const size_t limit = 64 << 10;
+  (void)dev;
+#else
+  static int limits[64] = {};
+  int limit_i = 0;
+  if (dev >= 0 && dev < 64 && limits[dev]) {
+    limit_i = limits[dev];
+  } else {
+    FT_CUDA_CHECK(cudaDeviceGetAttribute(&limit_i, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (dev >= 0 && dev < 64) limits[dev] = limit_i;
+  }
+  const size_t limit = static_cast<size_t>(limit_i);
+#endif
+  if (gdn::chunk_smem_bytes(64, dk) <= limit) return 64;
+  return gdn::chunk_smem_bytes(32, dk) <= limit ? 32 : 0;
+}
+
+template <typename T, int C>
+void launch_chunked_c(dim3 grid, cudaStream_t stream, T* out, const T* qkv, const T* ba,
+                      const gdn::ChunkArgs& a) {
+  const size_t smem = gdn::chunk_smem_bytes(C, a.dk);
+#if !defined(__HIP_PLATFORM_AMD__)
+  // above 48 KiB needs the opt-in; prefill only (never inside a graph capture)
+  FT_CUDA_CHECK(cudaFuncSetAttribute(gdn::chunked_kernel<T, C>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+#endif
+  gdn::chunked_kernel<T, C><<<grid, gdn::kChunkThreads, smem, stream>>>(out, qkv, ba, a);
+}
+
+template <typename T>
+void launch_chunked(int chunk, int64_t batch, cudaStream_t stream, T* out, const T* qkv,
+                    const T* ba, const RecurArgs& p, const SeqArgs& sa) {
+  gdn::ChunkArgs a{p.hk, p.hv, p.dk, p.dv, p.qkv_stride, p.ba_stride, sa.num_slots,
+                   p.a_log, p.dt_bias, p.state, sa.positions, sa.query_start_loc,
+                   sa.state_slots};
+  dim3 grid(static_cast<unsigned>(ceil_div(p.dv, gdn::kChunkCols)), static_cast<unsigned>(p.hv),
+            static_cast<unsigned>(batch));
+  if (chunk == 64) {
+    launch_chunked_c<T, 64>(grid, stream, out, qkv, ba, a);
+  } else {
+    launch_chunked_c<T, 32>(grid, stream, out, qkv, ba, a);
+  }
+}
+
 /*! \brief See cpu/gdn.cc: the gated delta rule; here dk in {64, 128, 256}, dv % 4 == 0. */
 void gdn_recurrence(TensorView out, TensorView qkv, TensorView ba, TensorView a_log,
                     TensorView dt_bias, TensorView ssm_state, TensorView positions,
@@ -254,6 +309,15 @@ void gdn_recurrence(TensorView out, TensorView qkv, TensorView ba, TensorView a_
   p.a_log = data_of<const float>(a_log), p.dt_bias = data_of<const float>(dt_bias);
   p.state = data_of<float>(ssm_state);
   DeviceGuard guard(dev);
+  const int chunk = qr.rows - b >= kChunkMinTokens ? chunk_size_for(p.dk, dev) : 0;
+  if (chunk) {
+    FT_CUDA_DISPATCH_FLOAT(ft, T, {
+      launch_chunked<T>(chunk, b, stream_for(qkv), data_of<T>(out), data_of<const T>(qkv),
+                        data_of<const T>(ba), p, sa);
+    });
+    check_launch("gdn_recurrence (chunked)");
+    return;
+  }
   dim3 grid(static_cast<unsigned>(ceil_div(p.dv, kColsPerBlock)), static_cast<unsigned>(p.hv),
             static_cast<unsigned>(b));
   FT_CUDA_DISPATCH_FLOAT(ft, T, {

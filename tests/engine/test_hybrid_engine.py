@@ -79,9 +79,9 @@ def test_state_pool_shows_in_metrics():
     assert "freetoken_state_bytes_total 4096.0" in text
 
 
-def replay_conversation(engine, turns) -> list[list[int]]:
+def replay_conversation(engine, turns, tokens=NEW_TOKENS) -> list[list[int]]:
     """An agent conversation: each turn's prompt is the whole history plus a new message."""
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     history, outputs = [], []
 
     async def one(prompt):
@@ -96,9 +96,9 @@ def replay_conversation(engine, turns) -> list[list[int]]:
 
 
 def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
-    """With the prefix cache on, each turn resumes from the snapshot at its predecessor's last
-    full prompt page; the output equals the cache-off engine's (which recomputes every turn)
-    and transformers'."""
+    """With the prefix cache on, each turn resumes from the snapshot at the last full page its
+    predecessor's prompt and answer reached; the output equals the cache-off engine's (which
+    recomputes every turn) and transformers'."""
     hf = build_hybrid("qwen3_next", tmp_path)
     loaded = load_model(str(tmp_path))
     gen = torch.Generator().manual_seed(5)
@@ -117,13 +117,48 @@ def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
             engine.shutdown()
     assert results[True] == results[False]
     on = stats[True]
-    assert on["state_snapshots_saved"] == 3 and on["state_snapshots_restored"] == 2
-    # snapshots after 16, 24 and 48 tokens (each prompt's last full page of 8); turn 2
-    # (32 tokens) resumes at 16, turn 3 (49 tokens) at 24
-    assert on["prefix_cache_hit_tokens"] > 0 and stats[False]["prefix_cache_hit_tokens"] == 0
+    # pages of 8; turn 1 (19 prompt tokens, 6 generated: 24 computed) snapshots at 16 (its
+    # prompt's last full page) and 24 (its answer's); turn 2 (32 tokens) resumes at 24 and
+    # snapshots at 32 (prompt and turn end at once); turn 3 (49 tokens) resumes at 32 and
+    # snapshots at 48 (its answer stops at 54, short of the next page)
+    assert on["state_snapshots_saved"] == 4 and on["state_snapshots_restored"] == 2
+    assert on["prefix_cache_hit_tokens"] == 24 + 32
+    assert stats[False]["prefix_cache_hit_tokens"] == 0
     reference = float64_reference(hf)
     history = []
     for message, out in zip(turns, results[True]):
         history = history + message
         assert hf_greedy(reference, [history])[0] == out, len(history)
         history = history + out
+
+
+def test_long_answers_move_the_turn_snapshot_and_the_next_turn_resumes_after_them(tmp_path,
+                                                                                   moe_ops):
+    """Answers of 20 tokens cross two or three pages: each request's end-of-turn snapshot
+    moves forward page by page, and the next turn resumes at the last one, not at the prompt's
+    snapshot; outputs equal the cache-off engine's."""
+    build_hybrid("qwen3_5_moe", tmp_path, seed=2, max_position_embeddings=128)
+    loaded = load_model(str(tmp_path))
+    gen = torch.Generator().manual_seed(8)
+    turns = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()
+             for n in (19, 7, 11)]
+    results, stats = {}, {}
+    for cache in (False, True):
+        config = EngineConfig(num_tokens=512, block_size=8, max_num_seqs=2,
+                              max_prefill_tokens=64, prefix_cache=cache, kv_dtype="float32")
+        engine = Engine.from_loaded(loaded, config).start()
+        try:
+            results[cache] = replay_conversation(engine, turns, tokens=20)
+            stats[cache] = engine.stats()
+        finally:
+            engine.shutdown()
+    assert results[True] == results[False]
+    on = stats[True]
+    # turn 1: 19 + 19 computed, snapshots at 16 (prompt), then 24 moved to 32; turn 2 (46
+    # tokens) resumes at 32, snapshots 40 (prompt), then 48, 56, 64; turn 3 (77) resumes at 64,
+    # snapshots 72, then 80, 88, 96. Resuming at the prompts' snapshots would give 16 + 40.
+    assert on["prefix_cache_hit_tokens"] == 32 + 64
+    assert on["state_snapshots_saved"] == 11 and on["state_snapshots_restored"] == 2
+    # six rows saved at once (two a turn: a moving row replaces its predecessor) in a store
+    # of 2 x 2 slots: the least recently used went
+    assert on["state_snapshots"] == on["state_snapshots_total"] == 4

@@ -108,3 +108,70 @@ def test_policy_off_copies_every_miss():
 def test_host_plan_without_meminfo_checks_nothing():
     plan = plan_host(SIZES, pinned_experts=True, num_tokens=0, available=None, on_cpu=False)
     assert plan.pools["pinned_experts"] > 0
+
+
+# A Qwen3.6-35B-A3B-shaped hybrid: 40 layers, 30 of them Gated DeltaNet (16 key / 32 value heads
+# of 128, conv kernel 4), 10 full attention (2 KV heads of 256); bf16.
+def qwen36_config():
+    from freetoken.models.config import LinearAttentionConfig, ModelConfig
+
+    linear = LinearAttentionConfig(num_k_heads=16, num_v_heads=32, head_k_dim=128,
+                                   head_v_dim=128, conv_kernel=4)
+    return ModelConfig("qwen3_5_moe", 248320, 2048, 512, 40, 16, 2, 256, 1e-6, 1e7, 262144,
+                       linear=linear, linear_layers=tuple(i % 4 != 3 for i in range(40)))
+
+
+# one slot: per GDN layer the conv inputs (2*16*128 + 32*128 channels x 3 taps, bf16) and the
+# f32 state (32 heads x 128 x 128)
+STATE_SLOT = 30 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)
+
+
+def test_hybrid_sizes_count_attention_kv_and_the_state_slot():
+    from freetoken.models.batch import KVCache
+
+    cfg = qwen36_config()
+    sizes = ModelSizes.of(cfg, "bfloat16")
+    assert sizes.kv_bytes_per_token == 10 * 2 * 2 * 256 * 2     # the 10 attention layers only
+    assert sizes.state_bytes_per_slot == STATE_SLOT == \
+        KVCache.bytes_per_state_slot(cfg, "bfloat16")
+    assert ModelSizes.of(SIZES_CONFIG(), "bfloat16").state_bytes_per_slot == 0
+
+
+def SIZES_CONFIG():
+    from freetoken.models.config import ModelConfig
+
+    return ModelConfig("llama", 10, 8, 16, 2, 2, 2, 4, 1e-6, 1e4, 32)
+
+
+HYBRID = ModelSizes(expert_bytes=3 * 2048 * 512 * 2, num_experts=256, moe_layers=40, top_k=8,
+                    other_weight_bytes=3_000_000_000, kv_bytes_per_token=10 * 2 * 512 * 2,
+                    state_bytes_per_slot=STATE_SLOT)
+
+
+def test_auto_kv_leaves_the_state_pool_and_its_snapshots_out():
+    free, total = 100 * GIB, 141 * GIB
+    plain, _, plain_tokens = plan_gpu(HYBRID, rate=1.0, num_tokens="auto", free=free,
+                                      total=total, workspace=WS, min_tokens=4096)
+    plan, _, tokens = plan_gpu(HYBRID, rate=1.0, num_tokens="auto", free=free, total=total,
+                               workspace=WS, min_tokens=4096, state_slots=8, snapshots=16)
+    assert plan.pools["states"] == 8 * STATE_SLOT
+    assert plan.pools["state_snapshots"] == 16 * STATE_SLOT
+    assert "states" not in plain.pools
+    left = free - plan.margin - 3_000_000_000 - GRAPH_BYTES - WS - 24 * STATE_SLOT \
+        - 256 * 40 * HYBRID.expert_bytes
+    assert tokens == left // HYBRID.kv_bytes_per_token
+    assert plain_tokens - tokens == pytest.approx(24 * STATE_SLOT / HYBRID.kv_bytes_per_token,
+                                                  abs=1)
+
+
+def test_a_state_pool_that_does_not_fit_is_refused_with_its_numbers():
+    with pytest.raises(MemoryPlanError) as info:
+        plan_gpu(HYBRID, rate=0.1, num_tokens=4096, free=12 * GIB, total=16 * GIB,
+                 workspace=WS, min_tokens=4096, state_slots=128, snapshots=0)
+    text = str(info.value)
+    per = f"{STATE_SLOT / (1 << 20):.1f} MiB"
+    for words in ("states 7.68 GiB", f"128 slots x {per}", "--max-num-seqs", "kv", "free"):
+        assert words in text, (words, text)
+    with pytest.raises(MemoryPlanError, match="--max-num-seqs"):
+        plan_host(HYBRID, pinned_experts=False, num_tokens=4096, available=4 * GIB,
+                  on_cpu=True, state_slots=64, snapshots=128)

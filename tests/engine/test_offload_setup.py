@@ -79,3 +79,35 @@ def test_cache_rate_parsing():
             parse_cache_rate(bad)
     with pytest.raises(EngineConfigError, match="moe-cpu"):
         OffloadConfig(cpu="sometimes")
+
+
+def test_a_hybrid_plan_counts_its_state_slots_and_snapshots(tmp_path, monkeypatch):
+    """The state pool (one slot per --max-num-seqs) and its snapshot rows (two per slot with
+    the prefix cache) come out of the auto KV pool, and name themselves in a refusal."""
+    from freetoken.engine.offload_setup import state_rows, workspace_bytes
+    from freetoken.models.checkpoint.hf import read_hf_dir
+    from tests.models.test_hybrid_hf import build_hybrid
+
+    build_hybrid("qwen3_5_moe", tmp_path, max_position_embeddings=1 << 26)   # no KV cap
+    cfg = read_hf_dir(tmp_path)[0]
+    per_slot = ModelSizes.of(cfg, "bfloat16").state_bytes_per_slot
+    assert per_slot == 3 * cfg.linear.state_bytes(2)
+    assert state_rows(cfg, EngineConfig(max_num_seqs=4)) == {"state_slots": 4, "snapshots": 8}
+    assert state_rows(cfg, EngineConfig(max_num_seqs=4, prefix_cache=False))["snapshots"] == 0
+    tokens = {}
+    for seqs in (1, 4):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 8 * GIB))
+        config = EngineConfig(max_num_seqs=seqs, max_prefill_tokens=256)
+        planner = OffloadPlanner(config, OffloadConfig(), FakeGPU())
+        planner(cfg, "bfloat16")
+        plan = planner.decision.plan
+        assert plan.pools["states"] == seqs * per_slot
+        assert plan.pools["state_snapshots"] == 2 * seqs * per_slot
+        tokens[seqs] = planner.decision.num_tokens
+    kv = ModelSizes.of(cfg, "bfloat16").kv_bytes_per_token
+    grown = workspace_bytes(cfg, "bfloat16", 260) - workspace_bytes(cfg, "bfloat16", 257)
+    assert tokens[1] - tokens[4] == pytest.approx((9 * per_slot + grown) / kv, abs=1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * GIB, 2 * GIB))
+    with pytest.raises(MemoryPlanError, match=r"states .*slots x .*--max-num-seqs"):
+        OffloadPlanner(EngineConfig(max_num_seqs=4, num_tokens=1 << 30), OffloadConfig(),
+                       FakeGPU())(cfg, "bfloat16")

@@ -46,3 +46,20 @@ def test_snapshots_copy_states_and_evict_the_least_recently_used():
     assert kv.k[0][1].max() == 3
     assert store.stats()["state_snapshots"] == 2
     assert store.stats()["state_snapshot_bytes"] == 2 * 2 * (3 * 2 + 8) * 4
+
+
+def test_a_moving_snapshot_reuses_its_row_and_leaves_the_others():
+    kv = FakeKV(1)
+    store = StateSnapshots(kv, [0, 2], capacity=3, arrays=HostArrays())
+    kv.k[0][0] = 1
+    store.save(b"prompt", 0)
+    for i, key in enumerate((b"p1", b"p2", b"p3")):
+        kv.k[0][0] = 10 + i
+        store.save(key, 0, replaces=None if i == 0 else (b"p1", b"p2")[i - 1])
+    assert store.has(b"prompt") and store.has(b"p3")
+    assert not store.has(b"p1") and not store.has(b"p2")
+    assert store.stats()["state_snapshots"] == 2      # one row moved forward, one row free
+    store.restore(b"p3", 0)
+    assert kv.k[0][0].max() == 12
+    store.save(b"p4", 0, replaces=b"gone")            # its row was evicted: a fresh row
+    assert store.has(b"p3") and store.has(b"p4") and store.has(b"prompt")

@@ -106,7 +106,8 @@ def test_a_shrink_past_held_pages_is_refused_and_serving_goes_on(resizable):
 def test_resize_refuses_bad_bodies_naming_the_field(resizable):
     url, _ = resizable
     for body, field in (({"kv": 0}, "kv"), ({"moe": 1.5}, "moe"), ({"moe": 0}, "moe"),
-                        ({"kv": 64, "extra": 1}, "extra"), ({}, "kv"), ({"moe": 0.5}, "moe")):
+                        ({"kv": 64, "extra": 1}, "extra"), ({}, "kv"), ({"moe": 0.5}, "moe"),
+                        ({"states": 0}, "states"), ({"states": 2}, "states")):
         r = httpx.post(url + "/v1/cache", json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
@@ -130,6 +131,8 @@ def test_ctl_cache_resizes_and_prints_the_pools(resizable):
     assert json.loads(result.output)["kv_pool_tokens"] == 2 * CONTEXT
     refused = CliRunner().invoke(cli, ["ctl", "cache", "--url", url, "--moe", "0.5"])
     assert refused.exit_code != 0 and "no experts" in refused.output
+    refused = CliRunner().invoke(cli, ["ctl", "cache", "--url", url, "--states", "2"])
+    assert refused.exit_code != 0 and "no recurrent-state" in refused.output
 
 
 def test_metrics_show_the_pools(resizable):

@@ -32,9 +32,14 @@ FT_GDN_FN float sigmoid(float x) { return 1.f / (1.f + FT_GDN_EXP(-x)); }
 
 FT_GDN_FN float silu(float x) { return x / (1.f + FT_GDN_EXP(-x)); }
 
-// The per-token decay of the state, exp(g) with g = -exp(A_log) * softplus(a + dt_bias) <= 0.
+// The per-token log decay of the state, g = -exp(A_log) * softplus(a + dt_bias) <= 0.
+FT_GDN_FN float log_decay(float a, float a_log, float dt_bias) {
+  return -FT_GDN_EXP(a_log) * softplus(a + dt_bias);
+}
+
+// The per-token decay of the state, exp(g).
 FT_GDN_FN float decay(float a, float a_log, float dt_bias) {
-  return FT_GDN_EXP(-FT_GDN_EXP(a_log) * softplus(a + dt_bias));
+  return FT_GDN_EXP(log_decay(a, a_log, dt_bias));
 }
 
 }  // namespace gdn

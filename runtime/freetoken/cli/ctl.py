@@ -124,15 +124,20 @@ def stats_command(url: str, api_key: str | None) -> None:
               help="New KV pool size in tokens.")
 @click.option("--moe", default=None, type=click.FloatRange(0.0, 1.0, min_open=True),
               metavar="RATE", help="New expert cache rate (0 < RATE <= 1).")
+@click.option("--states", default=None, type=click.IntRange(1), metavar="SLOTS",
+              help="New recurrent-state pool size in slots (hybrid models; at most "
+                   "--max-num-seqs, it caps the sequences run at once).")
 @click.option("--wait", default=0.0, type=click.FloatRange(0, 3600), metavar="SECONDS",
-              help="Wait up to SECONDS for requests holding KV pages past a shrunk pool.")
+              help="Wait up to SECONDS for requests holding KV pages or state slots past a "
+                   "shrunk pool.")
 def cache_command(url: str, api_key: str | None, kv: int | None, moe: float | None,
-                  wait: float) -> None:
-    """Resize the KV pool and/or the expert cache of a running server, without reloading.
-    A plan that does not fit is refused with the numbers; the old pools keep serving."""
-    if kv is None and moe is None:
-        raise click.UsageError("pass --kv TOKENS and/or --moe RATE")
-    body = {k: v for k, v in (("kv", kv), ("moe", moe)) if v is not None}
+                  states: int | None, wait: float) -> None:
+    """Resize the KV pool, the expert cache and/or the recurrent-state pool of a running
+    server, without reloading. A plan that does not fit is refused with the numbers; the old
+    pools keep serving."""
+    if kv is None and moe is None and states is None:
+        raise click.UsageError("pass --kv TOKENS, --moe RATE and/or --states SLOTS")
+    body = {k: v for k, v in (("kv", kv), ("moe", moe), ("states", states)) if v is not None}
     body["wait"] = wait
     with open_url(url, "/v1/cache", api_key, timeout=wait + 600.0, body=body) as response:
         status, raw = response.status, response.read()
@@ -146,5 +151,6 @@ def cache_command(url: str, api_key: str | None, kv: int | None, moe: float | No
             else reply
         raise click.ClickException(f"resize refused ({status}): {message}")
     keys = ("kv_pool_tokens", "kv_pool_bytes", "moe_cache_rate", "expert_cache_slots",
-            "expert_pool_bytes", "vram_allocated_bytes")
-    click.echo(json.dumps({k: reply.get(k) for k in keys}, indent=2))
+            "expert_pool_bytes", "vram_allocated_bytes", "state_slots_total",
+            "state_bytes_total")
+    click.echo(json.dumps({k: reply.get(k) for k in keys if k in reply}, indent=2))

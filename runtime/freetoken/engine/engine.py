@@ -25,7 +25,7 @@ from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, Req
 from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
-from freetoken.engine.state_snapshots import StateSnapshots
+from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT, StateSnapshots
 from freetoken.engine.stream import RequestStream, batched_delivery
 from freetoken.models.batch import ForwardBatch, KVCache
 
@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from freetoken.models.config import GenerationDefaults
 
 logger = logging.getLogger("freetoken.engine")
-# Recurrent-state snapshots kept per state slot (hybrid models with the prefix cache on): room
-# for the latest turn of every running conversation and one as many again.
-SNAPSHOTS_PER_SLOT = 2
 
 
 class EngineDead(RuntimeError):
@@ -101,7 +98,7 @@ class Engine:
         if not self.arrays.device.is_cpu and self.config.cuda_graphs and \
                 self.expert_cache is None:
             self.graphs = self.recapture_graphs()
-        self._jobs: list = []   # (future, kv_tokens, moe_rate): resizes run between steps
+        self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -125,17 +122,18 @@ class Engine:
         return DecodeGraphs(self.model, self.kv, self.config.max_num_seqs, max_blocks).capture()
 
     def resize_pools(self, kv_tokens: int | None = None, moe_rate: float | None = None,
-                     wait: float = 0.0) -> dict[str, Any]:
-        """Resize the KV pool (tokens) and the expert cache (rate) between two steps; a KV
-        shrink past pages in use waits up to `wait` seconds for them. Returns the new pool
-        stats; raises MemoryPlanError, ResizeBusy or ValueError, the old pools serving on."""
+                     wait: float = 0.0, states: int | None = None) -> dict[str, Any]:
+        """Resize the KV pool (tokens), the expert cache (rate) and a hybrid model's state
+        pool (slots) between two steps; a shrink past pages or slots in use waits up to `wait`
+        seconds for them. Returns the new pool stats; raises MemoryPlanError, ResizeBusy or
+        ValueError, the old pools serving on."""
         deadline = time.monotonic() + wait
         while True:
             job: Future = Future()
             with self._cond:
                 if not self.is_alive:
                     raise EngineDead("the engine is not running; restart the server")
-                self._jobs.append((job, kv_tokens, moe_rate))
+                self._jobs.append((job, kv_tokens, moe_rate, states))
                 self._cond.notify()
             try:
                 return job.result()
@@ -147,9 +145,9 @@ class Engine:
     def _run_jobs(self) -> None:
         """Pending resizes, on the engine thread between two steps (lock held)."""
         jobs, self._jobs = self._jobs, []
-        for job, kv_tokens, moe_rate in jobs:
+        for job, kv_tokens, moe_rate, states in jobs:
             try:
-                job.set_result(apply_resize(self, kv_tokens, moe_rate))
+                job.set_result(apply_resize(self, kv_tokens, moe_rate, states))
             except Exception as exc:   # noqa: BLE001 - the caller gets it
                 job.set_exception(exc)
 

@@ -1,14 +1,16 @@
-"""Pool sizes in the stats, and resizing the KV pool and the expert cache while serving.
+"""Pool sizes in the stats, and resizing the KV pool, the recurrent-state pool (hybrid models)
+and the expert cache while serving.
 
 A resize runs between two engine steps (the engine holds its step lock): the plan is checked
 first against what the device has free now (a new pool is allocated beside the old one while
 the pages or slots that stay are copied over, so the check asks for the whole new pool), and a
-refusal changes nothing. Page ids and expert slots below the new size keep their data, so the
-requests in flight continue on the same pages.
+refusal changes nothing. Page ids, state slots and expert slots below the new size keep their
+data, so the requests in flight continue on the same pages and states.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
@@ -17,7 +19,7 @@ from freetoken.models.batch import KVCache
 
 
 class ResizeBusy(RuntimeError):
-    """A KV shrink would drop pages that running requests hold."""
+    """A KV (or state pool) shrink would drop pages (slots) that running requests hold."""
 
 
 def _nbytes(array) -> int:
@@ -54,12 +56,16 @@ def pool_stats(engine) -> dict[str, Any]:
                      pinned_bytes=0, expert_hits=0, expert_misses=0, expert_hit_rate=0.0,
                      expert_cpu_executed=0, expert_bytes_h2d=0, expert_bytes_per_token=0.0,
                      expert_tokens=0, expert_streamed_layers=0)
+    if engine.states is not None:
+        stats.update(engine.states.stats())
     return stats
 
 
-def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None) -> dict[str, Any]:
+def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None,
+                 states: int | None = None) -> dict[str, Any]:
     """Resize now (the caller holds the step lock and the engine lock); returns pool_stats.
-    Raises MemoryPlanError (does not fit), ResizeBusy (pages in use), ValueError (bad size)."""
+    Raises MemoryPlanError (does not fit), ResizeBusy (pages or slots in use), ValueError (bad
+    size)."""
     pool, cache = engine.pool, getattr(engine, "expert_cache", None)
     cfg, bs = engine.model.config, pool.block_size
     new_pages = pool.num_pages if kv_tokens is None else kv_tokens // bs
@@ -81,18 +87,40 @@ def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None) -> dict[
         pools["kv"] = new_pages * bs * kv_per_token
     if new_slots is not None and new_slots != cache.num_slots:
         pools["expert_cache"] = (new_slots + 2 * cache.num_experts) * cache.expert_bytes
+    new_states = _state_slots(engine, states)
+    if new_states != (engine.states.num_slots if engine.states else 0):
+        pools["states"] = new_states * engine.states.bytes_per_slot
     _check_fits(engine, pools)
     if new_pages < pool.num_pages and pool.pages_held_from(new_pages):
         raise ResizeBusy(f"{pool.pages_held_from(new_pages)} KV pages past the new size "
                          f"({new_pages} pages) are held by running requests; pass --wait "
                          f"SECONDS to wait for them to finish")
+    if "states" in pools and engine.states.held_from(new_states):
+        raise ResizeBusy(f"{engine.states.held_from(new_states)} recurrent-state slots past "
+                         f"the new size ({new_states} slots) are held by running requests; "
+                         f"pass --wait SECONDS to wait for them to finish")
     if "kv" in pools:
         _resize_kv(engine, new_pages)
+    if "states" in pools:
+        _resize_states(engine, new_states)
     if "expert_cache" in pools:
         cache.resize(new_slots)
-    if "kv" in pools and engine.graphs is not None:
+    if ("kv" in pools or "states" in pools) and engine.graphs is not None:
         engine.graphs = engine.recapture_graphs()
     return pool_stats(engine)
+
+
+def _state_slots(engine, states: int | None) -> int:
+    """The state pool's new size in slots (its current one when not asked to change)."""
+    if states is None:
+        return engine.states.num_slots if engine.states else 0
+    if engine.states is None:
+        raise ValueError("--states: this model has no recurrent-state (linear attention) layers")
+    if not 1 <= states <= engine.config.max_num_seqs:
+        raise ValueError(f"--states {states} must be between 1 and --max-num-seqs "
+                         f"({engine.config.max_num_seqs}): a slot per running sequence, more "
+                         f"are never used")
+    return states
 
 
 def _check_fits(engine, pools: dict[str, int]) -> None:
@@ -115,10 +143,46 @@ def _check_fits(engine, pools: dict[str, int]) -> None:
 
 
 def _resize_kv(engine, new_pages: int) -> None:
-    old, bs = engine.kv, engine.pool.block_size
-    new = KVCache(engine.model.config, new_pages, bs, engine.kv_dtype, engine.arrays)
+    """A new KV pool; a hybrid model's state arrays move over as they are (not copied)."""
+    old, bs, cfg = engine.kv, engine.pool.block_size, engine.model.config
+    # NOTE: num_state_slots=0 allocates one-slot state arrays, replaced below at once
+    new = KVCache(cfg, new_pages, bs, engine.kv_dtype, engine.arrays)
     keep = min(old.num_slots, new.num_slots)
-    for dst, src in zip(new.k + new.v, old.k + old.v):
-        dst[:keep] = src[:keep]
+    for layer in range(cfg.num_layers):
+        if cfg.is_linear(layer):
+            new.k[layer], new.v[layer] = old.k[layer], old.v[layer]
+            continue
+        new.k[layer][:keep] = old.k[layer][:keep]
+        new.v[layer][:keep] = old.v[layer][:keep]
+    new.num_state_slots = old.num_state_slots
     engine.pool.resize(new_pages)
+    _swap_kv(engine, new)
+
+
+def _resize_states(engine, num_slots: int) -> None:
+    """New state arrays of `num_slots` slots in the KV cache; slots below both sizes keep their
+    states (running sequences hold only those: the caller checked)."""
+    # a new KVCache object (sharing the attention pools): the model converts a cache's arrays
+    # to kernel arguments once per object
+    kv, cfg = copy.copy(engine.kv), engine.model.config
+    kv.k, kv.v = list(kv.k), list(kv.v)
+    keep = min(kv.num_state_slots, num_slots)
+    for layer in range(cfg.num_layers):
+        if not cfg.is_linear(layer):
+            continue
+        for pools in (kv.k, kv.v):
+            old = pools[layer]
+            new = engine.arrays.empty((num_slots,) + tuple(old.shape[1:]),
+                                      str(old.dtype).replace("torch.", ""))
+            new[...] = 0   # graph padding may read a slot no sequence wrote
+            new[:keep] = old[:keep]
+            pools[layer] = new
+    kv.num_state_slots = num_slots
+    engine.states.resize(num_slots)
+    _swap_kv(engine, kv)
+
+
+def _swap_kv(engine, new) -> None:
     engine.kv = new
+    if engine.scheduler.snapshots is not None:   # copies to and from the live state arrays
+        engine.scheduler.snapshots.kv = new

@@ -1,4 +1,5 @@
-"""One memory plan per device: weights, KV pool, expert slots, graphs and workspaces, and a margin.
+"""One memory plan per device: weights, KV pool, recurrent-state slots, expert slots, graphs and
+workspaces, and a margin.
 
 The plan is pure arithmetic over the model config, so it is checked before anything is
 allocated (start-up and ``ft ctl cache``); a plan that does not fit is refused with per-pool
@@ -41,7 +42,8 @@ class ModelSizes:
     moe_layers: int
     top_k: int
     other_weight_bytes: int  # everything that is not a routed expert (always on the device)
-    kv_bytes_per_token: int  # K and V of every layer
+    kv_bytes_per_token: int  # K and V of every attention layer
+    state_bytes_per_slot: int = 0   # hybrid models: one sequence's GDN states, every layer
 
     @property
     def total_experts(self) -> int:
@@ -54,10 +56,24 @@ class ModelSizes:
         expert_params = 3 * cfg.hidden_size * moe.intermediate_size if moe else 0
         layers = sum(moe.sparse_layers) if moe else 0
         experts = moe.num_experts if moe else 0
-        kv = 2 * cfg.num_layers * cfg.kv_size * kv_item
+        kv = 2 * len(cfg.kv_layers) * cfg.kv_size * kv_item   # GDN layers keep no K/V
         other = cfg.num_params - expert_params * experts * layers
+        lin = getattr(cfg, "linear", None)
+        state = sum(cfg.linear_layers) * lin.state_bytes(item) if lin is not None else 0
         return cls(expert_params * item, experts, layers, moe.top_k if moe else 0,
-                   other * item, kv)
+                   other * item, kv, state)
+
+    def state_pools(self, slots: int, snapshots: int) -> tuple[dict[str, int], dict[str, str]]:
+        """The recurrent-state pools of a hybrid model (none for others): a slot per running
+        sequence and the snapshot rows beside them; with their per-slot arithmetic."""
+        per = self.state_bytes_per_slot
+        if not per or not slots:
+            return {}, {}
+        pools, notes = {"states": slots * per}, {"states": f"{slots} slots x {fmt_bytes(per)}"}
+        if snapshots:
+            pools["state_snapshots"] = snapshots * per
+            notes["state_snapshots"] = f"{snapshots} x {fmt_bytes(per)}"
+        return pools, notes
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class MemoryPlan:
     pools: dict[str, int] = field(default_factory=dict)
     margin: int = 0
     free: int = 0
+    notes: dict[str, str] = field(default_factory=dict)   # pool -> how its size was reached
 
     @property
     def needed(self) -> int:
@@ -78,7 +95,8 @@ class MemoryPlan:
         return self.needed <= self.free
 
     def describe(self) -> str:
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.pools.items())
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" + (f" ({self.notes[k]})" if k in self.notes
+                                                     else "") for k, v in self.pools.items())
         return (f"{self.device}: needs {fmt_bytes(self.needed)} ({parts}, margin "
                 f"{fmt_bytes(self.margin)}), {fmt_bytes(self.free)} free")
 
@@ -106,16 +124,21 @@ def staging_slots(sizes: ModelSizes) -> int:
 
 
 def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, free: int,
-             total: int, workspace: int, min_tokens: int) -> tuple[MemoryPlan, float, int]:
+             total: int, workspace: int, min_tokens: int, state_slots: int = 0,
+             snapshots: int = 0) -> tuple[MemoryPlan, float, int]:
     """(plan, cache rate, KV tokens) for a GPU with `free` of `total` bytes free now.
 
     rate: 0 < R <= 1, or "auto": 1.0 when every expert fits beside the rest and a KV pool of
     `min_tokens`, else the largest rate that leaves room for that pool. num_tokens: an int,
     or "auto": every byte the other pools and the margin leave (at least `min_tokens`).
+    state_slots / snapshots: a hybrid model's recurrent-state slots (--max-num-seqs) and
+    snapshot rows, a pool of their own taken before the KV pool.
     Raises MemoryPlanError (with the per-pool numbers) when even that does not fit.
     """
     margin = gpu_margin(total)
-    fixed = {"weights": sizes.other_weight_bytes, "graphs": GRAPH_BYTES, "workspace": workspace}
+    states, notes = sizes.state_pools(state_slots, snapshots)
+    fixed = {"weights": sizes.other_weight_bytes, "graphs": GRAPH_BYTES, "workspace": workspace,
+             **states}
     offloaded = sizes.total_experts > 0
     if rate == "auto":
         want_kv = (min_tokens if num_tokens == "auto" else int(num_tokens))
@@ -134,27 +157,34 @@ def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, fre
         left = free - margin - sum(pools.values())
         num_tokens = max(min_tokens, left // max(sizes.kv_bytes_per_token, 1))
     pools["kv"] = int(num_tokens) * sizes.kv_bytes_per_token
-    plan = MemoryPlan("the GPU", pools, margin, free)
+    plan = MemoryPlan("the GPU", pools, margin, free, notes)
     plan.check("lower --num-tokens, or lower --moe-cache-rate (experts then live in pinned "
-               "host memory)")
+               "host memory)" + (", or lower --max-num-seqs (a recurrent-state slot per "
+                                 "sequence)" if states else ""))
     return plan, rate, int(num_tokens)
 
 
 def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int,
-              available: int | None, on_cpu: bool) -> MemoryPlan:
+              available: int | None, on_cpu: bool, state_slots: int = 0,
+              snapshots: int = 0) -> MemoryPlan:
     """The host RAM plan: on the CPU path every weight and the KV pool; with offload the
     pinned copy of every expert. `sizes` of the CPU path should count weights at the bytes per
     parameter they keep in memory (GGUF blocks stay quantized there)."""
     pools: dict[str, int] = {}
+    notes: dict[str, str] = {}
     if on_cpu:
         pools["weights"] = sizes.other_weight_bytes + sizes.total_experts * sizes.expert_bytes
         pools["kv"] = num_tokens * sizes.kv_bytes_per_token
+        states, notes = sizes.state_pools(state_slots, snapshots)
+        pools.update(states)
     elif pinned_experts:
         pools["pinned_experts"] = sizes.total_experts * sizes.expert_bytes
-    plan = MemoryPlan("the host", pools, HOST_MARGIN, available or 0)
+    plan = MemoryPlan("the host", pools, HOST_MARGIN, available or 0, notes)
     if available is None:    # unknown (no /proc/meminfo): nothing to check against
         return plan
-    return plan.check("lower --num-tokens, or serve a smaller (or quantized) model")
+    return plan.check("lower --num-tokens" + (" or --max-num-seqs (a recurrent-state slot per "
+                                               "sequence)" if notes else "")
+                      + ", or serve a smaller (or quantized) model")
 
 
 def host_available_bytes() -> int | None:

@@ -12,6 +12,7 @@ from typing import Any
 from freetoken.engine.config import EngineConfigError, default_num_tokens
 from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
                                           fmt_bytes, host_available_bytes, plan_gpu, plan_host)
+from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT
 
 log = logging.getLogger("freetoken.offload")
 MOE_CPU_MODES = ("auto", "off")
@@ -77,6 +78,16 @@ def workspace_bytes(cfg, dtype: str, tokens: int) -> int:
                                                         moe.intermediate_size, item)
 
 
+def state_rows(cfg, engine_config) -> dict[str, int]:
+    """A hybrid model's recurrent-state slots (one per sequence the engine runs at once) and
+    the snapshot rows beside them (with the prefix cache), as the engine allocates them."""
+    if getattr(cfg, "linear", None) is None:
+        return {}
+    slots = engine_config.max_num_seqs
+    return {"state_slots": slots,
+            "snapshots": SNAPSHOTS_PER_SLOT * slots if engine_config.prefix_cache else 0}
+
+
 class OffloadPlanner:
     """The load_model `plan` hook: checks memory before any weight is placed and decides where
     the experts go. `decision` holds the result (None on the CPU path)."""
@@ -95,7 +106,7 @@ class OffloadPlanner:
             floor = int(cfg.num_params * 0.5625)
             sizes = replace(sizes, other_weight_bytes=floor, expert_bytes=0)
             plan_host(sizes, pinned_experts=False, num_tokens=c.num_tokens or min_tokens,
-                      available=host_available_bytes(), on_cpu=True)
+                      available=host_available_bytes(), on_cpu=True, **state_rows(cfg, c))
             return False
         import torch
 
@@ -107,7 +118,7 @@ class OffloadPlanner:
             sizes, rate="auto" if rate is None else rate, num_tokens=tokens, free=free,
             total=total, workspace=workspace_bytes(cfg, dtype, c.max_prefill_tokens
                                                    + c.max_num_seqs),
-            min_tokens=min_tokens)
+            min_tokens=min_tokens, **state_rows(cfg, c))
         if tokens == "auto":   # more KV than max_num_seqs full contexts is never used at once
             num_tokens = min(num_tokens, max(min_tokens, c.max_num_seqs * cfg.max_position))
         host = None

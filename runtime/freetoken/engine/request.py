@@ -176,6 +176,7 @@ class Request:
     num_published: int = 0           # leading pages already offered to the prefix cache
     cached_tokens: int | None = None  # prompt tokens reused at first admission
     state_slot: int = -1             # hybrid models: its recurrent-state slot while running
+    turn_snapshot: bytes | None = None   # hybrid models: key of its latest end-of-turn snapshot
     # prepare.py's int32 copy of `pages`: (the list it copies, the array, entries copied). The
     # scheduler only appends to a pages list or replaces it, so the copy stays valid.
     page_rows: tuple | None = field(default=None, repr=False)

@@ -86,7 +86,8 @@ class Scheduler:
                 continue
             plan.append(ScheduledChunk(request, size))
             budget -= 0 if want == 1 else size
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0 \
+                and (self.states is None or self.states.num_free):
             request = self.waiting[0]
             size = self._admit(request, budget)
             if not size:
@@ -105,9 +106,17 @@ class Scheduler:
         for j in range(request.num_published, full):
             self.pool.publish(request.pages[j], keys[j])
         request.num_published = max(request.num_published, full)
-        point = self._snapshot_point(request)
-        if point and request.num_computed == point:
+        if self.snapshots is None:
+            return
+        point, done = self._snapshot_point(request), request.num_computed
+        if point and done == point:
             self.snapshots.save(keys[point // self.pool.block_size - 1], request.state_slot)
+        elif done > point and done % self.pool.block_size == 0:
+            # past the prompt's snapshot: the turn's end, moved forward page by page (the
+            # request may stop at any token, so each full page replaces the previous one)
+            key = keys[done // self.pool.block_size - 1]
+            self.snapshots.save(key, request.state_slot, replaces=request.turn_snapshot)
+            request.turn_snapshot = key
 
     def _snapshot_point(self, request: Request) -> int:
         """Tokens after which a hybrid request's states are snapshotted: the prompt's last
@@ -189,6 +198,7 @@ class Scheduler:
         self.pool.free(reversed(request.pages))  # tail first: it is evicted before the head
         request.pages = []
         request.num_computed = request.num_published = 0
+        request.turn_snapshot = None   # a recompute starts over; the stored row stays valid
         if request.state_slot >= 0:
             self.states.free(request.state_slot)
             request.state_slot = -1

@@ -2,18 +2,24 @@
 
 A Gated DeltaNet layer's state after n tokens cannot be rebuilt from cached KV pages, and it
 cannot be rewound. So the engine copies a sequence's states (every GDN layer's conv and
-delta-rule state) at the page boundary it is most likely to be resumed from (the last full page
-of the prompt: an agent's next turn repeats the prompt and appends to it), keyed by that page's
-prefix-cache key. A later request whose cached prefix reaches a snapshot starts there: its slot
-gets the snapshot's states and only the tokens after it are computed. A prefix that reaches no
-snapshot is recomputed from the start. The store is bounded; the least recently used snapshot
-goes first.
+delta-rule state) at the page boundaries it is most likely to be resumed from, keyed by that
+page's prefix-cache key: the last full page of the prompt (a retry or an edited last message
+repeats it) and the last full page the generated tokens reach (an agent's next turn repeats
+prompt and answer and appends to them; that one moves forward page by page while the request
+decodes, so a request holds one such row at a time). A later request whose cached prefix
+reaches a snapshot starts there: its slot gets the snapshot's states and only the tokens after
+it are computed. A prefix that reaches no snapshot is recomputed from the start. The store is
+bounded; the least recently used snapshot goes first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
+
+# Snapshots kept per state slot (hybrid models with the prefix cache on): room for the latest
+# turn of every running conversation and one as many again. The memory plan counts them.
+SNAPSHOTS_PER_SLOT = 2
 
 
 class StateSnapshots:
@@ -38,12 +44,17 @@ class StateSnapshots:
     def has(self, key: bytes) -> bool:
         return key in self._index
 
-    def save(self, key: bytes, slot: int) -> None:
-        """Copy slot's states under `key` (evicting the least recently used when full)."""
+    def save(self, key: bytes, slot: int, replaces: bytes | None = None) -> None:
+        """Copy slot's states under `key` (evicting the least recently used when full); the
+        row of `replaces` (an earlier snapshot of the same request), if still stored, is
+        reused for it."""
         if key in self._index:
             self._index.move_to_end(key)
             return
-        row = self._free.pop() if self._free else self._index.popitem(last=False)[1]
+        if replaces is not None and replaces in self._index:
+            row = self._index.pop(replaces)
+        else:
+            row = self._free.pop() if self._free else self._index.popitem(last=False)[1]
         for n, layer in enumerate(self.layers):
             self._conv[n][row] = self.kv.k[layer][slot]
             self._ssm[n][row] = self.kv.v[layer][slot]

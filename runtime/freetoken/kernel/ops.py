@@ -272,7 +272,8 @@ def gdn_recurrence(out: torch.Tensor, qkv: torch.Tensor, ba: torch.Tensor,
     softplus(a + dt_bias); S = exp(g) S; S += k (beta (v - k^T S))^T; out = q^T S.
     out [T, Hv*dv]; qkv [T, 2*Hk*dk + Hv*dv] (the conv output: q, k, v columns); ba [T, 2*Hv]
     (b then a; rows may be strided); a_log, dt_bias f32 [Hv]; ssm_state f32 [N, Hv, dk, dv],
-    per slot as in gdn_conv1d. GPU: dk in {64, 128, 256}, dv a multiple of 4."""
+    per slot as in gdn_conv1d. GPU: dk in {64, 128, 256}, dv a multiple of 4; a step with at
+    least 64 tokens more than sequences runs the chunked form (equal within f32 rounding)."""
     _fn("gdn_recurrence", qkv.device)(out, qkv, ba, a_log, dt_bias, ssm_state, positions,
                                       query_start_loc, state_slots)
 
