@@ -12,17 +12,20 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.guide import Guide, apply_guides
 from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.live_resize import ResizeBusy, apply_resize, pool_stats
 from freetoken.engine.logprobs import log_softmax_rows, token_logprob
+from freetoken.engine.overlap import (InFlight, TokenReadback, fill_placeholders, overlap_safe,
+                                      placeholder)
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
-                                      SamplingParams)
-from freetoken.engine.sampling import create_generator, sample_tokens
+                                      SamplingParams, Usage)
+from freetoken.engine.sampling import create_generator, sample_on_device, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
 from freetoken.engine.state_snapshots import StateSnapshots
@@ -101,6 +104,12 @@ class Engine:
         if not self.arrays.device.is_cpu and self.config.cuda_graphs and \
                 self.expert_cache is None:
             self.graphs = self.recapture_graphs()
+        # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
+        # Hybrid models snapshot recurrent states at publish time and an offloaded model learns
+        # expert misses on the host mid-step, so both keep synchronous steps. Tests set it on
+        # the CPU, where it runs the same logic synchronously.
+        self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
+                        and self.states is None and self.expert_cache is None)
         self._jobs: list = []   # (future, kv_tokens, moe_rate): resizes run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
@@ -298,8 +307,17 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while (work := self._next_step()) is not None:
-                self._step(*work)
+            in_flight = None
+            while True:
+                if in_flight is None:
+                    if (work := self._next_step()) is None:
+                        return
+                    if not self._overlaps(work[0]):
+                        self._step(*work)
+                        continue
+                    in_flight = self._launch(*work)
+                else:
+                    in_flight = self._advance(in_flight)
         except BaseException:
             logger.exception("the engine thread crashed")
             with self._cond:
@@ -348,6 +366,82 @@ class Engine:
             if not self.scheduler.has_work:
                 self.pool.check_integrity(self.scheduler.owned_pages())
 
+    # ---- overlap scheduling (engine/overlap.py) ----------------------------------------------
+
+    def _overlaps(self, plan: list[ScheduledChunk]) -> bool:
+        return self.overlap and all(overlap_safe(chunk.request) for chunk in plan)
+
+    def _advance(self, in_flight: InFlight) -> InFlight | None:
+        """Launch the next step when it only decodes, then read and process `in_flight`'s
+        tokens; the launched step (or None: the next one is scheduled once nothing runs)."""
+        with self._cond:
+            work = None
+            if not self._stopping and not self._jobs:
+                plan = self.scheduler.schedule_decodes()
+                if plan and self._overlaps(plan):
+                    work = plan, prepare_forward_batch(plan, self.pool.block_size, self.arrays)
+        launched = None
+        if work is not None:
+            launched = self._launch(*work, previous=in_flight.tokens.device_tokens)
+        self._resolve(in_flight)
+        if launched is None:
+            with self._cond:
+                if not self.scheduler.has_work:
+                    self.pool.check_integrity(self.scheduler.owned_pages())
+        return launched
+
+    def _launch(self, plan: list[ScheduledChunk], batch: ForwardBatch,
+                previous: Any = None) -> InFlight | None:
+        """Queue the forward and the sampling of `plan` without waiting for either; each
+        sampled request gets a placeholder for its new token. None when the launch failed."""
+        rows = [i for i, chunk in enumerate(plan)
+                if chunk.completes_sequence and not chunk.request.is_finished]
+        requests = [plan[i].request for i in rows]
+        try:
+            with self.arrays.no_grad():
+                if previous is not None:
+                    batch.input_ids = fill_placeholders(batch.input_ids, previous)
+                if self.graphs is not None and self.graphs.can_run(batch):
+                    logits = self.graphs.run(batch)
+                else:
+                    logits = self.model.forward(batch, self.kv)
+                if len(rows) < logits.shape[0]:
+                    logits = logits[self.arrays.index(np.asarray(rows, dtype=np.int64))]
+                tokens = TokenReadback(sample_on_device(
+                    logits, [r.params for r in requests], [r.generator for r in requests]))
+        except Exception as exc:  # a failed step fails its requests, not the server
+            logger.exception("engine step failed")
+            self._fail(plan, f"model step failed: {exc}")
+            return None
+        with self._cond:
+            for chunk in plan:
+                if not chunk.request.is_finished:
+                    chunk.request.num_computed += chunk.num_tokens
+            sampled = []
+            for row, request in enumerate(requests):
+                request.token_ids.append(placeholder(row))
+                sampled.append((request, len(request.token_ids) - 1))
+        return InFlight(plan, sampled, tokens)
+
+    def _resolve(self, in_flight: InFlight) -> None:
+        """Wait for a launched step's tokens, then publish pages, stream and stop as _process
+        does; a request that ended meanwhile drops its token."""
+        with batched_delivery():
+            try:
+                ids = in_flight.tokens.ids()
+            except Exception as exc:
+                logger.exception("engine step failed")
+                self._fail(in_flight.plan, f"model step failed: {exc}")
+                return
+            with self._cond:
+                self._counters["steps"] += 1
+                known = in_flight.known_tokens()
+                for chunk in in_flight.plan:
+                    self.scheduler.publish(chunk.request, known.get(id(chunk.request)))
+                for (request, index), token in zip(in_flight.sampled, ids):
+                    if not request.is_finished:
+                        self._append_token(request, token, index=index)
+
     def _process(self, plan: list[ScheduledChunk], logits: Any) -> None:
         self._counters["steps"] += 1
         to_sample = [i for i, chunk in enumerate(plan)
@@ -374,8 +468,16 @@ class Engine:
             for request, token, entry in zip(requests, tokens, entries):
                 self._append_token(request, token, entry)
 
-    def _append_token(self, request: Request, token: int, entry=None) -> None:
-        request.token_ids.append(token)
+    def _append_token(self, request: Request, token: int, entry=None,
+                      index: int | None = None) -> None:
+        """Add a sampled token (or, with `index`, fill the placeholder there: later ones may
+        follow it), stream it and end the request on EOS, a stop string or max_tokens."""
+        if index is None:
+            request.token_ids.append(token)
+            index = len(request.token_ids) - 1
+        else:
+            request.token_ids[index] = token
+        num_output = index + 1 - request.prompt_len
         if request.guide is not None:
             request.guide.accept(token)
         self._counters["tokens_generated"] += 1
@@ -388,17 +490,20 @@ class Engine:
         if request.detokenizer.matched_stop is not None:
             self._end(request, "stop", text, token, stop_reason=request.detokenizer.matched_stop,
                       logprobs=logprobs)
-        elif request.num_output >= request.params.max_tokens:
+        elif num_output >= request.params.max_tokens:
             self._end(request, "length", text + request.detokenizer.finish(), token,
                       logprobs=logprobs)
         else:
-            request.sink(RequestOutput(request.request_id, [token], text, None, request.usage(),
+            usage = Usage(request.prompt_len, num_output, request.cached_tokens or 0)
+            request.sink(RequestOutput(request.request_id, [token], text, None, usage,
                                        logprobs=logprobs))
 
     def _end(self, request: Request, reason: str, text: str, token: int | None = None,
              stop_reason: str | int | None = None, error: str | None = None,
              logprobs: list | None = None) -> None:
         """Terminal output + free pages; called with the lock held."""
+        while request.token_ids and request.token_ids[-1] < 0:   # tokens of steps in flight,
+            request.token_ids.pop()                               # dropped (engine/overlap.py)
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self._counters["requests_finished"] += 1
