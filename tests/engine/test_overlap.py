@@ -3,15 +3,19 @@ tokens, stops, usage, stream order, prefix-cache pages and page accounting as sy
 (the fake model's rule and HF transformers are the references)."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 import freetoken.engine.engine as engine_module
+from freetoken.arrays import Device, HostArrays, TorchArrays, is_torch
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import Engine
 from freetoken.engine.overlap import fill_placeholders, placeholder
 from freetoken.engine.request import SamplingParams
+from freetoken.models.batch import KVCache
 from tests.engine.fakes import CharTokenizer, FakeModel, expected_continuation
 
 TOK = CharTokenizer()
@@ -31,12 +35,34 @@ def lookaheads(monkeypatch):
     return sizes
 
 
+class TorchFakeModel(FakeModel):
+    """The fake model over torch CPU tensors, as a GPU model's arrays are: the engine's torch
+    paths (placeholders filled by torch ops, sampling left on the device, the read-back) run
+    here. Its rule runs on numpy copies, with a KV pool of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrays = TorchArrays(Device("cpu"))
+        self.host_kv = None
+
+    def forward(self, batch, kv):
+        assert is_torch(batch.input_ids) and int(batch.input_ids.min()) >= 0
+        if self.host_kv is None:
+            self.host_kv = KVCache(self.config, kv.num_blocks, kv.block_size, "float32",
+                                   HostArrays())
+        host = dataclasses.replace(batch, **{
+            f.name: getattr(batch, f.name).numpy() for f in dataclasses.fields(batch)
+            if is_torch(getattr(batch, f.name))})
+        return torch.from_numpy(super().forward(host, self.host_kv))
+
+
 @pytest.fixture
 def make_engine():
     engines = []
 
-    def make(overlap, num_tokens=512, seqs=8, chunk=32, eos=(), prefix_cache=True):
-        engine = Engine(FakeModel(), TOK, EngineConfig(
+    def make(overlap, num_tokens=512, seqs=8, chunk=32, eos=(), prefix_cache=True,
+             model=FakeModel):
+        engine = Engine(model(), TOK, EngineConfig(
             num_tokens=num_tokens, block_size=8, max_num_seqs=seqs, max_prefill_tokens=chunk,
             device="cpu", prefix_cache=prefix_cache), None, eos)
         assert not engine.overlap            # off by default on the CPU
@@ -148,6 +174,20 @@ def test_seeded_sampling_is_the_same_with_and_without_overlap(make_engine):
     tokens = [[[t for o in outs for t in o.token_ids] for outs in run_all(make_engine(on), jobs)]
               for on in (True, False)]
     assert tokens[0] == tokens[1]
+
+
+def test_torch_tensors_greedy_and_seeded_rows_in_one_batch(make_engine, lookaheads):
+    """Torch logits: greedy and sampled rows combined on the device, the placeholders filled by
+    torch ops; the same tokens as synchronous steps, greedy ones as the rule says."""
+    prompts = [TOK.encode(f"torch {i} " * (1 + i)) for i in range(4)]
+    jobs = [(p, dict(max_tokens=10 + 4 * i, ignore_eos=True, temperature=0.7 * (i % 2),
+                     seed=i)) for i, p in enumerate(prompts)]
+    runs = [run_all(make_engine(on, model=TorchFakeModel), jobs) for on in (True, False)]
+    tokens = [[[t for o in outs for t in o.token_ids] for outs in run] for run in runs]
+    assert tokens[0] == tokens[1]
+    assert len(lookaheads) > 10
+    for (prompt, kw), got in zip(jobs[::2], tokens[0][::2]):
+        assert got == expected_continuation(prompt, kw["max_tokens"], VOCAB)
 
 
 def test_tiny_llama_greedy_tokens_match_with_overlap(tiny):

@@ -399,11 +399,11 @@ class Engine:
         requests = [plan[i].request for i in rows]
         try:
             with self.arrays.no_grad():
-                if previous is not None:
-                    batch.input_ids = fill_placeholders(batch.input_ids, previous)
                 if self.graphs is not None and self.graphs.can_run(batch):
-                    logits = self.graphs.run(batch)
+                    logits = self.graphs.run(batch, previous)   # fills placeholders itself
                 else:
+                    if previous is not None:
+                        batch.input_ids = fill_placeholders(batch.input_ids, previous)
                     logits = self.model.forward(batch, self.kv)
                 if len(rows) < logits.shape[0]:
                     logits = logits[self.arrays.index(np.asarray(rows, dtype=np.int64))]

@@ -40,8 +40,9 @@ def fill_placeholders(input_ids: Any, previous: Any) -> Any:
     if is_torch(input_ids):
         import torch
 
-        rows = (-1 - input_ids).clamp_(min=0)
-        return torch.where(input_ids < 0, previous[rows].to(input_ids.dtype), input_ids)
+        rows = (-1 - input_ids).clamp_(min=0)    # real ids read row 0, then are kept as is
+        filled = torch.index_select(previous, 0, rows).to(input_ids.dtype)
+        return torch.where(input_ids < 0, filled, input_ids)
     rows = np.maximum(-1 - input_ids, 0)
     return np.where(input_ids < 0, previous[rows], input_ids)
 
