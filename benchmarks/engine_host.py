@@ -61,8 +61,7 @@ class StubModel:
 
             self.arrays = TorchArrays(parse_device(device))
             self._logits = torch.from_numpy(self._logits).to(self.arrays.torch_device)
-            self._cycles = int(forward_us * torch.cuda.get_device_properties(0).clock_rate
-                               / 1e3)   # clock_rate is in kHz
+            self._cycles = int(forward_us * _sleep_cycles_per_us())
         self.device = self.arrays.device
 
     def forward(self, batch, kv):
@@ -71,6 +70,19 @@ class StubModel:
 
             torch.cuda._sleep(self._cycles)
         return self._logits[:batch.num_seqs]
+
+
+def _sleep_cycles_per_us() -> float:
+    """GPU clock cycles of torch.cuda._sleep per microsecond, timed with CUDA events."""
+    import torch
+
+    cycles, start, end = 10_000_000, torch.cuda.Event(True), torch.cuda.Event(True)
+    torch.cuda._sleep(cycles)     # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
 
 
 class StubTokenizer:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.guide import Guide, apply_guides
