@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import freetoken.engine.engine as engine_module
+import freetoken.engine.overlap_steps as overlap_steps
 from freetoken.arrays import Device, HostArrays, TorchArrays, is_torch
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import Engine
@@ -31,7 +31,7 @@ def lookaheads(monkeypatch):
         if (np.asarray(input_ids) < 0).any():
             sizes.append(len(input_ids))
         return fill_placeholders(input_ids, previous)
-    monkeypatch.setattr(engine_module, "fill_placeholders", counting)
+    monkeypatch.setattr(overlap_steps, "fill_placeholders", counting)
     return sizes
 
 
