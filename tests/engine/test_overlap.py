@@ -91,6 +91,18 @@ def test_placeholders_are_filled_from_the_previous_steps_tokens():
     ids = np.array([5, placeholder(2), 7, placeholder(0)], dtype=np.int64)
     previous = np.array([11, 12, 13], dtype=np.int64)
     assert fill_placeholders(ids, previous).tolist() == [5, 13, 7, 11]
+    real = np.array([5, 6], dtype=np.int64)    # after a step that sampled no row
+    assert fill_placeholders(real, np.zeros(0, dtype=np.int64)).tolist() == [5, 6]
+
+
+def test_a_prompt_whose_last_token_is_left_for_a_lookahead_step(make_engine, lookaheads):
+    """A chunk that stops one token short of the prompt's end samples nothing; the next
+    step, a one-token decode of the real last prompt token, may run as a lookahead."""
+    prompt = TOK.encode("x" * 17)               # 16-token chunks: 16, then the 17th alone
+    engine = make_engine(True, chunk=16)
+    outs = run_all(engine, [(prompt, dict(max_tokens=5, ignore_eos=True))])[0]
+    assert [t for o in outs for t in o.token_ids] == expected_continuation(prompt, 5, VOCAB)
+    assert engine.model.batches[1].input_ids.tolist() == [prompt[-1]]
 
 
 def test_late_stops_drop_the_extra_token_and_free_every_page(make_engine, lookaheads):

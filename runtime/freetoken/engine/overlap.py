@@ -37,6 +37,8 @@ def overlap_safe(request: Request) -> bool:
 def fill_placeholders(input_ids: Any, previous: Any) -> Any:
     """`input_ids` with every placeholder -(1 + row) replaced by previous[row], computed on
     the ids' device (queued behind the step that samples `previous`: no host wait)."""
+    if previous is None or previous.shape[0] == 0:
+        return input_ids    # nothing sampled: no placeholders can refer to it
     if is_torch(input_ids):
         import torch
 

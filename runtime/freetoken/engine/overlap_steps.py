@@ -37,7 +37,9 @@ class OverlapSteps:
                     work = plan, prepare_forward_batch(plan, self.pool.block_size, self.arrays)
         launched = None
         if work is not None:
-            launched = self._launch(*work, previous=in_flight.tokens.device_tokens)
+            # a step that sampled nothing (prefill chunks only) left no placeholders
+            previous = in_flight.tokens.device_tokens if in_flight.sampled else None
+            launched = self._launch(*work, previous=previous)
         self._resolve(in_flight)
         if launched is None:
             with self._cond:
