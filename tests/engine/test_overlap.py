@@ -4,6 +4,7 @@ tokens, stops, usage, stream order, prefix-cache pages and page accounting as sy
 
 import asyncio
 import dataclasses
+import random
 
 import numpy as np
 import pytest
@@ -224,3 +225,51 @@ def test_tiny_llama_greedy_tokens_match_with_overlap(tiny):
         finally:
             engine.shutdown()
     assert outputs[0] == outputs[1]
+
+
+def test_random_workloads_match_the_rule():
+    """Random pools, batch limits, chunk sizes, arrivals, EOS, shared prefixes and clients
+    that leave early, with overlap on: every stream is the rule's continuation, usage counts
+    what was streamed, and every page comes back."""
+    rng = random.Random(7)
+    for trial in range(30):
+        model = (TorchFakeModel if trial % 3 == 0 else FakeModel)()
+        eos = rng.randrange(VOCAB)
+        engine = Engine(model, TOK, EngineConfig(
+            num_tokens=rng.choice([96, 160, 512]), block_size=8, max_num_seqs=rng.choice([2, 4, 8]),
+            max_prefill_tokens=rng.choice([8, 16, 64]), device="cpu",
+            prefix_cache=rng.random() < 0.7), None, (eos,))
+        engine.overlap = True
+        jobs = []
+        for _ in range(rng.randrange(1, 12)):
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))]
+            if jobs and rng.random() < 0.3:
+                prompt = jobs[0][0][:rng.randrange(1, len(jobs[0][0]) + 1)] + prompt
+            jobs.append((prompt, rng.randrange(1, 30), rng.random() < 0.5, rng.random() < 0.15,
+                         rng.random() * 0.01))
+
+        async def one(prompt, max_tokens, ignore_eos, leaves, delay):
+            await asyncio.sleep(delay)
+            tokens, last = [], None
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            stream = engine.generate(prompt, params)
+            async for last in stream:
+                tokens += last.token_ids
+                assert last.usage.completion_tokens == len(tokens)
+                if leaves and len(tokens) >= 2:
+                    break
+            await stream.aclose()
+            return tokens, last
+
+        async def main():
+            return await asyncio.gather(*(one(*job) for job in jobs))
+        engine.start()
+        try:
+            results = asyncio.run(main())
+        finally:
+            engine.shutdown()
+        for (prompt, max_tokens, ignore_eos, leaves, _), (tokens, last) in zip(jobs, results):
+            reference = expected_continuation(prompt, max_tokens, VOCAB, None if ignore_eos else eos)
+            assert tokens == (reference[:len(tokens)] if leaves else reference), trial
+        assert engine.stats()["kv_pages_used"] == 0, trial
+        engine.pool.check_integrity([])
