@@ -268,8 +268,9 @@ def test_random_workloads_match_the_rule():
             results = asyncio.run(main())
         finally:
             engine.shutdown()
-        for (prompt, max_tokens, ignore_eos, leaves, _), (tokens, last) in zip(jobs, results):
-            reference = expected_continuation(prompt, max_tokens, VOCAB, None if ignore_eos else eos)
+        for (prompt, max_tokens, ignore_eos, leaves, _), (tokens, _) in zip(jobs, results):
+            stop = None if ignore_eos else eos
+            reference = expected_continuation(prompt, max_tokens, VOCAB, stop)
             assert tokens == (reference[:len(tokens)] if leaves else reference), trial
         assert engine.stats()["kv_pages_used"] == 0, trial
         engine.pool.check_integrity([])
