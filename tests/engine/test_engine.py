@@ -15,15 +15,18 @@ TOK = CharTokenizer()
 GREEDY = dict(temperature=0.0)
 
 
-@pytest.fixture
-def make_engine():
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def make_engine(request):
+    """Engines with synchronous steps, and with overlap scheduling forced on the CPU (where it
+    runs the same placeholder, late-stop and page logic as on a GPU, synchronously)."""
     engines = []
 
     def make(num_tokens=512, chunk=32, seqs=8, defaults=None, mode="model", eos=()):
         engine = Engine(FakeModel(), TOK, EngineConfig(
             num_tokens=num_tokens, block_size=8, max_num_seqs=seqs, max_prefill_tokens=chunk,
-            sampling_defaults=mode, device="cpu"), defaults, eos).start()
-        engines.append(engine)
+            sampling_defaults=mode, device="cpu"), defaults, eos)
+        engine.overlap = request.param
+        engines.append(engine.start())
         return engine
 
     yield make

@@ -123,3 +123,30 @@ def test_finish_frees_pages_of_waiting_and_running():
     sched.finish(a)
     sched.finish(a)  # idempotent
     assert sched.pool.num_free == sched.pool.num_pages and not sched.has_work
+
+
+def test_schedule_decodes_only_when_every_running_sequence_decodes():
+    """The lookahead step (overlap scheduling): one token per running sequence, with a page
+    for it; None while a prefill continues, a request could be admitted, or pages run out."""
+    sched = make_scheduler(num_tokens=128, block=16, seqs=2, chunk=64)   # 8 pages
+    a, b = make_request("a", 20), make_request("b", 80)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())              # a whole, b's first 44 tokens
+    assert sched.schedule_decodes() is None  # b still prefills
+    run_step(sched.schedule())
+    plan = sched.schedule_decodes()
+    assert [(c.request, c.num_tokens) for c in plan] == [(a, 1), (b, 1)]
+    assert len(a.pages) == 2 and len(b.pages) == 6   # room for token 21 / 81 (81 > 5 pages)
+    run_step(plan)
+    c = make_request("c", 4)
+    sched.add(c)                             # waiting, but both slots taken: still decodes
+    assert sched.schedule_decodes() is not None
+    sched.finish(a)                          # a slot opens: c is admitted by schedule()
+    assert sched.schedule_decodes() is None
+    run_step(sched.schedule())
+    sched.finish(c)
+    b.token_ids += [3] * (144 - len(b.token_ids))   # b's next token needs 9 pages: 6 + 2 free
+    b.num_computed = len(b.token_ids) - 1
+    assert sched.schedule_decodes() is None
+    assert sched.num_preemptions == 0 and len(b.pages) == 6 and sched.pool.num_free == 2

@@ -81,3 +81,15 @@ def test_serve_options_exist():
 
     text = CliRunner().invoke(main, ["serve", "--help"]).output
     assert "--max-output-tokens" in text and "--cors-origin" in text
+
+
+@pytest.mark.parametrize("flags, overlap", [([], True), (["--no-overlap"], False)])
+def test_serve_overlap_flag_reaches_the_engine_config(monkeypatch, tmp_path, flags, overlap):
+    import freetoken.cli.serve as serve
+    from freetoken.cli.main import main
+
+    seen = []
+    monkeypatch.setattr(serve, "run_server", lambda path, dtype, config, *rest: seen.append(config))
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), *flags])
+    assert result.exit_code == 0, result.output
+    assert seen[0].overlap is overlap

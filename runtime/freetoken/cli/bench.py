@@ -39,7 +39,7 @@ async def _batch(engine, batch: int, prompt_len: int, gen_len: int, vocab: int) 
 
 
 def run_bench(model: str | None, device: str, prompt_len: int, prefill_len: int, gen_len: int,
-              batch_sizes: list[int]) -> dict:
+              batch_sizes: list[int], overlap: bool = True) -> dict:
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import Engine
     from freetoken.models.loader import load_model
@@ -51,7 +51,7 @@ def run_bench(model: str | None, device: str, prompt_len: int, prefill_len: int,
     # the prefix cache, every prompt token is computed, which is what this measures.
     config = EngineConfig(num_tokens=need + 256, max_num_seqs=max(batch_sizes),
                           max_prefill_tokens=max(prefill_len, 2048), device=device,
-                          prefix_cache=False)
+                          prefix_cache=False, overlap=overlap)
     engine = Engine.from_loaded(loaded, config).start()
     engine.warm_up()
     ready = time.perf_counter() - t0
@@ -75,8 +75,11 @@ def run_bench(model: str | None, device: str, prompt_len: int, prefill_len: int,
 @click.option("--prefill-len", default=1024, show_default=True, type=click.IntRange(1))
 @click.option("--gen-len", default=64, show_default=True, type=click.IntRange(2))
 @click.option("--batch-sizes", default="1,8,32,64", show_default=True)
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="GPU: schedule the next decode step while the current one runs.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_command(model, device, prompt_len, prefill_len, gen_len, batch_sizes, as_json) -> None:
+def bench_command(model, device, prompt_len, prefill_len, gen_len, batch_sizes, overlap,
+                  as_json) -> None:
     """Measure prefill and decode throughput and time to first token through the engine."""
     try:
         sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
@@ -88,7 +91,7 @@ def bench_command(model, device, prompt_len, prefill_len, gen_len, batch_sizes, 
         from freetoken.engine.config import resolve_device
 
         device = resolve_device(device)
-    result = run_bench(model, device, prompt_len, prefill_len, gen_len, sizes)
+    result = run_bench(model, device, prompt_len, prefill_len, gen_len, sizes, overlap)
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return

@@ -49,6 +49,8 @@ from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
               help="HTTP server log level (default: FREETOKEN_LOG_LEVEL, else info).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs,
               show_default=True, help="Capture decode steps as CUDA graphs (GPU only).")
+@click.option("--overlap/--no-overlap", default=EngineConfig.overlap, show_default=True,
+              help="GPU: schedule the next decode step while the current one runs.")
 @click.option("--kv-dtype", default=EngineConfig.kv_dtype, show_default=True,
               type=click.Choice(KV_DTYPES),
               help="KV pool dtype: auto = float16 on the CPU, the activation dtype on a GPU.")
@@ -71,7 +73,7 @@ from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
                    "measured PCIe and CPU speeds say it beats copying it; off always copies.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
-                  log_level, cuda_graphs, kv_dtype, max_output_tokens, cors_origins,
+                  log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
                   prefix_cache, moe_cache_rate, moe_cpu) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
@@ -84,7 +86,7 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
-                                 cuda_graphs=cuda_graphs, kv_dtype=kv_dtype,
+                                 cuda_graphs=cuda_graphs, overlap=overlap, kv_dtype=kv_dtype,
                                  prefix_cache=prefix_cache)
     offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu)
     run_server(model_path, dtype, engine_config, server_config, offload)

@@ -29,6 +29,8 @@ class EngineConfig:
         its float32 activations), the activation dtype on a GPU.
     prefix_cache: keep full KV pages after a request ends, keyed by a hash chain of their
         tokens, and start later requests with the same prefix from them.
+    overlap: on a GPU, schedule and prepare the next decode step while the current one runs
+        (see engine/overlap.py); the CPU computes on the engine thread, so it never overlaps.
     """
 
     num_tokens: int = 0
@@ -40,6 +42,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     kv_dtype: str = "auto"
     prefix_cache: bool = True
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         checks = (

@@ -3,6 +3,10 @@
 A decode step of B sequences replays the graph of the smallest captured size >= B. Padding rows
 store no KV (slot -1), attend to one slot of page 0 and their logits are dropped. Graphs hold raw
 pointers: the model's work buffers must be reserved for the largest step before capture.
+
+With overlap scheduling a step is launched before the previous one's tokens are read: its input
+ids hold placeholders, and the graph itself fills them from a static copy of the previous step's
+token array (engine/overlap.py) before the forward; real ids pass through unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import time
 
 import torch
 
+from freetoken.engine.overlap import fill_placeholders
 from freetoken.models.batch import ForwardBatch, KVCache
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.previous_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         # hybrid models: recurrent-state slots; -1 (padding) makes the GDN kernels skip a row
         self.state_slots = (torch.full((n,), -1, dtype=torch.int32, device=dev)
                             if kv.num_state_slots else None)
@@ -43,7 +49,8 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        return ForwardBatch(self.input_ids[:size], self.positions[:size],
+        input_ids = fill_placeholders(self.input_ids[:size], self.previous_tokens)
+        return ForwardBatch(input_ids, self.positions[:size],
                             self.slot_mapping[:size], self.block_tables[:size],
                             self.seq_lens[:size], self.query_start_loc[:size + 1],
                             self.logits_indices[:size], max_query_len=1,
@@ -55,12 +62,11 @@ class DecodeGraphs:
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
-                batch = self._static_batch(size)
-                self.model.forward(batch, self.kv)  # warm-up: kernels loaded, views cached
+                self.model.forward(self._static_batch(size), self.kv)  # warm-up: kernels loaded
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.model.forward(batch, self.kv)
+                    self.outputs[size] = self.model.forward(self._static_batch(size), self.kv)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -74,11 +80,17 @@ class DecodeGraphs:
                 and batch.num_seqs <= self.sizes[-1]
                 and batch.block_tables.shape[1] <= self.max_blocks)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """The logits of `batch`; placeholders in its input ids are filled from
+        `previous_tokens` (the sampled ids of the step before, still on the device)."""
         b = batch.num_seqs
         size = next(s for s in self.sizes if s >= b)
         width = batch.block_tables.shape[1]
         self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
+        if previous_tokens is not None:
+            self.previous_tokens[:previous_tokens.shape[0]].copy_(previous_tokens,
+                                                                  non_blocking=True)
         self.positions[:b].copy_(batch.positions, non_blocking=True)
         self.slot_mapping[:b].copy_(batch.slot_mapping, non_blocking=True)
         self.block_tables[:b, :width].copy_(batch.block_tables, non_blocking=True)

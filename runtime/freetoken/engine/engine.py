@@ -18,10 +18,11 @@ from freetoken.engine.guide import Guide, apply_guides
 from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.live_resize import ResizeBusy, apply_resize, pool_stats
 from freetoken.engine.logprobs import log_softmax_rows, token_logprob
+from freetoken.engine.overlap_steps import OverlapSteps
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
-                                      SamplingParams)
+                                      SamplingParams, Usage)
 from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
@@ -40,7 +41,7 @@ class EngineDead(RuntimeError):
     """The engine thread is not running (never started, shut down, or crashed)."""
 
 
-class Engine:
+class Engine(OverlapSteps):
     """Serves one model: paged KV pool, continuous batching, sampling, streamed outputs.
 
     Args:
@@ -98,6 +99,12 @@ class Engine:
         if not self.arrays.device.is_cpu and self.config.cuda_graphs and \
                 self.expert_cache is None:
             self.graphs = self.recapture_graphs()
+        # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
+        # Hybrid models snapshot recurrent states at publish time and an offloaded model learns
+        # expert misses on the host mid-step, so both keep synchronous steps. Tests set it on
+        # the CPU, where it runs the same logic synchronously.
+        self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
+                        and self.states is None and self.expert_cache is None)
         self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
@@ -296,8 +303,17 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while (work := self._next_step()) is not None:
-                self._step(*work)
+            in_flight = None
+            while True:
+                if in_flight is None:
+                    if (work := self._next_step()) is None:
+                        return
+                    if not self._overlaps(work[0]):
+                        self._step(*work)
+                        continue
+                    in_flight = self._launch(*work)
+                else:
+                    in_flight = self._advance(in_flight)
         except BaseException:
             logger.exception("the engine thread crashed")
             with self._cond:
@@ -372,8 +388,16 @@ class Engine:
             for request, token, entry in zip(requests, tokens, entries):
                 self._append_token(request, token, entry)
 
-    def _append_token(self, request: Request, token: int, entry=None) -> None:
-        request.token_ids.append(token)
+    def _append_token(self, request: Request, token: int, entry=None,
+                      index: int | None = None) -> None:
+        """Add a sampled token (or, with `index`, fill the placeholder there: later ones may
+        follow it), stream it and end the request on EOS, a stop string or max_tokens."""
+        if index is None:
+            request.token_ids.append(token)
+            index = len(request.token_ids) - 1
+        else:
+            request.token_ids[index] = token
+        num_output = index + 1 - request.prompt_len
         if request.guide is not None:
             request.guide.accept(token)
         self._counters["tokens_generated"] += 1
@@ -386,17 +410,20 @@ class Engine:
         if request.detokenizer.matched_stop is not None:
             self._end(request, "stop", text, token, stop_reason=request.detokenizer.matched_stop,
                       logprobs=logprobs)
-        elif request.num_output >= request.params.max_tokens:
+        elif num_output >= request.params.max_tokens:
             self._end(request, "length", text + request.detokenizer.finish(), token,
                       logprobs=logprobs)
         else:
-            request.sink(RequestOutput(request.request_id, [token], text, None, request.usage(),
+            usage = Usage(request.prompt_len, num_output, request.cached_tokens or 0)
+            request.sink(RequestOutput(request.request_id, [token], text, None, usage,
                                        logprobs=logprobs))
 
     def _end(self, request: Request, reason: str, text: str, token: int | None = None,
              stop_reason: str | int | None = None, error: str | None = None,
              logprobs: list | None = None) -> None:
         """Terminal output + free pages; called with the lock held."""
+        while request.token_ids and request.token_ids[-1] < 0:   # tokens of steps in flight,
+            request.token_ids.pop()                               # dropped (engine/overlap.py)
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self._counters["requests_finished"] += 1

@@ -158,7 +158,9 @@ class RequestStatus(Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence. token_ids = prompt + generated; the first num_computed have KV in `pages`."""
+    """One sequence. token_ids = prompt + generated; the first num_computed have KV in `pages`.
+    While steps are in flight (overlap scheduling), its last one or two ids are placeholders
+    (< 0) for tokens still on the device; only the first num_computed - 1 are always known."""
 
     request_id: str
     prompt_len: int

@@ -39,7 +39,7 @@ def sample_tokens(logits, params: Sequence[SamplingParams],
     uniforms = [generators[i].random() for i in rows]
     chosen_params = [params[i] for i in rows]
     if is_torch(logits):
-        return _sample_torch(logits, rows, chosen_params, uniforms)
+        return _sample_torch(logits, rows, chosen_params, uniforms).tolist()
     tokens = greedy_tokens(logits) if len(rows) < len(params) else [0] * len(params)
     chosen = [sample_row(logits[i], p, u) for i, p, u in zip(rows, chosen_params, uniforms)]
     for row, token in zip(rows, chosen):
@@ -47,17 +47,32 @@ def sample_tokens(logits, params: Sequence[SamplingParams],
     return tokens
 
 
-def _sample_torch(logits, rows: list[int], params: list[SamplingParams],
-                  uniforms: list[float]) -> list[int]:
-    """Sampled rows and the greedy rest, combined on the device: one read-back per step."""
+def sample_on_device(logits, params: Sequence[SamplingParams],
+                     generators: Sequence[np.random.Generator]):
+    """sample_tokens without reading the ids back: an int64 array on the logits' device (the
+    same draws from the same generators, so the tokens are the same)."""
+    if not is_torch(logits):
+        return np.asarray(sample_tokens(logits, params, generators), dtype=np.int64)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not rows:
+        return logits.argmax(-1)
+    uniforms = [generators[i].random() for i in rows]
+    return _sample_torch(logits, rows, [params[i] for i in rows], uniforms)
+
+
+def _sample_torch(logits, rows: list[int], params: list[SamplingParams], uniforms: list[float]):
+    """Sampled rows and the greedy rest, combined on the device (one read-back per step)."""
+    import torch
+
     from freetoken.engine.sampling_torch import sample_rows
 
     if len(rows) == logits.shape[0]:
-        return sample_rows(logits.float(), params, uniforms).tolist()
+        return sample_rows(logits.float(), params, uniforms)
     tokens = logits.argmax(-1)
-    index = logits.new_tensor(rows, dtype=tokens.dtype)
+    # non_blocking: a blocking host-to-device copy would wait for every step in flight
+    index = torch.tensor(rows, dtype=tokens.dtype).to(logits.device, non_blocking=True)
     tokens[index] = sample_rows(logits[index].float(), params, uniforms)
-    return tokens.tolist()
+    return tokens
 
 
 def greedy_tokens(logits) -> list[int]:

@@ -96,19 +96,36 @@ class Scheduler:
             budget -= size
         return plan
 
-    def publish(self, request: Request) -> None:
-        """Offer the request's full, computed pages to the prefix cache (after each step)."""
+    def schedule_decodes(self) -> list[ScheduledChunk] | None:
+        """The next step while the current one is still running (overlap scheduling): every
+        running sequence decodes one token. None when that step would do anything else: admit
+        a waiting request, continue a prefill or preempt (the caller then waits for the
+        current step and calls schedule())."""
+        if not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return None
+        if any(request.num_pending != 1 for request in self.running):
+            return None
+        for request in self.running:
+            if not self.pool.extend(request.pages, request.num_computed + 1):
+                return None
+        return [ScheduledChunk(request, 1) for request in self.running]
+
+    def publish(self, request: Request, num_known: int | None = None) -> None:
+        """Offer the request's full, computed pages to the prefix cache (after each step);
+        with overlap scheduling only its first `num_known` token ids are known yet."""
         if self.root is None or request.is_finished:
             return
-        keys = extend_keys(request.page_keys, request.token_ids, request.num_computed,
-                           self.pool.block_size, self.root)
-        full = request.num_computed // self.pool.block_size  # keys may run ahead (see _match)
+        done = request.num_computed if num_known is None else min(num_known,
+                                                                   request.num_computed)
+        keys = extend_keys(request.page_keys, request.token_ids, done, self.pool.block_size,
+                           self.root)
+        full = done // self.pool.block_size  # keys may run ahead (see _match)
         for j in range(request.num_published, full):
             self.pool.publish(request.pages[j], keys[j])
         request.num_published = max(request.num_published, full)
         if self.snapshots is None:
             return
-        point, done = self._snapshot_point(request), request.num_computed
+        point = self._snapshot_point(request)
         if point and done == point:
             self.snapshots.save(keys[point // self.pool.block_size - 1], request.state_slot)
         elif done > point and done % self.pool.block_size == 0:
