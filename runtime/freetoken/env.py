@@ -82,6 +82,7 @@ class Env:
     log_level: str              # FREETOKEN_LOG_LEVEL
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
+    gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
 
 
 VARIABLES = {
@@ -105,6 +106,8 @@ VARIABLES = {
     "FREETOKEN_RELEASE_URL": f"where ci/nightly.sh publishes pairs (default {RELEASE_URL})",
     "FREETOKEN_FUSED_DECODE": "GPU steps of up to 4 tokens run the fused decode kernels "
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
+    "FREETOKEN_GGUF_GPU_EXPERTS": "GGUF MoE experts stay in their blocks in VRAM (moe_experts_gguf)"
+                                  " instead of bf16 (default off: not yet passing its GPU tests)",
 }
 
 
@@ -132,5 +135,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
         log_level=level,
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
+        gguf_gpu_experts=_bool("FREETOKEN_GGUF_GPU_EXPERTS", e.get("FREETOKEN_GGUF_GPU_EXPERTS"),
+                               False),
     )
 
