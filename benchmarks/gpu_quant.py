@@ -27,25 +27,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.gpu_decode import d2d_bandwidth  # noqa: E402  (one way to measure the ceiling)
 
 QWEN3_8B = dict(vocab=151936, hidden=4096, inter=12288, heads=32, kv_heads=8, head_dim=128,
                 theta=1000000.0, eps=1e-6, context=40960)
 BF16, Q4_K = 30, 12
 
-
-def d2d_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (median of 20)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(23):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() / sorted(times[3:])[10]
 
 
 def graph_time(fn, reps: int = 20) -> float:
