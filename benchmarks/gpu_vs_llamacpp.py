@@ -1,17 +1,20 @@
 """FreeToken beside llama.cpp's CUDA build on one GPU, same shapes, same random bf16 weights,
 with the batch-1 bandwidth ceiling measured in the same run.
 
-    python benchmarks/gpu_vs_llamacpp.py [--shapes smollm2,qwen3-8b,qwen3-30b-a3b]
+    python benchmarks/gpu_vs_llamacpp.py [--shapes smollm2,qwen3-8b,qwen3-30b-a3b,...]
         [--peer DIR] [--work DIR] [--gen 128]
 
-Per shape (SmolLM2-135M; Qwen3-8B at 8 layers; Qwen3-30B-A3B at 12 layers): the random-weight
+Per shape (SmolLM2-135M; Qwen3-8B at 8 layers; Qwen3-30B-A3B at 12 layers in bf16 and Q4_K_M;
+Qwen3.6-35B-A3B at 8 layers, 6 Gated DeltaNet + 2 full attention): the random-weight
 HF folder is written once; FreeToken loads it through the engine (CUDA graphs) and gives decode
 tok/s at batch 1, 8 and 32, prefill tok/s at 512 and 2048 tokens, and the GPU time of one decode
 step (graph replay between CUDA events) beside the wall time per step. llama.cpp: the folder is
 converted by its own converter (`DIR/to_gguf.py`) and measured by `DIR/bench.py` (llama-bench and
 llama-batched-bench), the scripts of ../shared/peers/llama-cpp-cuda staged by its prepare.sh. The
 peer needs a finished llama.cpp build in $LCPP_HOME (default /root/llama.cpp-peer, made by
-DIR/build.sh, ~7 min): without one, its columns say so and FreeToken's still run.
+DIR/build.sh, ~7 min): without one, its columns say so and FreeToken's still run. The Q4_K_M
+row needs that build for FreeToken too: both engines load the file `llama-quantize` wrote, and its
+ceiling is llama.cpp's own (bandwidth / bytes of that file one step reads).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import gpu_decode, gpu_moe  # noqa: E402
+from benchmarks import gpu_decode, gpu_hybrid, gpu_moe  # noqa: E402
 
-SHAPES = ("smollm2", "qwen3-8b", "qwen3-30b-a3b")
+SHAPES = ("smollm2", "qwen3-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-q4km", "qwen3.6-35b-a3b")
+QUANTIZED = {"qwen3-30b-a3b-q4km": "Q4_K_M"}   # shape -> llama-quantize type of the bf16 folder
+HYBRID_LAYERS = 8
 MOE_LAYERS = 12
 BATCHES = (1, 8, 32)
 PREFILLS = (512, 2048)
@@ -42,9 +47,12 @@ PREFILLS = (512, 2048)
 def build_shape(name: str, directory: Path, context: int) -> int:
     """Save the random-weight HF folder; the bytes one batch-1 step at `context` reads. The
     model is freed before returning: both engines need the GPU memory."""
-    if name == "qwen3-30b-a3b":
+    if name.startswith("qwen3-30b-a3b"):
         model = gpu_moe.build(directory, MOE_LAYERS)
         step = gpu_moe.bytes_per_token(model.config, context)
+    elif name == "qwen3.6-35b-a3b":
+        model = gpu_hybrid.build(directory, HYBRID_LAYERS)
+        step = gpu_hybrid.bytes_per_token(model.config, context)
     else:
         model = gpu_decode.build(name, directory)
         step = gpu_decode.bytes_per_step(model, context)
@@ -83,7 +91,8 @@ def freetoken(folder: str, gen: int) -> dict:
     engine = Engine.from_loaded(loaded, config).start()
     engine.warm_up()
     # whether the load-time rule put the fused decode layers in (FREETOKEN_FUSED_DECODE)
-    vocab, out = loaded.config.vocab_size, {"fused_decode": loaded.model._fused is not None}
+    vocab, out = loaded.config.vocab_size, {
+        "fused_decode": getattr(loaded.model, "_fused", None) is not None}
     try:
         asyncio.run(_batch(engine, 1, 16, 4, vocab))  # settle allocations and graphs
         for n in PREFILLS:
@@ -100,21 +109,32 @@ def freetoken(folder: str, gen: int) -> dict:
     return out
 
 
-def llamacpp(folder: Path, work: Path, peer: Path | None) -> dict:
-    """llama.cpp's figures for the folder, or {"skipped": why}."""
+def peer_gguf(folder: Path, work: Path, peer: Path | None, quant: str | None) -> Path | str:
+    """The folder converted by llama.cpp's converter (and quantized when asked), or why not."""
     home = Path(os.environ.get("LCPP_HOME", "/root/llama.cpp-peer"))
     if peer is None or not (peer / "bench.py").is_file():
-        return {"skipped": "no peer scripts (pass --peer, the folder prepare.sh staged)"}
+        return "no peer scripts (pass --peer, the folder prepare.sh staged)"
     if not (home / "build" / "bin" / "llama-bench").is_file():
-        return {"skipped": f"no llama.cpp build in {home} (run {peer}/build.sh, or set LCPP_HOME)"}
+        return f"no llama.cpp build in {home} (run {peer}/build.sh, or set LCPP_HOME)"
     gguf = work / f"{folder.name}.gguf"
+    extra = ["--no-mtp"] if folder.name.startswith("qwen3.6") else []
     conv = subprocess.run([sys.executable, str(peer / "to_gguf.py"), str(folder), str(gguf),
-                           "bf16"], capture_output=True, text=True)
+                           "bf16", *extra], capture_output=True, text=True)
     if conv.returncode:
-        return {"skipped": f"to_gguf.py failed: {conv.stderr[-500:]}"}
+        return f"to_gguf.py failed: {conv.stderr[-500:]}"
+    if quant is None:
+        return gguf
+    quantized = work / f"{folder.name}-{quant.lower()}.gguf"
+    run = subprocess.run([str(home / "build" / "bin" / "llama-quantize"), str(gguf),
+                          str(quantized), quant], capture_output=True, text=True)
+    gguf.unlink(missing_ok=True)
+    return quantized if run.returncode == 0 else f"llama-quantize failed: {run.stderr[-500:]}"
+
+
+def llamacpp(gguf: Path, peer: Path) -> dict:
+    """llama.cpp's figures for the GGUF file, or {"skipped": why}."""
     run = subprocess.run([sys.executable, str(peer / "bench.py"), str(gguf), "--batched"],
                          capture_output=True, text=True)
-    gguf.unlink(missing_ok=True)
     if run.returncode:
         return {"skipped": f"bench.py failed: {run.stderr[-500:]}"}
     out = {}
@@ -174,9 +194,17 @@ def main() -> None:
             folder = Path(tmp) / name
             folder.mkdir()
             ceiling = bandwidth / build_shape(name, folder, 128 + args.gen // 2)
-            peer = llamacpp(folder, Path(tmp), args.peer)
-            ours = freetoken(str(folder), args.gen)
+            gguf = peer_gguf(folder, Path(tmp), args.peer, QUANTIZED.get(name))
+            peer = llamacpp(gguf, args.peer) if isinstance(gguf, Path) else {"skipped": gguf}
+            if name in QUANTIZED:
+                if not isinstance(gguf, Path):
+                    print(f"\n== {name} == skipped: FreeToken loads llama-quantize's file: {gguf}")
+                    continue
+                ceiling = peer.get("ceiling", ceiling)
+            ours = freetoken(str(gguf if name in QUANTIZED else folder), args.gen)
             report(name, ours, peer, ceiling)
+            if isinstance(gguf, Path):
+                gguf.unlink(missing_ok=True)
             results[name] = {"freetoken": ours, "llama.cpp": peer, "ceiling_tok_s": ceiling}
             subprocess.run(["rm", "-rf", str(folder)], check=False)
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
