@@ -65,8 +65,8 @@ def prefill_last_logits(loaded, prompt, images, chunk):
                                64)
     cache = EncoderCache(vision.tower, 1 << 20)
     pages = -(-len(prompt) // BLOCK)
-    kv = KVCache(model.config, pages, BLOCK, "float32", model.arrays, num_state_slots=1,
-                 state_dtype="float32")
+    kv = KVCache(model.config, pages, BLOCK, model.dtype, model.arrays, num_state_slots=1,
+                 state_dtype=model.dtype)
     request = SimpleNamespace(num_computed=0, token_ids=prompt, pages=list(range(pages)),
                               page_rows=None, state_slot=0,
                               mm=layout_images(prompt, images, vision.preprocess))
@@ -79,7 +79,9 @@ def prefill_last_logits(loaded, prompt, images, chunk):
             cache.fill(batch.multimodal)
         logits = model.forward(batch, kv)
         request.num_computed += size
-    return torch.from_numpy(np.array(logits[0], dtype=np.float64))
+    row = logits[0]
+    return row.double().cpu() if torch.is_tensor(row) else torch.from_numpy(
+        np.array(row, dtype=np.float64))
 
 
 def assert_logits_close(ours, ref):
