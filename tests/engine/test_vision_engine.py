@@ -200,3 +200,40 @@ def tiny_checkpoint_dir(tmp_path):
 
     tiny_hf_model("llama", tmp_path)
     return tmp_path
+
+
+def test_positions_match_get_rope_index(checkpoint, loaded):
+    """Our layout's (t, h, w) positions and decode offset equal transformers' get_rope_index
+    for images of different shapes, between and after text."""
+    images = images_for([(64, 160), (128, 64), (64, 64)])
+    prompt = prompt_with(images, seed=3)
+    layout = layout_images(prompt, images, loaded.vision.preprocess)
+    inputs = hf_inputs(prompt, images)
+    positions, delta = checkpoint[1].model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    assert np.array_equal(layout.positions.T, positions[:, 0].numpy())
+    assert layout.rope_delta == int(delta[0, 0])
+    rows: list = []
+    chunk = layout.chunk_positions(0, len(prompt) + 2, 1000, rows)
+    image = layout.is_image
+    assert chunk[len(prompt):] == [len(prompt) + layout.rope_delta + i for i in range(2)]
+    assert [chunk[i] for i in np.flatnonzero(image)] == list(range(1000, 1000 + image.sum()))
+    assert np.array_equal(np.array(rows), layout.positions[image])
+
+
+def test_repeated_image_in_a_later_turn_hits(loaded, moe_ops):
+    images = images_for([(64, 96)], seed=11)
+    prompt = prompt_with(images, seed=5)
+    engine = make_engine(loaded)
+    try:
+        tokens, _ = generate(engine, prompt, images)
+        # the next turn: the history (the image in it) and the same image sent again
+        follow_up = prompt + tokens + prompt_with(images, seed=6)
+        _, usage = generate(engine, follow_up, images * 2)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    # the first turn's pages (its image included) are reused up to its last full page, and
+    # the image's second copy comes from the encoder cache
+    assert usage.cached_tokens >= (len(prompt) - 1) // BLOCK * BLOCK > 0
+    assert stats["vision_images_encoded"] == 1 and stats["vision_encoder_cache_hits"] >= 1
