@@ -14,7 +14,7 @@ constexpr int kQueries = 32;          // per block
 constexpr int kLanes = 4;             // threads per query
 constexpr int kKeys = 32;             // keys per shared-memory tile
 constexpr int kMaxDim = 128;
-constexpr int kChunks = kMaxDim / (kLanes * 8);   // 8-wide column chunks per lane
+constexpr int kMaxChunks = kMaxDim / (kLanes * 8);   // 8-wide column chunks per lane
 constexpr int kThreads = kQueries * kLanes;
 #define kNegInf (-__builtin_huge_valf())
 
@@ -30,7 +30,8 @@ __device__ __forceinline__ int segment_of(const int32_t* cu, int segments, int64
 // Column of a lane's value (chunk c, element e): chunks of 8 interleave over the 4 lanes.
 __device__ __forceinline__ int column(int lane, int c, int e) { return (c * kLanes + lane) * 8 + e; }
 
-template <typename T>
+// kChunks = ceil(head_dim / 32): a lane walks only the chunks a head can fill (3 for 72).
+template <typename T, int kChunks>
 __global__ void __launch_bounds__(kThreads)
 vision_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k,
                         const T* __restrict__ v, int64_t os, int64_t qs, int64_t ks,
@@ -161,8 +162,13 @@ void vision_attention(TensorView out, TensorView q, TensorView k, TensorView v,
   if (tokens == 0) return;
   DeviceGuard guard(dev);
   dim3 grid(static_cast<unsigned>(ceil_div(tokens, kQueries)), static_cast<unsigned>(num_heads));
+  const int chunks = static_cast<int>(ceil_div(dim, kLanes * 8));
   FT_CUDA_DISPATCH_FLOAT(ft, T, {
-    vision_attention_kernel<T><<<grid, kThreads, 0, stream_for(q)>>>(
+    auto kernel = chunks == 1   ? vision_attention_kernel<T, 1>
+                  : chunks == 2 ? vision_attention_kernel<T, 2>
+                  : chunks == 3 ? vision_attention_kernel<T, 3>
+                                : vision_attention_kernel<T, kMaxChunks>;
+    kernel<<<grid, kThreads, 0, stream_for(q)>>>(
         data_of<T>(out), data_of<T>(q), data_of<T>(k), data_of<T>(v), orow.stride, qr.stride,
         kr.stride, vr.stride, data_of<int32_t>(cu_seqlens), static_cast<int>(segments),
         tokens, static_cast<int>(dim), static_cast<float>(scale));

@@ -73,3 +73,40 @@ def test_engine_prefill_logits_bf16(real_checkpoint, moe_ops):
     layers = REAL_VISION["depth"] + loaded.config.num_layers
     err = (ours - ref).abs().max().item()
     assert err <= _bound(ref, layers), f"max logit error {err}"
+
+
+def test_engine_greedy_with_graphs_matches_eager(real_checkpoint, moe_ops):
+    """Decode of an image request on CUDA graphs and the fused decode kernels (positions with
+    the request's rope delta) gives the tokens of eager decode; the first token is
+    transformers' float32 argmax where its margin exceeds the bf16 error."""
+    import asyncio
+
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.request import SamplingParams
+    from freetoken.models.loader import load_model
+    from tests.engine.test_vision_engine import prompt_with
+
+    directory, hf = real_checkpoint
+    images = [make_image(random_image(256, 320, 9))]
+    prompt = prompt_with(images)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        loaded = load_model(str(directory), device="cuda", dtype="bfloat16")
+        engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=2048, block_size=16,
+                                                         cuda_graphs=graphs)).start()
+        try:
+            async def run():
+                return [t async for out in engine.generate(prompt, params, images=images)
+                        for t in out.token_ids]
+            runs.append(asyncio.run(run()))
+        finally:
+            engine.shutdown()
+    assert runs[0] == runs[1]
+    inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
+    with torch.no_grad():
+        ref = hf(**inputs).logits[0, -1].float().cpu()
+    top2 = ref.topk(2).values
+    if (top2[0] - top2[1]).item() > 2 * _bound(ref, REAL_VISION["depth"] + 4):
+        assert runs[0][0] == int(ref.argmax())
