@@ -151,13 +151,16 @@ def test_engine_greedy_and_caches(checkpoint, loaded, moe_ops):
     assert usage_other.cached_tokens == 0
 
 
-def test_text_prompt_on_vision_model_is_unchanged(loaded, moe_ops):
+def test_text_prompt_on_vision_model(checkpoint, loaded, moe_ops):
+    """A text prompt on a vision model decodes with plain positions (rope delta 0)."""
+    prompt = [5, 6, 7, 8, 9, 31, 32, 33, 34, 35]
     engine = make_engine(loaded, prefix_cache=False)
     try:
-        tokens, _ = generate(engine, [5, 6, 7, 8, 9], ())
+        engine.warm_up()     # also runs the tower once
+        tokens, _ = generate(engine, prompt, ())
     finally:
         engine.shutdown()
-    assert len(tokens) == NEW_TOKENS
+    assert tokens == hf_greedy(checkpoint[1], prompt, [])
 
 
 def test_mismatched_images_are_rejected(loaded, moe_ops):

@@ -28,7 +28,7 @@ from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
 from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT, StateSnapshots
 from freetoken.engine.stream import RequestStream, batched_delivery
-from freetoken.engine.vision_setup import attach_vision, check_images
+from freetoken.engine.vision_setup import attach_vision, check_images, warm_up_vision
 from freetoken.models.batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
@@ -205,6 +205,8 @@ class Engine(OverlapSteps):
         last = asyncio.run(run())
         if last.finish_reason == "error":
             raise RuntimeError(f"the warm-up request failed: {last.error}")
+        if self._vision is not None:
+            warm_up_vision(self._vision)
         with self._cond:
             self._counters = dict.fromkeys(self._counters, 0)
             self.scheduler.cache_queried_tokens = self.scheduler.cache_hit_tokens = 0

@@ -47,3 +47,16 @@ def check_images(prompt: list[int], images: Sequence[Any], vision: Any,
             raise RequestRejected(f"image {n}: grid {tuple(image.grid_thw)} is not a multiple "
                                   f"of the merge size {pre.merge_size}")
     return layout_images(prompt, images, pre)
+
+
+def warm_up_vision(vision: Any) -> None:
+    """Encode one blank image of a single merge block, so the tower's kernels are loaded (or
+    compiled) before serving."""
+    import numpy as np
+
+    from freetoken.vision.inputs import ImageInput
+
+    cfg = vision.config
+    m = cfg.spatial_merge_size
+    blank = ImageInput(np.zeros((m * m, cfg.patch_dim), dtype=np.float32), (1, m, m), "warm-up")
+    vision.tower.encode([blank])
