@@ -200,6 +200,15 @@ KERNELS: tuple[Kernel, ...] = (
         doc="routed expert MLPs (SwiGLU) over GGUF blocks in VRAM, gate/up and down types "
             "independent",
     ),
+    Kernel(
+        name="vision_attention",
+        functions=("vision_attention",),
+        cpu=("cpu/vision_attention.cc",),
+        cuda=("cuda/vision_attention.cu",),
+        rocm=True,
+        doc="non-causal attention within variable-length segments (cu_seqlens): the vision "
+            "encoder's patches attend within their own image; head_dim a multiple of 8 <= 128",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

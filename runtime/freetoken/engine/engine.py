@@ -28,11 +28,13 @@ from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
 from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT, StateSnapshots
 from freetoken.engine.stream import RequestStream, batched_delivery
+from freetoken.engine.vision_setup import attach_vision, check_images, warm_up_vision
 from freetoken.models.batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
     from freetoken.engine.offload_setup import OffloadDecision
     from freetoken.models.config import GenerationDefaults
+    from freetoken.vision.inputs import ImageInput, VisionPreprocess
 
 logger = logging.getLogger("freetoken.engine")
 
@@ -54,13 +56,16 @@ class Engine(OverlapSteps):
         eos_token_ids: ids that end a sequence with finish_reason "stop".
         model_id: names the weights in prefix-cache keys (with the shape and KV dtype).
         offload: the start-up memory plan's decision (KV pool size, expert offload), if any.
+        vision: the model's VisionModel (models/vision_model.py) when it takes images.
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig,
                  generation_defaults: GenerationDefaults | None = None,
                  eos_token_ids: Sequence[int] = (), model_id: str = "",
-                 offload: OffloadDecision | None = None):
+                 offload: OffloadDecision | None = None, vision: Any = None):
         self.model = model
+        self._vision = vision
+        self.model_id = model_id
         self.tokenizer = tokenizer
         if offload is not None:
             config = replace(config, num_tokens=offload.num_tokens)
@@ -88,6 +93,10 @@ class Engine(OverlapSteps):
                 SNAPSHOTS_PER_SLOT * self.states.num_slots, self.arrays)
         if hasattr(model, "reserve"):  # size work buffers for the largest step up front
             model.reserve(self.config.max_prefill_tokens + self.config.max_num_seqs)
+        self.rope_spare, self.encoder_cache = 0, None
+        if vision is not None:
+            self.rope_spare, self.encoder_cache = attach_vision(
+                model, vision, self.config.max_prefill_tokens + self.config.max_num_seqs)
         self.expert_cache = None
         if offload is not None and offload.offloaded:
             from freetoken.engine.offload_setup import attach_expert_cache
@@ -104,7 +113,8 @@ class Engine(OverlapSteps):
         # expert misses on the host mid-step, so both keep synchronous steps. Tests set it on
         # the CPU, where it runs the same logic synchronously.
         self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
-                        and self.states is None and self.expert_cache is None)
+                        and self.states is None and self.expert_cache is None
+                        and vision is None)
         self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
@@ -119,7 +129,12 @@ class Engine(OverlapSteps):
         """An engine for a freetoken.models.loader.LoadedModel."""
         eos = tuple(loaded.tokenizer.eos_token_ids) + tuple(loaded.config.eos_token_ids)
         return cls(loaded.model, loaded.tokenizer, config, loaded.generation_defaults, eos,
-                   f"{loaded.name}|{loaded.source}", offload)
+                   f"{loaded.name}|{loaded.source}", offload, getattr(loaded, "vision", None))
+
+    @property
+    def vision(self) -> VisionPreprocess | None:
+        """How this model wants its images preprocessed; None when it takes no images."""
+        return None if self._vision is None else self._vision.preprocess
 
     def recapture_graphs(self):
         """Decode CUDA graphs over the current KV pool (again after a KV resize)."""
@@ -190,6 +205,8 @@ class Engine(OverlapSteps):
         last = asyncio.run(run())
         if last.finish_reason == "error":
             raise RuntimeError(f"the warm-up request failed: {last.error}")
+        if self._vision is not None:
+            warm_up_vision(self._vision)
         with self._cond:
             self._counters = dict.fromkeys(self._counters, 0)
             self.scheduler.cache_queried_tokens = self.scheduler.cache_hit_tokens = 0
@@ -206,22 +223,28 @@ class Engine(OverlapSteps):
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
-               request_id: str | None = None, guide: Guide | None = None) -> RequestStream:
+               request_id: str | None = None, guide: Guide | None = None,
+               images: Sequence[ImageInput] = ()) -> RequestStream:
         """Queue a request; call inside a running event loop and iterate the returned stream.
-        `guide` restricts the tokens it may sample (a grammar, a thinking budget).
+        `guide` restricts the tokens it may sample (a grammar, a thinking budget). `images`
+        are the prompt's images in order: each occupies vision_start, num_tokens(merge)
+        image placeholders and vision_end in the prompt.
 
-        Raises RequestRejected (prompt empty, out of vocabulary, or too long with max_tokens)
-        before anything is queued, and EngineDead when the engine is not running.
+        Raises RequestRejected (prompt empty, out of vocabulary, or too long with max_tokens;
+        images the model cannot take or that do not match the placeholders) before anything
+        is queued, and EngineDead when the engine is not running.
         """
         request_id = request_id or uuid.uuid4().hex
         prompt = [int(t) for t in prompt_ids]
         resolved = self._resolve_params(prompt, params)
+        layout = check_images(prompt, images, self._vision, self.model_id.split("|")[0]
+                              or self.model.config.architecture)
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
         request = Request(
             request_id=request_id, prompt_len=len(prompt), token_ids=prompt, params=resolved,
             generator=create_generator(resolved.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, resolved.stop),
-            sink=stream.put, guide=guide.start() if guide is not None else None)
+            sink=stream.put, guide=guide.start() if guide is not None else None, mm=layout)
         with self._cond:
             if not self.is_alive:
                 raise EngineDead("the engine is not running; restart the server")
@@ -234,9 +257,10 @@ class Engine(OverlapSteps):
         return stream
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, images: Sequence[ImageInput] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request."""
-        stream = self.submit(prompt_ids, params, request_id)
+        stream = self.submit(prompt_ids, params, request_id, images=images)
         try:
             async for output in stream:
                 yield output
@@ -271,6 +295,7 @@ class Engine(OverlapSteps):
                 "kv_pages_idle": self.pool.num_idle,
                 **(self.states.stats() if self.states else {}),
                 **(self.scheduler.snapshots.stats() if self.scheduler.snapshots else {}),
+                **(self.encoder_cache.stats() if self.encoder_cache else {}),
                 **self._counters,
             }
         defaults = self.generation_defaults
@@ -339,7 +364,8 @@ class Engine(OverlapSteps):
                 plan = self.scheduler.schedule()
                 if plan:
                     return plan, prepare_forward_batch(plan, self.pool.block_size,
-                                                       self.arrays, self.states is not None)
+                                                       self.arrays, self.states is not None,
+                                                       self.rope_spare)
                 self._cond.wait(0.01)  # NOTE: nothing fits yet; not expected to happen
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
@@ -348,8 +374,11 @@ class Engine(OverlapSteps):
             self.expert_cache.prefill = batch.max_query_len > 1
         with batched_delivery():  # the step's outputs reach each event loop in one wake-up
             try:
+                if batch.multimodal is not None:   # image embeddings for this step's chunks
+                    self.encoder_cache.fill(batch.multimodal)
                 with self.arrays.no_grad():
-                    if self.graphs is not None and self.graphs.can_run(batch):
+                    if (self.graphs is not None and batch.multimodal is None
+                            and self.graphs.can_run(batch)):
                         logits = self.graphs.run(batch)
                     else:
                         logits = self.model.forward(batch, self.kv)

@@ -9,16 +9,18 @@ import numpy as np
 from freetoken.arrays import HostArrays, TorchArrays
 from freetoken.engine.request import Request
 from freetoken.engine.scheduler import ScheduledChunk
-from freetoken.models.batch import ForwardBatch
+from freetoken.models.batch import ForwardBatch, MultimodalBatch
 
 
 def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
                           arrays: HostArrays | TorchArrays,
-                          with_states: bool = False) -> ForwardBatch:
+                          with_states: bool = False, rope_spare: int = 0) -> ForwardBatch:
     """Flatten the plan's chunks into one batch; sequence b's new tokens are its chunk.
 
     Token t at position p of a sequence with pages P is stored at slot
-    P[p // block_size] * block_size + p % block_size.
+    P[p // block_size] * block_size + p % block_size. A request with images takes its
+    rotary positions from its layout (engine/multimodal.py); its image tokens point at the
+    rotary table's spare rows from `rope_spare` on.
     """
     # Two host arrays (int64 and int32 fields) and at most two copies to the device; every
     # field is a view of one of them. The block table is filled from each request's int32
@@ -29,6 +31,8 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
     slots: list[int] = []
     seq_lens: list[int] = []
     starts = [0]
+    mm_rows: list = []      # (t, h, w) of the step's image tokens
+    mm_pieces: list = []
     num_seqs = len(plan)
     max_blocks = max(len(chunk.request.pages) for chunk in plan)
     narrow = np.zeros(num_seqs * max_blocks + 2 * num_seqs + 1 + (num_seqs if with_states else 0),
@@ -39,7 +43,13 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
         begin, end = request.num_computed, request.num_computed + chunk.num_tokens
         pages = request.pages
         input_ids += request.token_ids[begin:end]
-        positions += range(begin, end)
+        if request.mm is None:
+            positions += range(begin, end)
+        else:
+            row = len(positions)
+            positions += request.mm.chunk_positions(begin, end, rope_spare, mm_rows)
+            mm_pieces += [(row + at, request.mm, image, first, count)
+                          for image, first, count, at in request.mm.pieces(begin, end)]
         slots += [pages[p // block_size] * block_size + p % block_size for p in range(begin, end)]
         seq_lens.append(end)
         starts.append(starts[-1] + chunk.num_tokens)
@@ -62,6 +72,8 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
         logits_indices=wide[3 * num_tokens:],
         max_query_len=max(chunk.num_tokens for chunk in plan),
         state_slots=narrow[table_end + 2 * num_seqs + 1:] if with_states else None,
+        multimodal=None if not mm_pieces else MultimodalBatch(
+            np.array(mm_rows, dtype=np.int64).reshape(-1, 3), mm_pieces),
     )
 
 

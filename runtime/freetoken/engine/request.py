@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -182,6 +182,12 @@ class Request:
     # prepare.py's int32 copy of `pages`: (the list it copies, the array, entries copied). The
     # scheduler only appends to a pages list or replaces it, so the copy stays valid.
     page_rows: tuple | None = field(default=None, repr=False)
+    mm: Any = None   # engine/multimodal.py's MultimodalPrompt when the prompt has images
+
+    @property
+    def key_ids(self):
+        """token_ids as prefix-cache keys hash them (image placeholders stand for the image)."""
+        return self.token_ids if self.mm is None else self.mm.key_tokens(self.token_ids)
 
     @property
     def num_output(self) -> int:

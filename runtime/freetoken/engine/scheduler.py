@@ -117,7 +117,7 @@ class Scheduler:
             return
         done = request.num_computed if num_known is None else min(num_known,
                                                                    request.num_computed)
-        keys = extend_keys(request.page_keys, request.token_ids, done, self.pool.block_size,
+        keys = extend_keys(request.page_keys, request.key_ids, done, self.pool.block_size,
                            self.root)
         full = done // self.pool.block_size  # keys may run ahead (see _match)
         for j in range(request.num_published, full):
@@ -182,7 +182,7 @@ class Scheduler:
         token is never taken from the cache: its forward gives the logits to sample from."""
         if self.root is None or request.pages:
             return
-        keys = extend_keys(request.page_keys, request.token_ids, len(request.token_ids) - 1,
+        keys = extend_keys(request.page_keys, request.key_ids, len(request.token_ids) - 1,
                            self.pool.block_size, self.root)
         request.pages = self.pool.match(keys)
         if self.states is not None:   # only as far as the latest state snapshot

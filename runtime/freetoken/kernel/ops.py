@@ -354,3 +354,11 @@ def moe_experts_gguf(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: 
     Q5_K 13, Q6_K 14); workspace as moe_experts with itemsize 2. No host sync, no allocation."""
     _fn("moe_experts_gguf", x.device)(
         out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
+
+
+def vision_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens: torch.Tensor, num_heads: int, scale: float) -> None:
+    """Non-causal attention within segments: token t attends to every token of its segment
+    [cu_seqlens[s], cu_seqlens[s+1]). out, q, k, v [T, H*D] (rows may be strided), D a multiple
+    of 8 up to 128 on the GPU; cu_seqlens int32 [S+1] from 0 to T."""
+    _fn("vision_attention", q.device)(out, q, k, v, cu_seqlens, num_heads, scale)

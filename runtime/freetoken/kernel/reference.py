@@ -325,3 +325,16 @@ def moe_experts_scaled(out, x, w13, w13_scales, w13_rows, w2, w2_scales, w2_rows
     w2f = torch.stack([_scaled_values(w2[s], w2_scales[s], w2_rows[s], fmt, bn2, bk2)
                        for s in range(w2.shape[0])])
     moe_experts(out, x, w13f, w2f, topk_ids, topk_weights, expert_map, None)
+
+
+def vision_attention(out, q, k, v, cu_seqlens, num_heads, scale):
+    """Each segment [cu[s], cu[s+1]) attends to itself only, without a causal mask."""
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    tokens = q.shape[0]
+    qf, kf, vf = (t.float().reshape(tokens, num_heads, -1).transpose(0, 1) for t in (q, k, v))
+    for begin, end in zip(cu[:-1], cu[1:]):
+        if end == begin:
+            continue
+        scores = qf[:, begin:end] @ kf[:, begin:end].transpose(1, 2) * scale
+        part = torch.softmax(scores, dim=-1) @ vf[:, begin:end]      # [H, n, D]
+        out[begin:end] = part.transpose(0, 1).reshape(end - begin, -1).to(out.dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken.arrays import HostArrays, TorchArrays
@@ -28,6 +28,7 @@ class ForwardBatch:
     logits_indices: Array   # int64 [B]  rows of T whose logits are returned (last tokens)
     max_query_len: int = 1         # host-side hint: 1 means a pure decode step
     state_slots: Array | None = None   # int32 [B] hybrid models: recurrent-state slot per seq
+    multimodal: MultimodalBatch | None = None   # host side: the step's image tokens, if any
 
     @property
     def num_tokens(self) -> int:
@@ -36,6 +37,17 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class MultimodalBatch:
+    """The image tokens of one step. Their positions index the rotary table's spare rows
+    (forward/mrope.py), which the step fills from `rope_positions`; their embedding rows are
+    replaced by the vision tower's output."""
+
+    rope_positions: Any                  # int64 [K, 3] numpy: (t, h, w) per spare row used
+    pieces: list = field(default_factory=list)   # (token row, prompt, image, first, count)
+    embeds: list = field(default_factory=list)   # (token row, [count, hidden] on the device)
 
 
 class KVCache:

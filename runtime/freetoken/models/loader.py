@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from freetoken.arrays import (CUDA_INSTALL_HINT, Device, DeviceError, TorchArrays, arrays_for,
                               canonical_dtype, parse_device)
@@ -26,6 +26,7 @@ class LoadedModel:
     generation_defaults: GenerationDefaults
     name: str        # the served model id
     source: str      # the file or directory it came from
+    vision: Any = None   # models/vision_model.py's VisionModel when the model takes images
 
 
 def resolve_device(device: str) -> Device:
@@ -91,9 +92,13 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
     where = resolve_device(str(device))
     placement = Placement(arrays_for(where), resolve_dtype(dtype, where))
     path = default_model_path() if source is None else Path(source).expanduser()
+    vision = None
     if path.is_dir():
         config, model, tokenizer, defaults = _load_hf(path, placement, plan)
         name = path.resolve().name
+        from freetoken.models.vision_model import load_vision
+
+        vision = load_vision(path, where, placement.dtype, tokenizer)
     elif path.is_file() and _is_gguf(path):
         config, model, tokenizer, defaults = _load_gguf(path, placement, plan)
         name = DEFAULT_MODEL_NAME if source is None else path.stem
@@ -104,7 +109,8 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
         raise ModelFormatError(f"{path}: no such file or directory; pass a .gguf file or an "
                                f"HF model directory")
     return LoadedModel(config=config, model=model, tokenizer=tokenizer,
-                       generation_defaults=defaults, name=name, source=str(path))
+                       generation_defaults=defaults, name=name, source=str(path),
+                       vision=vision)
 
 
 def _build_model(tensors, config: ModelConfig, placement: Placement, plan=None) -> Decoder:

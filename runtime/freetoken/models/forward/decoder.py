@@ -138,6 +138,8 @@ class Decoder:
         self._embed_into(w.residual, batch.input_ids)
         if self.config.embed_scale != 1.0:
             array_view(w.residual)[...] *= self.config.embed_scale
+        if batch.multimodal is not None:
+            _write_embeds(w.residual, batch.multimodal.embeds)
         caches = zip(*self._kv_caches(kv))
         if self._fused is not None and batch.num_tokens <= fused_decode.MAX_TOKENS:
             for layer, (k_cache, v_cache) in zip(self._fused, caches):
@@ -149,6 +151,38 @@ class Decoder:
         for layer, (k_cache, v_cache) in zip(self.layers, caches):
             x = layer.forward(x, w, batch, k_cache, v_cache, kv.block_size)
         return x
+
+    def enable_mrope(self, section: tuple[int, int, int], interleaved: bool,
+                     spare_rows: int) -> int:
+        """Give the rotary table `spare_rows` rows for image tokens' (t, h, w) positions
+        (forward/mrope.py); returns the first spare row's index. Text rows are unchanged."""
+        from freetoken.models.forward.mrope import MRopeRows
+
+        self._mrope = MRopeRows(self.config, section, interleaved)
+        base = self.config.max_position
+        table = np.zeros((base + spare_rows, self._mrope.inv_freq.shape[0] * 2), np.float32)
+        table[:base] = cos_sin_cache(self.config)
+        self._rope_table = self.arrays.place(table, "float32")
+        old, self._rope = self._rope, self._k.arg(self._rope_table)
+        for layer in self.layers:
+            if getattr(layer.attn, "rope", None) is old:
+                layer.attn.rope = self._rope
+        for fused in self._fused or ():
+            if fused.rope is old:
+                fused.rope = self._rope
+        return base
+
+    def _write_rope_rows(self, positions) -> None:
+        if len(positions):
+            base = self.config.max_position
+            rows = self._mrope.rows(np.asarray(positions, dtype=np.int64).reshape(-1, 3))
+            table = array_view(self._rope_table)
+            if is_torch(table):
+                import torch
+
+                table[base:base + rows.shape[0]].copy_(torch.from_numpy(rows))
+            else:
+                table[base:base + rows.shape[0]] = rows
 
     def reserve(self, max_tokens: int) -> None:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
@@ -172,8 +206,10 @@ class Decoder:
         arg = self._k.arg
         batch = dataclasses.replace(batch, **{f.name: arg(getattr(batch, f.name))
                                               for f in dataclasses.fields(batch)
-                                              if f.name != "max_query_len"
+                                              if f.name not in ("max_query_len", "multimodal")
                                               and getattr(batch, f.name) is not None})
+        if batch.multimodal is not None:
+            self._write_rope_rows(batch.multimodal.rope_positions)
         w = self._workspace.views(batch.num_tokens)
         x = rows = self._layers_into(w, batch, kv)
         if batch.num_tokens != batch.num_seqs:  # else every token is its sequence's last
@@ -189,6 +225,16 @@ class Decoder:
         if self.config.final_logit_softcap > 0:
             _soft_cap(logits, self.config.final_logit_softcap)
         return logits
+
+
+def _write_embeds(residual, embeds) -> None:
+    """Image tokens' rows of the embedded input replaced by the vision tower's output."""
+    out = array_view(residual)
+    for row, rows in embeds:
+        if is_torch(out):
+            out[row:row + rows.shape[0]].copy_(rows)
+        else:
+            out[row:row + rows.shape[0]] = rows.numpy() if is_torch(rows) else rows
 
 
 def _soft_cap(logits, cap: float) -> None:

@@ -1,0 +1,167 @@
+"""A vision-language folder's vision settings: the tower's shape (config.json's vision_config),
+the image placeholder ids and the multimodal rotary layout (text_config.rope_parameters), and
+how images are preprocessed (preprocessor_config.json). Text-only folders have none."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from freetoken.models.errors import ModelFormatError, UnsupportedModelError
+from freetoken.vision.inputs import VisionPreprocess
+
+# The HF Qwen2-VL image processor's defaults, used when a folder has no
+# preprocessor_config.json: 56*56 to 28*28*1280 pixels and the OpenAI CLIP mean/std.
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+DEFAULT_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+DEFAULT_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+DEFAULT_IMAGE_TOKEN = "<|image_pad|>"
+VISION_MODEL_TYPES = ("qwen3_5_moe",)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (Qwen3.5/3.6: a ViT with 2-D rotary and a 2x2 patch merger) and what
+    the text model needs to place its output (placeholder ids, multimodal rotary layout)."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    hidden_act: str
+    rope_theta: float
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    mrope_section: tuple[int, int, int]
+    mrope_interleaved: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row of pixel_values: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+def _int(section: dict, key: str, where: str, default: Any = None) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelFormatError(f"{where}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _vision_section(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
+    vision = raw.get("vision_config")
+    if vision is None:
+        return None
+    if not isinstance(vision, dict):
+        raise ModelFormatError(f"{source}: 'vision_config' must be an object")
+    if raw.get("model_type") not in VISION_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: a vision tower of model_type {raw.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(VISION_MODEL_TYPES)})")
+    if vision.get("deepstack_visual_indexes"):
+        raise UnsupportedModelError(f"{source}: deepstack vision features are not supported")
+    return vision
+
+
+def _mrope(raw: dict[str, Any], source: str) -> tuple[tuple[int, int, int], bool]:
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section", [11, 11, 10])
+    if (not isinstance(section, list) or len(section) != 3
+            or not all(isinstance(s, int) and s >= 0 for s in section)):
+        raise ModelFormatError(f"{source}: mrope_section must be three non-negative integers, "
+                               f"got {section!r}")
+    return tuple(section), bool(rope.get("mrope_interleaved", True))
+
+
+def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | None:
+    """The vision tower described by config.json, or None for a text-only model."""
+    vision = _vision_section(raw, source)
+    if vision is None:
+        return None
+    where = f"{source}: vision_config"
+    rope = vision.get("rope_parameters") or {}
+    section, interleaved = _mrope(raw, source)
+    config = VisionConfig(
+        depth=_int(vision, "depth", where, 27), hidden_size=_int(vision, "hidden_size", where, 1152),
+        num_heads=_int(vision, "num_heads", where, 16),
+        intermediate_size=_int(vision, "intermediate_size", where, 4304),
+        out_hidden_size=_int(vision, "out_hidden_size", where, 3584),
+        num_position_embeddings=_int(vision, "num_position_embeddings", where, 2304),
+        patch_size=_int(vision, "patch_size", where, 16),
+        temporal_patch_size=_int(vision, "temporal_patch_size", where, 2),
+        spatial_merge_size=_int(vision, "spatial_merge_size", where, 2),
+        in_channels=_int(vision, "in_channels", where, 3),
+        hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        image_token_id=_int(raw, "image_token_id", source, 248056),
+        vision_start_token_id=_int(raw, "vision_start_token_id", source, 248053),
+        vision_end_token_id=_int(raw, "vision_end_token_id", source, 248054),
+        mrope_section=section, mrope_interleaved=interleaved)
+    if config.hidden_size % config.num_heads or config.head_dim % 8 or config.head_dim > 128:
+        raise UnsupportedModelError(f"{where}: head_dim {config.head_dim} (hidden_size / "
+                                    f"num_heads) must be a multiple of 8 up to 128")
+    if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise UnsupportedModelError(f"{where}: hidden_act {config.hidden_act!r} is not supported")
+    if round(config.num_position_embeddings ** 0.5) ** 2 != config.num_position_embeddings:
+        raise ModelFormatError(f"{where}: num_position_embeddings must be a square")
+    return config
+
+
+def _read_preprocessor(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return value
+
+
+def _triple(pre: dict, key: str, default: tuple, where: Path) -> tuple[float, float, float]:
+    value = pre.get(key, default)
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)):
+        raise ModelFormatError(f"{where}: {key!r} must be three numbers, got {value!r}")
+    return tuple(float(x) for x in value)
+
+
+def read_vision_preprocess(directory: Path, config: VisionConfig,
+                           image_token: str | None) -> VisionPreprocess:
+    """How images are resized and normalised for `config`: preprocessor_config.json's
+    min/max pixels (`min_pixels`/`max_pixels` or `size.shortest_edge`/`size.longest_edge`),
+    image_mean and image_std, the HF Qwen2-VL processor's defaults where absent."""
+    path = directory / "preprocessor_config.json"
+    pre = _read_preprocessor(path)
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    min_pixels = pre.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
+    max_pixels = pre.get("max_pixels", size.get("longest_edge", DEFAULT_MAX_PIXELS))
+    for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelFormatError(f"{path}: {key} must be a positive integer, got {value!r}")
+    if min_pixels > max_pixels:
+        raise ModelFormatError(f"{path}: min_pixels {min_pixels} exceeds max_pixels {max_pixels}")
+    return VisionPreprocess(
+        patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
+        merge_size=config.spatial_merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
+        image_mean=_triple(pre, "image_mean", DEFAULT_IMAGE_MEAN, path),
+        image_std=_triple(pre, "image_std", DEFAULT_IMAGE_STD, path),
+        image_token=image_token or DEFAULT_IMAGE_TOKEN, image_token_id=config.image_token_id,
+        vision_start_token_id=config.vision_start_token_id,
+        vision_end_token_id=config.vision_end_token_id)

@@ -1,0 +1,112 @@
+"""On a GPU: the vision tower at Qwen3.5/3.6's real vision width (1152, 16 heads of 72,
+MLP 4304, 2304 learned positions; depth cut to 2) in bfloat16 against transformers in float32,
+for one image and for two images of different sizes in one batch, and the last-token logits of
+a prompt with an image through the engine's prefill path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.vision_checkpoint import (build_vision_model, hf_inputs, make_image,
+                                            random_image)
+from tests.tolerances import eps
+
+REAL_VISION = dict(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                   num_position_embeddings=2304, out_hidden_size=64)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def real_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3_5-vl-real-vision")
+    hf = build_vision_model(directory, seed=2, vision=REAL_VISION)
+    with torch.no_grad():    # the default init's scale (0.08 noise over width 1152 explodes)
+        for name, p in hf.model.visual.named_parameters():
+            if name.endswith("weight") and p.dim() >= 2:
+                p.mul_(0.4 / math.sqrt(p.shape[-1] if p.dim() == 2 else p[0].numel()) / 0.08)
+    hf.save_pretrained(directory)
+    return directory, hf.cuda().float().eval()
+
+
+def _bound(ref: torch.Tensor, layers: int) -> float:
+    """bfloat16 activations: a few roundings of the output's magnitude per layer."""
+    return 4 * eps(torch.bfloat16) * ref.abs().max().item() * math.sqrt(layers + 2)
+
+
+@pytest.mark.parametrize("sizes", [[(256, 256)], [(224, 320), (512, 384)]])
+def test_tower_bf16_matches_transformers(real_checkpoint, sizes):
+    from freetoken.arrays import parse_device
+    from freetoken.models.vision_model import load_vision
+
+    directory, hf = real_checkpoint
+    images = [make_image(random_image(h, w, i)) for i, (h, w) in enumerate(sizes)]
+    vision = load_vision(directory, parse_device("cuda"), "bfloat16")
+    ours = vision.tower.encode(images)
+    pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in images])).cuda()
+    grid = torch.tensor([i.grid_thw for i in images]).cuda()
+    with torch.no_grad():
+        ref = hf.model.get_image_features(pixels, grid).pooler_output
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        err = (a.float() - b).abs().max().item()
+        assert err <= _bound(b, REAL_VISION["depth"]), f"max error {err}"
+
+
+def test_engine_prefill_logits_bf16(real_checkpoint, moe_ops):
+    from freetoken.models.loader import load_model
+    from tests.engine.test_vision_engine import prefill_last_logits, prompt_with
+
+    directory, hf = real_checkpoint
+    loaded = load_model(str(directory), device="cuda", dtype="bfloat16")
+    images = [make_image(random_image(320, 256, 5))]
+    prompt = prompt_with(images)
+    ours = prefill_last_logits(loaded, prompt, images, 16).float()
+    inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
+    with torch.no_grad():
+        ref = hf(**inputs).logits[0, -1].float().cpu()
+    layers = REAL_VISION["depth"] + loaded.config.num_layers
+    err = (ours - ref).abs().max().item()
+    assert err <= _bound(ref, layers), f"max logit error {err}"
+
+
+def test_engine_greedy_with_graphs_matches_eager(real_checkpoint, moe_ops):
+    """Decode of an image request on CUDA graphs and the fused decode kernels (positions with
+    the request's rope delta) gives the tokens of eager decode; the first token is
+    transformers' float32 argmax where its margin exceeds the bf16 error."""
+    import asyncio
+
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.request import SamplingParams
+    from freetoken.models.loader import load_model
+    from tests.engine.test_vision_engine import prompt_with
+
+    directory, hf = real_checkpoint
+    images = [make_image(random_image(256, 320, 9))]
+    prompt = prompt_with(images)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        loaded = load_model(str(directory), device="cuda", dtype="bfloat16")
+        engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=2048, block_size=16,
+                                                         cuda_graphs=graphs)).start()
+        try:
+            async def run():
+                return [t async for out in engine.generate(prompt, params, images=images)
+                        for t in out.token_ids]
+            runs.append(asyncio.run(run()))
+        finally:
+            engine.shutdown()
+    assert runs[0] == runs[1]
+    inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
+    with torch.no_grad():
+        ref = hf(**inputs).logits[0, -1].float().cpu()
+    top2 = ref.topk(2).values
+    if (top2[0] - top2[1]).item() > 2 * _bound(ref, REAL_VISION["depth"] + 4):
+        assert runs[0][0] == int(ref.argmax())
