@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from freetoken.engine.request import SamplingParams
+from freetoken.server.image_protocol import AnthropicImage
 from freetoken.server.protocol import Strict, build_sampling_params
 
 
@@ -41,7 +42,8 @@ class ThinkingBlock(Strict):
     signature: str | None = None
 
 
-ContentBlock = Annotated[Union[AnthropicText, ToolResultBlock, ToolUseBlock, ThinkingBlock],
+ContentBlock = Annotated[Union[AnthropicText, AnthropicImage, ToolResultBlock, ToolUseBlock,
+                               ThinkingBlock],
                          Field(discriminator="type")]
 
 
