@@ -145,3 +145,29 @@ def test_max_image_pixels_flag(vl_engine, vl_dir, vl_loaded):
                    [image], max_pixels=100_000)
     _, h, w = vl_engine.calls[-1][1][0].grid_thw
     assert h * w * 256 <= 100_000
+
+
+def test_anthropic_tool_result_with_a_screenshot(claude, vl_engine, vl_dir, vl_loaded):
+    """Images in a tool_result and beside it in the same user message reach the engine in the
+    order the template renders them: the tool turn first, whatever the block order."""
+    shot = encode(random_image(300, 260, "RGB", seed=11), "PNG")
+    claude.messages.create(model=vl_loaded.name, max_tokens=2, messages=[
+        {"role": "user", "content": "Take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot",
+                                           "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64(RED)}},
+            {"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "Here:"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": b64(shot)}}]},
+            {"type": "text", "text": "Same?"}]}])
+    check_received(vl_engine, vl_dir, [
+        {"role": "user", "content": "Take a screenshot"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "shot", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "Here:"},
+                                                           {"type": "image"}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Same?"}]}],
+        [shot, RED])

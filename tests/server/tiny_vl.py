@@ -13,14 +13,16 @@ from freetoken.vision.inputs import VisionPreprocess
 
 IMAGE_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", *IMAGE_SPECIALS, "<|im_end|>"]
-# Content items as Qwen3.5's template reads them: a string, or text and image items.
+# Content items as Qwen3.5's template reads them: a string, or text and image items (in tool
+# results too); tool calls as Hermes writes them, so the served dialect renders tool turns.
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for item in m['content'] %}{% if item.type == 'image' %}"
     "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in item %}{{ item.text }}"
     "{% else %}{{ raise_exception('Unexpected item type in content.') }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% endfor %}{% endif %}{% for call in m.tool_calls or [] %}"
+    "<tool_call>{{ call.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONTEXT = 1024
 

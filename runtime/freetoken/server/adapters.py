@@ -6,7 +6,8 @@ from freetoken.agent.request import (AgentRequest, AgentRequestError, Constraint
                                      check_tool_choice, check_tool_history, make_tool,
                                      parse_arguments)
 from freetoken.server.anthropic_protocol import AnthropicText, CountTokensRequest
-from freetoken.server.image_parts import anthropic_image_ref, check_role, openai_content
+from freetoken.server.image_parts import (anthropic_image_ref, anthropic_tool_content,
+                                         check_role, openai_content)
 from freetoken.server.protocol import ChatCompletionRequest, TextPart
 
 
@@ -121,18 +122,20 @@ def anthropic_agent_request(body: CountTokensRequest, max_tokens: int | None) ->
 def anthropic_messages(message, index: int, images: list) -> list[dict]:
     """One Anthropic message as OpenAI-shaped messages: tool results become `tool` messages,
     tool_use blocks the assistant's tool_calls, thinking blocks its reasoning_content; with
-    image blocks the content is the list of text and image items (`images` gets the refs)."""
+    image blocks the content is the list of text and image items. `images` gets the refs in
+    the order the messages render them: tool results' first."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts, calls, results, reasoning, items = [], [], [], [], []
+    own_images: list = []
     for j, block in enumerate(message.content):
+        where = f"messages.{index}.content.{j}"
         if block.type == "text":
             texts.append(block.text)
             items.append({"type": "text", "text": block.text})
         elif block.type == "image":
-            where = f"messages.{index}.content.{j}"
             check_role(message.role, where)
-            images.append(anthropic_image_ref(block, where))
+            own_images.append(anthropic_image_ref(block, where))
             items.append({"type": "image"})
         elif block.type == "thinking":
             reasoning.append(block.thinking)
@@ -140,9 +143,9 @@ def anthropic_messages(message, index: int, images: list) -> list[dict]:
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": block.input}})
         else:
-            content = text_of(block.content)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": f"Error: {content}" if block.is_error else content})
+                            "content": anthropic_tool_content(block, where, images)})
+    images.extend(own_images)
     out: list[dict] = list(results)
     has_image = len(items) > len(texts)
     if texts or calls or not results or has_image:

@@ -18,10 +18,13 @@ class AnthropicText(Strict):
     citations: list | None = None
 
 
+ResultBlock = Annotated[Union[AnthropicText, AnthropicImage], Field(discriminator="type")]
+
+
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[AnthropicText] | None = None
+    content: str | list[ResultBlock] | None = None
     is_error: bool = False
     cache_control: dict | None = None
 

@@ -100,3 +100,23 @@ def anthropic_image_ref(block, where: str) -> ImageRef:
         if getattr(source, name) is not None:
             raise AgentRequestError(f"{at}.{name}: a url source takes only url", f"{at}.{name}")
     return ImageRef(f"{at}.url", url=check_url(source.url, f"{at}.url"))
+
+
+def anthropic_tool_content(block, where: str, images: list[ImageRef]) -> str | list[dict]:
+    """A tool_result's content: text (prefixed "Error: " when is_error), or with image blocks
+    (a screenshot tool's result) the list of text and image items."""
+    content = block.content
+    if not has_images(content):
+        if content is None or isinstance(content, str):
+            text = content or ""
+        else:
+            text = "\n".join(part.text for part in content)
+        return f"Error: {text}" if block.is_error else text
+    items: list[dict] = [{"type": "text", "text": "Error: "}] if block.is_error else []
+    for k, part in enumerate(content):
+        if part.type == "text":
+            items.append({"type": "text", "text": part.text})
+        else:
+            images.append(anthropic_image_ref(part, f"{where}.content.{k}"))
+            items.append({"type": "image"})
+    return items
