@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 
 import httpx
 import pytest
@@ -140,7 +141,8 @@ def test_text_only_model_refuses_images(server):
 
 @pytest.fixture(scope="module")
 def image_host():
-    """A loopback HTTP server: /red.png (served as image/png), anything else 404."""
+    """A loopback HTTP server: /red.png (served as image/png), /to-file (a redirect to a
+    file: URL), /trickle (slow bytes), anything else 404."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             if self.path == "/red.png":
@@ -149,6 +151,17 @@ def image_host():
                 self.send_header("Content-Length", str(len(RED)))
                 self.end_headers()
                 self.wfile.write(RED)
+            elif self.path == "/to-file":
+                self.send_response(302)
+                self.send_header("Location", "file:///etc/passwd")
+                self.end_headers()
+            elif self.path == "/trickle":   # a byte every 0.1 s, never too slow per read
+                self.send_response(200)
+                self.end_headers()
+                for byte in RED[:40]:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.1)
             else:
                 self.send_error(404)
 
@@ -180,6 +193,21 @@ def test_allow_image_urls_fetches(vl_engine, vl_loaded, image_host, vl_url):
                      f"{PART}.image_url.url", "HTTP 404")
     finally:
         thread.stop()
+
+
+def test_fetch_limits(image_host):
+    from freetoken.server.image_fetch import ImageFetchError, fetch_image
+    from freetoken.vision.decode import ImageTooLarge
+
+    assert fetch_image(image_host + "/red.png", len(RED)) == (RED, "image/png")
+    with pytest.raises(ImageTooLarge, match="limit is 100"):
+        fetch_image(image_host + "/red.png", 100)           # by Content-Length
+    with pytest.raises(ImageFetchError, match="file:"):
+        fetch_image(image_host + "/to-file", len(RED))
+    start = time.perf_counter()
+    with pytest.raises(ImageFetchError, match="longer than 1 s"):
+        fetch_image(image_host + "/trickle", len(RED), timeout_s=1.0)
+    assert time.perf_counter() - start < 2.5
 
 
 def test_image_flags_are_checked_against_the_model(vl_engine):

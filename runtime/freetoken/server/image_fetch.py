@@ -64,7 +64,7 @@ def read_limited(response, max_bytes: int, deadline: float, timeout_s: float) ->
     while True:
         if time.monotonic() > deadline:
             raise ImageFetchError(f"fetching the image took longer than {timeout_s:g} s")
-        chunk = response.read(CHUNK)
+        chunk = response.read1(CHUNK)   # what has arrived, so the deadline is checked often
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
