@@ -35,10 +35,25 @@ class Constraint:
     tools: tuple[Tool, ...] = ()
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part as a request carried it, not yet fetched or decoded: base64 `data` (with
+    the declared media type, if any) or a remote `url`. `where` is its field path for errors;
+    `max_pixels` a cap of its own (OpenAI's detail: low)."""
+
+    where: str
+    data: str | None = None
+    url: str | None = None
+    media_type: str | None = None
+    max_pixels: int | None = None
+
+
 @dataclass
 class AgentRequest:
     """messages: OpenAI-shaped dicts (role, content, tool_calls with `arguments` as a dict,
-    tool_call_id, name). tool_choice: auto | none | required | a tool name."""
+    tool_call_id, name); a user message with images has content as a list of
+    {"type": "text", "text"} and {"type": "image"} items, as HF chat templates take it.
+    tool_choice: auto | none | required | a tool name."""
 
     messages: list[dict]
     tools: tuple[Tool, ...] = ()
@@ -48,6 +63,7 @@ class AgentRequest:
     thinking: bool | None = None            # None: the template's default
     thinking_budget: int | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    images: tuple[ImageRef, ...] = ()       # in prompt order; their messages hold image items
 
     @property
     def tools_active(self) -> bool:

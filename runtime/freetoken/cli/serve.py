@@ -71,10 +71,18 @@ from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
               type=click.Choice(MOE_CPU_MODES),
               help="With offloaded experts: auto computes a missed expert on the CPU when the "
                    "measured PCIe and CPU speeds say it beats copying it; off always copies.")
+@click.option("--allow-image-urls", is_flag=True, default=ServerConfig.allow_image_urls,
+              help="Let image parts name http(s) URLs for the server to fetch (10 s, 20 MB "
+                   "limits); off: only inline base64 images, a URL is a 400.")
+@click.option("--max-image-pixels", default=ServerConfig.max_image_pixels, metavar="N",
+              type=click.IntRange(1),
+              help="Largest area (width x height) an image is resized to before encoding "
+                   "(default: the model's max_pixels); larger images are scaled down.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
-                  prefix_cache, moe_cache_rate, moe_cpu) -> None:
+                  prefix_cache, moe_cache_rate, moe_cpu, allow_image_urls,
+                  max_image_pixels) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     ctx = click.get_current_context()
@@ -82,7 +90,9 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
     server_config = ServerConfig(host=host, port=port, api_key=api_key,
                                  served_model_name=served_model_name, log_level=log_level,
                                  max_output_tokens=max_output_tokens,
-                                 cors_origins=tuple(cors_origins))
+                                 cors_origins=tuple(cors_origins),
+                                 allow_image_urls=allow_image_urls,
+                                 max_image_pixels=max_image_pixels)
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
@@ -194,9 +204,17 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
         engine.shutdown()
         raise click.ClickException(f"--max-output-tokens {server_config.max_output_tokens} is "
                                    f"more than a request may hold ({limit} tokens)")
+    from freetoken.server.images import image_flags_problem
+
+    problem = image_flags_problem(getattr(engine, "vision", None), server_config, name)
+    if problem is not None:
+        engine.shutdown()
+        raise click.ClickException(problem)
     app = create_app(engine, loaded.tokenizer, name, api_key=server_config.api_key,
                      max_output_tokens=server_config.max_output_tokens,
-                     cors_origins=server_config.cors_origins)
+                     cors_origins=server_config.cors_origins,
+                     allow_image_urls=server_config.allow_image_urls,
+                     max_image_pixels=server_config.max_image_pixels)
     phase("app created")
 
     def on_ready(url: str) -> None:

@@ -6,6 +6,8 @@ from freetoken.agent.request import (AgentRequest, AgentRequestError, Constraint
                                      check_tool_choice, check_tool_history, make_tool,
                                      parse_arguments)
 from freetoken.server.anthropic_protocol import AnthropicText, CountTokensRequest
+from freetoken.server.image_parts import (anthropic_image_ref, anthropic_tool_content,
+                                         check_role, openai_content)
 from freetoken.server.protocol import ChatCompletionRequest, TextPart
 
 
@@ -25,7 +27,8 @@ def openai_agent_request(body: ChatCompletionRequest) -> AgentRequest:
     if not isinstance(choice, str):
         choice = choice.function.name
     check_tool_choice(choice, tools)
-    messages = [openai_message(m, i) for i, m in enumerate(body.messages)]
+    images: list = []
+    messages = [openai_message(m, i, images) for i, m in enumerate(body.messages)]
     check_tool_history(messages)
     kwargs = dict(body.chat_template_kwargs or {})
     thinking = kwargs.pop("enable_thinking", None)
@@ -33,11 +36,12 @@ def openai_agent_request(body: ChatCompletionRequest) -> AgentRequest:
                         parallel_calls=body.parallel_tool_calls,
                         constraint=openai_constraint(body, tools, choice),
                         thinking=None if thinking is None else bool(thinking),
-                        template_kwargs=kwargs)
+                        template_kwargs=kwargs, images=tuple(images))
 
 
-def openai_message(message, index: int) -> dict:
-    out: dict = {"role": message.role, "content": text_of(message.content)}
+def openai_message(message, index: int, images: list) -> dict:
+    out: dict = {"role": message.role, "content": openai_content(
+        message.content, message.role, f"messages.{index}.content", images)}
     if message.name:
         out["name"] = message.name
     if message.tool_calls:
@@ -93,8 +97,9 @@ def anthropic_agent_request(body: CountTokensRequest, max_tokens: int | None) ->
                       else "tool_choice")
     system = text_of(body.system)
     messages = [{"role": "system", "content": system}] if system else []
+    images: list = []
     for i, message in enumerate(body.messages):
-        messages.extend(anthropic_messages(message, i))
+        messages.extend(anthropic_messages(message, i, images))
     check_tool_history(messages)
     thinking, budget = None, None
     if body.thinking is not None:
@@ -110,30 +115,41 @@ def anthropic_agent_request(body: CountTokensRequest, max_tokens: int | None) ->
         constraint = Constraint("tool", tools=tuple(t for t in tools if t.name == choice))
     return AgentRequest(messages=messages, tools=tools, tool_choice=choice,
                         parallel_calls=not (picked and picked.disable_parallel_tool_use),
-                        constraint=constraint, thinking=thinking, thinking_budget=budget)
+                        constraint=constraint, thinking=thinking, thinking_budget=budget,
+                        images=tuple(images))
 
 
-def anthropic_messages(message, index: int) -> list[dict]:
+def anthropic_messages(message, index: int, images: list) -> list[dict]:
     """One Anthropic message as OpenAI-shaped messages: tool results become `tool` messages,
-    tool_use blocks the assistant's tool_calls, thinking blocks its reasoning_content."""
+    tool_use blocks the assistant's tool_calls, thinking blocks its reasoning_content; with
+    image blocks the content is the list of text and image items. `images` gets the refs in
+    the order the messages render them: tool results' first."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts, calls, results, reasoning = [], [], [], []
-    for block in message.content:
+    texts, calls, results, reasoning, items = [], [], [], [], []
+    own_images: list = []
+    for j, block in enumerate(message.content):
+        where = f"messages.{index}.content.{j}"
         if block.type == "text":
             texts.append(block.text)
+            items.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            check_role(message.role, where)
+            own_images.append(anthropic_image_ref(block, where))
+            items.append({"type": "image"})
         elif block.type == "thinking":
             reasoning.append(block.thinking)
         elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": block.input}})
         else:
-            content = text_of(block.content)
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": f"Error: {content}" if block.is_error else content})
+                            "content": anthropic_tool_content(block, where, images)})
+    images.extend(own_images)
     out: list[dict] = list(results)
-    if texts or calls or not results:
-        main: dict = {"role": message.role, "content": "\n".join(texts)}
+    has_image = len(items) > len(texts)
+    if texts or calls or not results or has_image:
+        main: dict = {"role": message.role, "content": items if has_image else "\n".join(texts)}
         if calls:
             main["tool_calls"] = calls
         if reasoning:

@@ -16,6 +16,7 @@ from freetoken.engine.stream import RequestStream
 from freetoken.server.adapters import anthropic_agent_request
 from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from freetoken.server.context import ServerContext, agent_errors, collect
+from freetoken.server.images import count_prompt_tokens, prepare_chat
 from freetoken.server.metrics import RequestTimer
 from freetoken.server.protocol import parse_body
 from freetoken.server.sse import new_id, sse_event, sse_response
@@ -40,8 +41,8 @@ async def count_tokens(request: Request):
     body = await parse_body(request, CountTokensRequest)
     ctx.check_model(body.model)
     with agent_errors():
-        _, ids = ctx.agent.render(anthropic_agent_request(body, None))
-    return {"input_tokens": len(ids)}
+        agent_request = anthropic_agent_request(body, None)
+    return {"input_tokens": await count_prompt_tokens(ctx, agent_request)}
 
 
 @router.post("/v1/messages")
@@ -52,9 +53,10 @@ async def messages(request: Request):
     max_tokens = ctx.output_limit(body.max_tokens, "max_tokens")
     params = body.sampling_params(max_tokens)
     with agent_errors():
-        prepared = ctx.agent.prepare(anthropic_agent_request(body, body.max_tokens), max_tokens)
+        agent_request = anthropic_agent_request(body, body.max_tokens)
+    prepared, images = await prepare_chat(ctx, agent_request, max_tokens)
     timer = ctx.metrics.timer()
-    stream = ctx.submit(prepared.prompt_ids, params, timer, prepared.guide)
+    stream = ctx.submit(prepared.prompt_ids, params, timer, prepared.guide, images)
     message_id = new_id("msg_")
     blocks = BlockBuilder(prepared.parser)
     if body.stream:

@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from freetoken.engine.request import SamplingParams
+from freetoken.server.image_protocol import AnthropicImage
 from freetoken.server.protocol import Strict, build_sampling_params
 
 
@@ -17,10 +18,13 @@ class AnthropicText(Strict):
     citations: list | None = None
 
 
+ResultBlock = Annotated[Union[AnthropicText, AnthropicImage], Field(discriminator="type")]
+
+
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[AnthropicText] | None = None
+    content: str | list[ResultBlock] | None = None
     is_error: bool = False
     cache_control: dict | None = None
 
@@ -41,7 +45,8 @@ class ThinkingBlock(Strict):
     signature: str | None = None
 
 
-ContentBlock = Annotated[Union[AnthropicText, ToolResultBlock, ToolUseBlock, ThinkingBlock],
+ContentBlock = Annotated[Union[AnthropicText, AnthropicImage, ToolResultBlock, ToolUseBlock,
+                               ThinkingBlock],
                          Field(discriminator="type")]
 
 

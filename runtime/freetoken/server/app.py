@@ -22,10 +22,13 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages
 
 def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None = None,
                max_output_tokens: int | None = None,
-               cors_origins: tuple[str, ...] = ()) -> FastAPI:
+               cors_origins: tuple[str, ...] = (), allow_image_urls: bool = False,
+               max_image_pixels: int | None = None) -> FastAPI:
     """An app serving `engine` as `model_name`; with api_key, /v1/* needs that key;
     max_output_tokens is the default and cap of max_tokens; cors_origins may call it from a
-    browser. /openapi.json and /docs describe it."""
+    browser; allow_image_urls lets image parts name http(s) URLs the server fetches;
+    max_image_pixels caps the resized area of an image (None: the model's max_pixels).
+    /openapi.json and /docs describe it."""
     from freetoken import __version__
     from freetoken.server import anthropic, openai
     from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -39,7 +42,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None
     metrics = Metrics(engine.stats)
     app.state.ctx = ServerContext(engine=engine, tokenizer=tokenizer, model_name=model_name,
                                   metrics=metrics, api_key=api_key or None,
-                                  max_output_tokens=max_output_tokens)
+                                  max_output_tokens=max_output_tokens,
+                                  allow_image_urls=allow_image_urls,
+                                  max_image_pixels=max_image_pixels)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(create_admin_router())

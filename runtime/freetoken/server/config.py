@@ -12,7 +12,9 @@ DEFAULT_PORT = 1919
 class ServerConfig:
     """host/port to bind (port 0 = any free port), an optional API key required on /v1/*,
     the model id clients see (None = the loaded model's name), the default and cap of a
-    request's max_tokens (None = up to the context) and the origins browsers may call from."""
+    request's max_tokens (None = up to the context), the origins browsers may call from,
+    whether image parts may name http(s) URLs to fetch, and the resized area an image may
+    take (None = the model's max_pixels)."""
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -21,6 +23,8 @@ class ServerConfig:
     log_level: str = "info"
     max_output_tokens: int | None = None
     cors_origins: tuple[str, ...] = ()
+    allow_image_urls: bool = False
+    max_image_pixels: int | None = None
 
     @property
     def url(self) -> str:

@@ -27,6 +27,8 @@ class ServerContext:
     metrics: Metrics
     api_key: str | None = None
     max_output_tokens: int | None = None    # default and cap of a request's max_tokens
+    allow_image_urls: bool = False          # fetch http(s) image URLs (else a 400)
+    max_image_pixels: int | None = None     # resized image area cap (None: the model's)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @functools.cached_property
@@ -60,9 +62,12 @@ class ServerContext:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               timer: RequestTimer, guide=None) -> RequestStream:
+               timer: RequestTimer, guide=None, images: tuple = ()) -> RequestStream:
+        """Queue the request; `images` (ImageInput, in prompt order) only reach an engine
+        with a vision tower, so a text-only engine keeps its text-only submit."""
+        extra = {"images": images} if images else {}
         try:
-            stream = self.engine.submit(prompt_ids, params, guide=guide)
+            stream = self.engine.submit(prompt_ids, params, guide=guide, **extra)
         except RequestRejected as exc:
             code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
             raise APIError(400, str(exc), None, code) from None

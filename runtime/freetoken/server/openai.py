@@ -15,6 +15,7 @@ from freetoken.server.adapters import openai_agent_request
 from freetoken.server.chat_output import ChatShaper
 from freetoken.server.context import ServerContext, agent_errors, collect
 from freetoken.server.errors import APIError
+from freetoken.server.images import prepare_chat
 from freetoken.server.metrics import RequestTimer
 from freetoken.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling,
                                        parse_body)
@@ -58,9 +59,11 @@ async def chat_completions(request: Request):
                                   else "max_tokens")
     params = body.sampling_params(max_tokens)
     with agent_errors():
-        prepared = ctx.agent.prepare(openai_agent_request(body), max_tokens)
+        agent_request = openai_agent_request(body)
+    prepared, images = await prepare_chat(ctx, agent_request, max_tokens)
     return await respond(request, ctx, body, prepared.prompt_ids, params, new_id("chatcmpl-"),
-                         chat=True, shaper=ChatShaper(prepared.parser), guide=prepared.guide)
+                         chat=True, shaper=ChatShaper(prepared.parser), guide=prepared.guide,
+                         images=images)
 
 
 @router.post("/v1/completions")
@@ -88,9 +91,9 @@ def completion_prompt_ids(ctx: ServerContext, prompt) -> list[int]:
 
 async def respond(request: Request, ctx: ServerContext, body: OpenAISampling, prompt: list[int],
                   params, request_id: str, chat: bool, shaper: ChatShaper | None = None,
-                  guide=None):
+                  guide=None, images: tuple = ()):
     timer = ctx.metrics.timer()
-    stream = ctx.submit(prompt, params, timer, guide)
+    stream = ctx.submit(prompt, params, timer, guide, images)
     shaper = shaper or ChatShaper(None)
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from freetoken.engine.request import InvalidSamplingParams, SamplingParams
 from freetoken.server.errors import APIError
+from freetoken.server.image_protocol import ImageURLPart
 
 MAX_STOP = 16
 
@@ -25,6 +26,9 @@ class TextPart(Strict):
     text: str
 
 
+ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="the arguments object as a JSON string")
@@ -38,7 +42,7 @@ class ToolCallItem(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
@@ -201,7 +205,10 @@ def validation_error(exc: ValidationError) -> APIError:
     """The first problem pydantic found, as a 400 that names the field."""
     errors = exc.errors(include_url=False)
     extra = [e for e in errors if e["type"] == "extra_forbidden"]
-    first = extra[0] if extra else errors[0]
+    # A field that may be a string or a list of parts fails both ways; a list was meant to be
+    # the list, so its own error says what is wrong.
+    inner = [e for e in errors if not _is_union_member(e["loc"][-1:])]
+    first = extra[0] if extra else inner[0] if inner else errors[0]
     path = _field_path(first["loc"])
     if first["type"] == "extra_forbidden":
         return APIError(400, f"Unknown field '{path}': this server does not accept it; remove it "
@@ -212,11 +219,21 @@ def validation_error(exc: ValidationError) -> APIError:
 
 
 def _field_path(loc: tuple) -> str:
-    # NOTE: pydantic adds the union member it tried (e.g. 'str', 'list[TextPart]') to loc.
-    parts = [str(p) for p in loc
-             if isinstance(p, int) or not (("[" in str(p)) or str(p) in _TYPE_TAGS
-                                           or str(p)[:1].isupper())]
+    # NOTE: pydantic adds the union member it tried (e.g. 'str', 'list[TextPart]') to loc, and
+    # in a list of tagged parts the part's tag after its index (content.0.image_url.image_url).
+    parts, tag_at = [], -1
+    for i, p in enumerate(loc):
+        if isinstance(p, str) and "tagged-union[" in p and p.startswith("list["):
+            tag_at = i + 2
+        if i == tag_at or (not isinstance(p, int) and _is_union_member((p,))):
+            continue
+        parts.append(str(p))
     return ".".join(parts)
+
+
+def _is_union_member(loc: tuple) -> bool:
+    return bool(loc) and isinstance(loc[0], str) and (
+        "[" in loc[0] or loc[0] in _TYPE_TAGS or loc[0][:1].isupper())
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
