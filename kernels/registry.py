@@ -200,6 +200,14 @@ KERNELS: tuple[Kernel, ...] = (
         doc="routed expert MLPs (SwiGLU) over GGUF blocks in VRAM, gate/up and down types "
             "independent",
     ),
+    Kernel(
+        name="quant_gemv",
+        functions=("gguf_gemv", "fp8_gemv"),
+        cuda=("cuda/quant_gemv.cu",),
+        rocm=True,
+        doc="decode GEMVs (T <= 8) streaming GGUF Q4_0/Q8_0/Q4_K/Q6_K and FP8 weights in "
+            "16-byte coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
