@@ -130,9 +130,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     types = [t.strip() for t in a.types.split(",") if t.strip()]
-    unknown = [t for t in types if t not in GGUF and t not in FP8]
+    known = list(GGUF) + list(FP8)
+    unknown = [t for t in types if t not in known]
     if unknown:
-        p.error(f"--types: unknown {', '.join(unknown)}; known: {', '.join(list(GGUF) + list(FP8))}")
+        p.error(f"--types: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     tokens = [int(t) for t in a.tokens.split(",")]
     if any(not 1 <= t <= 8 for t in tokens):
         p.error("--tokens: each between 1 and 8 (the decode GEMVs' range)")

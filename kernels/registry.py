@@ -202,10 +202,18 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="quant_gemv",
-        functions=("gguf_gemv", "fp8_gemv"),
+        functions=("gguf_gemv",),
         cuda=("cuda/quant_gemv.cu",),
         rocm=True,
-        doc="decode GEMVs (T <= 8) streaming GGUF Q4_0/Q8_0/Q4_K/Q6_K and FP8 weights in "
+        doc="decode GEMV (T <= 8) streaming GGUF Q4_0/Q8_0/Q4_K/Q6_K rows in 16-byte coalesced "
+            "loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
+    ),
+    Kernel(
+        name="fp8_gemv",
+        functions=("fp8_gemv",),
+        cuda=("cuda/fp8_gemv.cu",),
+        rocm=True,
+        doc="decode GEMV (T <= 8) streaming FP8 weights (block, channel, tensor scales) in "
             "16-byte coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
     ),
 )

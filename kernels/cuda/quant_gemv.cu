@@ -1,31 +1,22 @@
-// Decode GEMVs (T <= 8 activation rows) over quantized weights, written to stream the weight
-// bytes at the memory's rate: every weight byte is read by a 16-byte load in which the 32 lanes
-// of a warp cover 512 contiguous bytes, each lane keeps several such loads in flight, and a
-// warp owns R weight rows so that each activation value it loads serves R rows.
+// gguf_gemv: the decode GEMV (T <= 8 activation rows) over GGUF Q4_0 / Q8_0 / Q4_K / Q6_K rows
+// whose byte length is a multiple of 16, written to stream the weight bytes at the memory's
+// rate. A warp owns R weight rows; it loads a chunk of whole blocks of each (about 4 KB per
+// warp) in 16-byte loads in which its 32 lanes cover 512 contiguous bytes, stages the chunk
+// from registers into shared memory, issues the loads of the next chunk, then decodes the
+// staged one with the host-tested gguf::dot32 (scales applied once per 32 weights, f32 sums);
+// each activation value a lane loads serves the warp's R rows.
 //
-//  - gguf_gemv: GGUF Q4_0 / Q8_0 / Q4_K / Q6_K rows whose byte length is a multiple of 16.
-//    A warp stages a chunk of whole blocks of its R rows (about 4 KB) from registers into
-//    shared memory, issues the loads of the next chunk, then decodes the staged one with the
-//    host-tested gguf::dot32 (scales applied once per 32 weights, f32 sums).
-//  - fp8_gemv: FP8 e4m3 weights with a float32 scale grid whose block width is a power of two
-//    or the whole row (128 x 128 blocks, per-channel, per-tensor); 4 x 16 bytes per lane and
-//    row in flight, the block scale looked up once per 16 weights with a shift.
-//
-// Both keep gguf_matmul / scaled_gemv (the first versions) as they are: the model picks one
-// or the other by FREETOKEN_QUANT_GEMV, and `rows` = 0 lets the kernel choose R.
+// gguf_matmul (gguf_gemm.cu) stays as it was: the model picks one or the other by
+// FREETOKEN_QUANT_GEMV, and `rows` = 0 lets the kernel choose R.
 #include "freetoken/cuda_common.cuh"
-#include "freetoken/fp8_words.h"
 #include "freetoken/gguf_blocks.h"
-#include "freetoken/scaled_decode.cuh"
-
-#include <type_traits>
+#include "freetoken/quant_gemv.cuh"
 
 namespace freetoken {
 namespace {
 
 using gguf::Block;
-
-constexpr int kMaxTokens = 8, kWarps = 4;
+using namespace quant_gemv;
 
 __device__ __forceinline__ void warp_sync() {
 #if defined(__HIP_PLATFORM_AMD__)
@@ -45,8 +36,6 @@ constexpr int chunk_bytes() {
   constexpr int unit = Block<QT>::kBytes * 16 / gcd(Block<QT>::kBytes, 16);
   return (4096 / R / unit > 0 ? 4096 / R / unit : 1) * unit;
 }
-
-using Word = Vec<uint32_t, 4>;
 
 template <int QT, int R>
 struct GgufStage {
@@ -158,113 +147,6 @@ __global__ void __launch_bounds__(kWarps * kWarp)
   }
 }
 
-// ---------------------------------------------------------------- FP8
-
-struct Fp8Grid {
-  const float* scales;     // [ceil(n / bn), cols]
-  const float* row_scale;  // [n]
-  int bn, bk_shift, cols;  // a scale covers bn rows and 2^bk_shift columns
-};
-
-// U: 16-byte words per lane and row in flight per step.
-template <typename T, int R, int NT>
-__global__ void __launch_bounds__(kWarps * kWarp)
-    fp8_gemv_kernel(T* __restrict__ out, const T* __restrict__ x,
-                    const uint8_t* __restrict__ data, Fp8Grid g, int ntok, int n, int k,
-                    int64_t ldx, int64_t ldo) {
-  constexpr int U = R >= 4 ? 1 : 4 / R, kStep = kWarp * 16 * U;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int n0 = (blockIdx.x * kWarps + warp) * R;
-  if (n0 >= n) return;
-  const uint8_t* rows[R];
-  const float* srow[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int row = n0 + r < n ? n0 + r : n - 1;
-    rows[r] = data + static_cast<int64_t>(row) * k;
-    srow[r] = g.scales + static_cast<int64_t>(row / g.bn) * g.cols;
-  }
-  float acc[R][NT];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-  for (int base = 0; base < k; base += kStep) {
-    Word q[R][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int col = base + (u * kWarp + lane) * 16;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (col < k) q[r][u] = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(rows[r] + col));
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int col = base + (u * kWarp + lane) * 16;
-      if (col >= k) break;
-      float wv[R][16], sc[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) fp8::e4m3x4_div256(q[r][u].v[j], wv[r] + 4 * j);
-        sc[r] = srow[r][col >> g.bk_shift];
-      }
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t >= ntok) break;
-        float xv[16];
-        load_x16<T>(x + t * ldx + col, xv);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float d = 0.f;
-#pragma unroll
-          for (int i = 0; i < 16; ++i) d += xv[i] * wv[r][i];
-          acc[r][t] += d * sc[r];
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    if (t >= ntok) break;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float v = warp_sum(acc[r][t]);
-      if (lane == 0 && n0 + r < n)
-        out[t * ldo + n0 + r] = from_float<T>(v * 256.f * g.row_scale[n0 + r]);
-    }
-  }
-}
-
-// ---------------------------------------------------------------- host side
-
-// R for rows = 0: one row per warp for a single token (the most warps, so the most bytes in
-// flight), more rows per warp as tokens grow (each x load then serves more weight rows).
-int auto_rows(int64_t ntok) { return ntok <= 1 ? 1 : ntok <= 4 ? 2 : 4; }
-
-int token_bucket(int64_t ntok) { return ntok <= 1 ? 1 : ntok <= 4 ? 4 : 8; }
-
-template <typename F>
-void with_rows_tokens(int64_t rows, int64_t ntok, F&& f) {
-  auto by_tokens = [&](auto r) {
-    switch (token_bucket(ntok)) {
-      case 1: f(r, std::integral_constant<int, 1>()); break;
-      case 4: f(r, std::integral_constant<int, 4>()); break;
-      default: f(r, std::integral_constant<int, 8>()); break;
-    }
-  };
-  switch (rows == 0 ? auto_rows(ntok) : rows) {
-    case 1: by_tokens(std::integral_constant<int, 1>()); break;
-    case 2: by_tokens(std::integral_constant<int, 2>()); break;
-    default: by_tokens(std::integral_constant<int, 4>()); break;
-  }
-}
-
-void check_rows(int64_t rows) {
-  TVM_FFI_ICHECK(rows == 0 || rows == 1 || rows == 2 || rows == 4)
-      << "rows (weight rows per warp) must be 0 (automatic), 1, 2 or 4, got " << rows;
-}
-
 /*! \brief out[T, N] = x[T, K] @ dequant(qweight).T for T <= 8; x bf16 (16-byte aligned rows),
  * qweight uint8 [N, row_bytes] of Q4_0 / Q8_0 / Q4_K / Q6_K blocks, row_bytes a multiple of 16
  * (16-byte aligned), out f32 or bf16 with contiguous rows; rows: weight rows per warp. */
@@ -323,78 +205,7 @@ void gguf_gemv(TensorView out, TensorView x, TensorView qweight, int64_t qtype, 
   check_launch("gguf_gemv");
 }
 
-/*! \brief log2(bk) for a power-of-two block width, 30 for a block spanning the row (one scale
- * column), -1 otherwise. */
-int block_shift(int64_t bk, int64_t k) {
-  if (bk >= k) return 30;
-  for (int s = 0; s < 30; ++s)
-    if ((int64_t{1} << s) == bk) return s;
-  return -1;
-}
-
-/*! \brief out[T, N] = x[T, K] @ W.T for T <= 8, W[n, c] = e4m3(data[n, c]) * scales[n / bn,
- * c / bk] * row_scale[n]; x, out bf16 or f16; bk a power of two (>= 16) or >= K. */
-void fp8_gemv(TensorView out, TensorView x, TensorView data, TensorView scales,
-              TensorView row_scale, int64_t block_n, int64_t block_k, int64_t rows) {
-  const int dev = x.device().device_id;
-  check_gpu(out, "out", dev);
-  check_gpu(data, "data", dev);
-  check_gpu(scales, "scales", dev);
-  check_gpu(row_scale, "row_scale", dev);
-  check_same_dtype(out, x, "out", "x");
-  FloatType ft = float_type(x, "x");
-  TVM_FFI_ICHECK(ft != FloatType::kF32) << "fp8_gemv takes bf16 or f16 x (scaled_gemv takes f32)";
-  check_dtype(data, kDLUInt, 8, "data", "uint8 (the e4m3 bytes)");
-  check_dtype(scales, kDLFloat, 32, "scales", "float32");
-  check_dtype(row_scale, kDLFloat, 32, "row_scale", "float32");
-  check_ndim(data, 2, "data");
-  check_ndim(scales, 2, "scales");
-  check_contiguous(data, "data");
-  check_contiguous(scales, "scales");
-  check_contiguous(row_scale, "row_scale");
-  check_rows(rows);
-  const int64_t n = data.size(0), k = data.size(1);
-  TVM_FFI_ICHECK(k % 16 == 0 && aligned16(data)) << "data rows must be 16-byte aligned "
-                                                    "multiples of 16 columns, got " << k;
-  const int shift = block_shift(block_k, k);
-  TVM_FFI_ICHECK(block_n >= 1 && shift >= 4)
-      << "fp8_gemv takes scale blocks of >= 1 rows and a power of two >= 16 columns (or the "
-         "whole row), got " << block_n << "x" << block_k;
-  TVM_FFI_ICHECK(scales.size(0) == ceil_div(n, block_n) &&
-                 scales.size(1) == (shift == 30 ? 1 : ceil_div(k, block_k)))
-      << "scales must be [" << ceil_div(n, block_n) << ", " << (shift == 30 ? 1 : ceil_div(k, block_k))
-      << "] for " << block_n << "x" << block_k << " blocks of a [" << n << ", " << k << "] weight";
-  TVM_FFI_ICHECK(row_scale.numel() == n) << "row_scale must hold one value per row (" << n << ")";
-  RowView rx = row_view(x, 1, "x"), ro = row_view(out, 1, "out");
-  TVM_FFI_ICHECK(rx.width == k && ro.width == n && rx.rows == ro.rows)
-      << "x must be [T, " << k << "] and out [T, " << n << "]";
-  TVM_FFI_ICHECK(rx.rows <= kMaxTokens) << "fp8_gemv takes at most " << kMaxTokens << " rows of x";
-  TVM_FFI_ICHECK(aligned16(x) && rx.stride % 8 == 0) << "x rows must be 16-byte aligned";
-  if (rx.rows == 0 || n == 0) return;
-  DeviceGuard guard(dev);
-  cudaStream_t stream = stream_for(x);
-  const Fp8Grid g{data_of<float>(scales), data_of<float>(row_scale),
-                  static_cast<int>(block_n < n ? block_n : n), shift,
-                  static_cast<int>(scales.size(1))};
-  const int ntok = static_cast<int>(rx.rows);
-  with_rows_tokens(rows, rx.rows, [&](auto r, auto nt) {
-    constexpr int R = decltype(r)::value, NT = decltype(nt)::value;
-    const dim3 grid(static_cast<unsigned>(ceil_div(n, kWarps * R)));
-    if (ft == FloatType::kBF16) {
-      fp8_gemv_kernel<bf16, R, NT><<<grid, kWarps * kWarp, 0, stream>>>(
-          data_of<bf16>(out), data_of<bf16>(x), data_of<uint8_t>(data), g, ntok,
-          static_cast<int>(n), static_cast<int>(k), rx.stride, ro.stride);
-    } else {
-      fp8_gemv_kernel<f16, R, NT><<<grid, kWarps * kWarp, 0, stream>>>(
-          data_of<f16>(out), data_of<f16>(x), data_of<uint8_t>(data), g, ntok,
-          static_cast<int>(n), static_cast<int>(k), rx.stride, ro.stride);
-    }
-  });
-  check_launch("fp8_gemv");
-}
-
 }  // namespace
 }  // namespace freetoken
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_gemv, freetoken::gguf_gemv);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(fp8_gemv, freetoken::fp8_gemv);

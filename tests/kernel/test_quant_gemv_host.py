@@ -96,3 +96,18 @@ def test_v2_binds_only_weights_it_reads(monkeypatch):
     assert quant_gemv.fp8_decode(0, (128, 128), torch.zeros(4, 128, dtype=torch.uint8)) == \
         "fp8_gemv"
     assert bound == ["gguf_gemv", "fp8_gemv"]
+
+
+def test_sweep_picks_the_fastest_variant_that_passed():
+    from benchmarks.quant_gemv_sweep import LAYER, best
+
+    def row(variant, shape, us, ok=True):
+        return {"type": "q4_k", "tokens": 1, "variant": variant, "shape": shape, "us": us,
+                "ok": ok}
+
+    rows = [row("v1", s, 10.0) for s in LAYER] + [row("v2/r1", s, 4.0) for s in LAYER]
+    rows += [row("v2/r2", s, 1.0, ok=s != "o") for s in LAYER]      # fastest, but one failed
+    rows += [row("v2/r1", "k|v", 1e6)]                               # not a layer shape
+    (b,) = best(rows)
+    assert b["best"] == "v2/r1" and b["speedup_over_v1"] == pytest.approx(2.5)
+    assert b["layer_us"] == {"v1": 40.0, "v2/r1": 16.0, "v2/r2": 4.0}
