@@ -209,6 +209,22 @@ KERNELS: tuple[Kernel, ...] = (
         doc="non-causal attention within variable-length segments (cu_seqlens): the vision "
             "encoder's patches attend within their own image; head_dim a multiple of 8 <= 128",
     ),
+    Kernel(
+        name="quant_gemv",
+        functions=("gguf_gemv",),
+        cuda=("cuda/quant_gemv.cu",),
+        rocm=True,
+        doc="decode GEMV (T <= 8) streaming GGUF Q4_0/Q8_0/Q4_K/Q6_K rows in 16-byte coalesced "
+            "loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
+    ),
+    Kernel(
+        name="fp8_gemv",
+        functions=("fp8_gemv",),
+        cuda=("cuda/fp8_gemv.cu",),
+        rocm=True,
+        doc="decode GEMV (T <= 8) streaming FP8 weights (block, channel, tensor scales) in "
+            "16-byte coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -83,6 +83,7 @@ class Env:
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
     gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
+    quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1/v2)
 
 
 VARIABLES = {
@@ -108,7 +109,11 @@ VARIABLES = {
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
     "FREETOKEN_GGUF_GPU_EXPERTS": "GGUF MoE experts stay in their blocks in VRAM (moe_experts_gguf)"
                                   " instead of bf16 (default off: not yet passing its GPU tests)",
+    "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v1 (gguf_matmul / scaled_gemv,"
+                            " default) or v2 (gguf_gemv / fp8_gemv, 16-byte streaming)",
 }
+
+QUANT_GEMV_VARIANTS = ("v1", "v2")
 
 
 def read(environ: dict[str, str] | None = None) -> Env:
@@ -117,6 +122,9 @@ def read(environ: dict[str, str] | None = None) -> Env:
     level = e.get("FREETOKEN_LOG_LEVEL", "info").strip().lower() or "info"
     if level not in ("debug", "info", "warning", "error"):
         raise EnvError(f"FREETOKEN_LOG_LEVEL={level!r}; use debug, info, warning or error")
+    quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v1").strip().lower() or "v1"
+    if quant_gemv not in QUANT_GEMV_VARIANTS:
+        raise EnvError(f"FREETOKEN_QUANT_GEMV={quant_gemv!r}; use v1 or v2")
     return Env(
         cache_root=cache_root,
         kernel_cache_dir=_path(e.get("FREETOKEN_KERNEL_CACHE_DIR"), None),
@@ -137,5 +145,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         gguf_gpu_experts=_bool("FREETOKEN_GGUF_GPU_EXPERTS", e.get("FREETOKEN_GGUF_GPU_EXPERTS"),
                                False),
+        quant_gemv=quant_gemv,
     )
 

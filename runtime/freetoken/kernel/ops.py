@@ -133,6 +133,14 @@ def gguf_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype
     _fn("gguf_matmul", x.device)(out, x, qweight, qtype)
 
 
+def gguf_gemv(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+              rows: int = 0) -> None:
+    """GPU decode product (x rows T <= 8) as gguf_matmul, for Q4_0/Q8_0/Q4_K/Q6_K rows whose
+    byte length is a multiple of 16: 16-byte coalesced loads, `rows` weight rows per warp (1, 2
+    or 4; 0 picks by T). out bf16 or f32, rows may be a column slice."""
+    _fn("gguf_gemv", x.device)(out, x, qweight, qtype, rows)
+
+
 def gguf_dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
                          qtype: int) -> None:
     """GPU: out[T, K] (bf16 or f32) = dequant(qweight[ids]), the quantized embedding lookup
@@ -320,6 +328,14 @@ def scaled_gemv(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor, scales: 
     uint8 e4m3 bytes [N, K/16] (the block arguments are ignored). row_scale float32 [N];
     x, out bf16/f16/f32; K a multiple of 16."""
     _fn("scaled_gemv", x.device)(out, x, data, scales, row_scale, fmt, block_n, block_k)
+
+
+def fp8_gemv(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+             row_scale: torch.Tensor, block_n: int, block_k: int, rows: int = 0) -> None:
+    """GPU decode product (T <= 8) as scaled_gemv for FP8 (fmt 0) with x, out bf16 or f16 and
+    block_k a power of two >= 16 or >= K: 16-byte coalesced loads, `rows` weight rows per warp
+    (1, 2 or 4; 0 picks by T)."""
+    _fn("fp8_gemv", x.device)(out, x, data, scales, row_scale, block_n, block_k, rows)
 
 
 def scaled_dequantize(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,

@@ -47,8 +47,12 @@ class QuantLinear:
         from freetoken.kernel import ops
 
         self.strided_out = is_torch(weight.data)
+        self._gemv = None
         if self.strided_out:
+            from freetoken.models.forward import quant_gemv
+
             self._matmul = ops.bind("gguf_matmul", weight.data.device)
+            self._gemv = quant_gemv.gguf_decode(weight.qtype, weight.data)
             self.data = weight.data
         else:
             self._matmul = ops.bind("quant_matmul", "cpu")
@@ -57,7 +61,10 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, out: Array, x: Array) -> None:
-        self._matmul(out, x, self.data, self.qtype)
+        if self._gemv is not None and x.shape[0] <= 8:     # quant_gemv.GEMV_MAX_TOKENS
+            self._gemv(out, x, self.data, self.qtype, 0)
+        else:
+            self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:
             array_view(out)[...] += self.bias
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from freetoken.models.forward import quant_gemv
 from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
 
 GEMV_MAX_TOKENS = 8        # kernels/cuda/scaled_gemm.cu kMaxTokens
@@ -53,12 +54,15 @@ class ScaledLinear:
             self.out_features, dtype=torch.float32, device=device)
         self.format = _FORMAT_IDS[weight.format]
         self.block = weight.block
+        self._fp8 = quant_gemv.fp8_decode(self.format, self.block, self.data)
         self.bias = bias
 
     def __call__(self, out, x) -> None:
         import torch
 
-        if x.shape[0] <= GEMV_MAX_TOKENS:
+        if x.shape[0] <= GEMV_MAX_TOKENS and self._fp8 is not None and x.dtype != torch.float32:
+            self._fp8(out, x, self.data, self.scales, self.row_scale, *self.block, 0)
+        elif x.shape[0] <= GEMV_MAX_TOKENS:
             self._gemv(out, x, self.data, self.scales, self.row_scale, self.format, *self.block)
         else:
             w = scratch(x.device, x.dtype, self.out_features * self.in_features)

@@ -1,0 +1,47 @@
+"""Which decode GEMV a quantized GPU projection runs (FREETOKEN_QUANT_GEMV).
+
+v1: ``gguf_matmul`` / ``scaled_gemv`` for every weight. v2: ``gguf_gemv`` / ``fp8_gemv``
+(kernels/cuda/quant_gemv.cu) for the weights they read, v1 for the rest; prefill batches
+(more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from freetoken import env
+
+GEMV_MAX_TOKENS = 8                 # kernels/cuda/quant_gemv.cu kMaxTokens
+GGUF_TYPES = (2, 8, 12, 14)         # Q4_0, Q8_0, Q4_K, Q6_K: the types gguf_gemv reads
+FP8 = 0                             # scaled_gemv's format id for FP8 e4m3
+
+
+def gguf_reads(qtype: int, row_bytes: int) -> bool:
+    """gguf_gemv reads this weight: one of its types, rows a multiple of 16 bytes."""
+    return qtype in GGUF_TYPES and row_bytes % 16 == 0
+
+
+def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:
+    """fp8_gemv reads this weight: FP8, scale blocks a power of two >= 16 columns wide or one
+    block across the row, rows of whole 16-byte words."""
+    bk = block[1]
+    return (fmt == FP8 and cols % 16 == 0 and block[0] >= 1
+            and (bk >= cols or (bk >= 16 and bk & (bk - 1) == 0)))
+
+
+def _bind(name: str, device: Any) -> Callable | None:
+    if env.read().quant_gemv != "v2":
+        return None
+    from freetoken.kernel import ops
+
+    return ops.bind(name, device)
+
+
+def gguf_decode(qtype: int, data: Any) -> Callable | None:
+    """gguf_gemv bound to data's device when v2 is selected and reads the weight, else None."""
+    return _bind("gguf_gemv", data.device) if gguf_reads(qtype, data.shape[1]) else None
+
+
+def fp8_decode(fmt: int, block: tuple[int, int], data: Any) -> Callable | None:
+    """fp8_gemv bound to data's device when v2 is selected and reads the weight, else None."""
+    return _bind("fp8_gemv", data.device) if fp8_reads(fmt, block, data.shape[1]) else None

@@ -1,0 +1,138 @@
+"""The streaming decode GEMVs (kernels/cuda/quant_gemv.cu) on the GPU: gguf_gemv against torch
+on the weights gguf's numpy dequantizer reads from the same blocks, fp8_gemv against the
+bit-by-bit float64 dequantization of the FP8 weight; every rows-per-warp variant, T = 1..8,
+an odd N, K at block multiples with a partial last chunk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.kernel import ops
+from freetoken.models.quant import scaled
+from tests.kernel.gguf_random import NAMES, dequantize, random_blocks
+from tests.kernel.test_gguf_gemm import _check
+from tests.models.scaled_checkpoint import e4m3_values, expand, quantize_fp8
+from tests.tolerances import assert_close
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+N = 203                      # odd: the last warp's rows run past N
+VARIANTS = (0, 1, 2, 4)      # rows per warp (0: the kernel's choice)
+# K per type: a single chunk (small) and several chunks with a partial last one (large), rows
+# always whole 16-byte words (Q4_0, Q8_0 and Q6_K need 8 blocks for that).
+GGUF_K = {2: (256, 8192), 8: (256, 4352), 12: (256, 7680), 14: (2048, 6144)}
+
+
+def _gguf(qtype: int, k: int):
+    blocks = random_blocks(qtype, N, k, np.random.default_rng(qtype * 31 + k))
+    w = torch.from_numpy(dequantize(blocks, qtype)).double()
+    return torch.from_numpy(blocks).cuda(), w
+
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_K), ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("size", (0, 1), ids=("one-chunk", "chunks"))
+@pytest.mark.parametrize("rows", VARIANTS)
+def test_gguf_gemv_matches_torch_on_dequantized_weights(qtype, size, rows):
+    k = GGUF_K[qtype][size]
+    qweight, w = _gguf(qtype, k)
+    for t in range(1, 9):
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to("cuda", torch.bfloat16)
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.full((t, N), float("nan"), device="cuda", dtype=dtype)
+            ops.gguf_gemv(out, x, qweight, qtype, rows)
+            _check(out, x, w, gemm=False)
+
+
+def test_gguf_gemv_writes_a_column_slice_only():
+    qweight, w = _gguf(12, 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
+    out = torch.full((3, N + 9), 7.0, device="cuda", dtype=torch.bfloat16)
+    ops.gguf_gemv(out[:, 4:4 + N], x, qweight, 12, 2)
+    _check(out[:, 4:4 + N], x, w, gemm=False)
+    assert (out[:, :4] == 7.0).all() and (out[:, 4 + N:] == 7.0).all()
+
+
+def test_gguf_gemv_refuses_what_it_does_not_read():
+    x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, 4, device="cuda", dtype=torch.float32)
+    q5k = torch.zeros(4, 176, device="cuda", dtype=torch.uint8)
+    with pytest.raises(Exception, match="Q4_0 .2., Q8_0 .8., Q4_K .12. and Q6_K .14."):
+        ops.gguf_gemv(out, x, q5k, 13, 0)
+    q6k = torch.zeros(4, 210, device="cuda", dtype=torch.uint8)   # 210 bytes: not whole words
+    with pytest.raises(Exception, match="multiple of 16 bytes"):
+        ops.gguf_gemv(out, x, q6k, 14, 0)
+    q4k = torch.zeros(4, 144, device="cuda", dtype=torch.uint8)
+    with pytest.raises(Exception, match="rows .weight rows per warp. must be"):
+        ops.gguf_gemv(out, x, q4k, 12, 3)
+    with pytest.raises(Exception, match="at most 8 rows"):
+        ops.gguf_gemv(torch.empty(9, 4, device="cuda"), x.expand(9, 256).contiguous(), q4k, 12, 0)
+
+
+# (N, K, block): 128x128 blocks with a cut last block column, per channel, per tensor
+FP8_CASES = [(N, 4096 + 16, (128, 128)), (N, 1040, (128, 128)), (N, 2048, (1, 2048)),
+             (N, 336, (N, 336))]
+
+
+def _fp8(n, k, block):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+    q, grid = quantize_fp8(w, *block)
+    ref = e4m3_values(q.view(torch.uint8).numpy()) * expand(grid.double().numpy(), *block, n, k)
+    weight = scaled.to_device(scaled.ScaledWeight(scaled.FP8, q, grid, (n, k), block), "cuda")
+    return weight, torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("n, k, block", FP8_CASES)
+@pytest.mark.parametrize("rows", VARIANTS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_fp8_gemv_matches_the_dequantized_weight(n, k, block, rows, dtype):
+    weight, ref = _fp8(n, k, block)
+    data, grid = weight.data.view(torch.uint8), weight.scales.float().contiguous()
+    row_scale = torch.rand(n, generator=torch.Generator().manual_seed(1)) + 0.5
+    ref = ref * row_scale.double()[:, None]
+    for t in range(1, 9):
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
+        out = torch.full((t, n), float("nan"), dtype=dtype, device="cuda")
+        ops.fp8_gemv(out, x.cuda(), data, grid, row_scale.cuda(), *block, rows)
+        # float32 products and sums over K terms (one scale product per 16), then the output
+        # rounding; the error's scale is the root-sum-square of the products
+        rss = ((x.double() ** 2) @ (ref ** 2).T).sqrt()
+        assert_close(out.cpu(), x.double() @ ref.T, dtype, compute=torch.float32, magnitude=rss,
+                     terms=k, msg=f"T={t} rows={rows}")
+
+
+def test_fp8_gemv_refuses_blocks_that_are_not_a_power_of_two():
+    weight, _ = _fp8(64, 192, (64, 96))
+    x = torch.zeros(1, 192, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="power of two"):
+        ops.fp8_gemv(out, x, weight.data.view(torch.uint8), weight.scales.float().contiguous(),
+                     torch.ones(64, device="cuda"), 64, 96, 0)
+
+
+@pytest.mark.parametrize("variant", ("v1", "v2"))
+def test_linears_take_the_selected_gemv(variant, monkeypatch):
+    """QuantLinear and ScaledLinear give the reference product under either variant."""
+    from freetoken.models.config import QuantWeight
+    from freetoken.models.forward.linear import QuantLinear
+    from freetoken.models.forward.scaled_linear import ScaledLinear
+
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", variant)
+    qweight, w = _gguf(12, 512)
+    linear = QuantLinear(QuantWeight(12, qweight, (N, 512)))
+    assert (linear._gemv is not None) == (variant == "v2")
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    out = torch.empty(2, N, device="cuda", dtype=torch.float32)
+    linear(out, x)
+    _check(out, x, w, gemm=False)
+    weight, ref = _fp8(N, 1040, (128, 128))
+    scaled_linear = ScaledLinear(weight)
+    assert (scaled_linear._fp8 is not None) == (variant == "v2")
+    x = torch.randn(4, 1040, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out = torch.empty(4, N, device="cuda", dtype=torch.bfloat16)
+    scaled_linear(out, x.cuda())
+    rss = ((x.double() ** 2) @ (ref ** 2).T).sqrt()
+    assert_close(out.cpu(), x.double() @ ref.T, torch.bfloat16, compute=torch.float32,
+                 magnitude=rss, terms=1040)
