@@ -54,9 +54,13 @@ def _assert_dot_close(out, ref, xn, w, dtype):
     assert (err <= limit).all(), f"max excess {(err - limit).max():.3g} at {np.argmax(err - limit)}"
 
 
-def _groups(n, k):
+VARIANTS = range(len(fused_decode.GEMV_VARIANTS))
+
+
+def _groups(n, k, variant=0):
     """One warp per row, a whole block per row (the split-K reduction), and the rule's pick."""
-    return sorted({32, 256, fused_decode.gemv_group(n, k, _sms())})
+    threads = fused_decode.GEMV_VARIANTS[variant].threads
+    return sorted({32, threads, min(threads, fused_decode.gemv_group(n, k, _sms()))})
 
 
 def _normed(x, norm, eps):
@@ -81,22 +85,24 @@ def _inputs(t, n, k, dtype, seed, x_pad=0):
 @pytest.mark.parametrize("t", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (72, 2048)])
 @pytest.mark.parametrize("norm,bias", [(False, False), (True, False), (True, True)])
-def test_decode_gemv(dtype, t, n, k, norm, bias):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_gemv(dtype, t, n, k, norm, bias, variant):
     x, w, g = _inputs(t, n, k, dtype, seed=n * k + t, x_pad=8)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(_dev(), dtype) if norm else None
     b = torch.randn(n, generator=g).to(_dev(), dtype) if bias else None
     xn = _normed(x, nw, 1e-6)
     ref = xn.float() @ w.float().T + (b.float() if bias else 0)
-    for group in _groups(n, k):
+    for group in _groups(n, k, variant):
         out = torch.full((t, n), float("nan"), device=_dev(), dtype=dtype)
-        ops.decode_gemv(out, x, w, b, nw, 1e-6, group)
+        ops.decode_gemv(out, x, w, b, nw, 1e-6, group, variant)
         _assert_dot_close(out, ref.to(dtype), xn, w, dtype)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,n,k", [(1, 576, 576), (8, 4096, 12288), (5, 2048, 768)])
-def test_decode_gemv_add(dtype, t, n, k):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_gemv_add(dtype, t, n, k, variant):
     x, w, g = _inputs(t, n, k, dtype, seed=7 * n + k)
     residual = torch.randn(t, n, generator=g).to(_dev(), dtype)
     prod = (x.float() @ w.float().T).to(dtype)  # the unfused chain: mm, then the add
@@ -104,9 +110,9 @@ def test_decode_gemv_add(dtype, t, n, k):
     # the product may round to its neighbour (one ulp of it) or, where it nearly cancels,
     # further (its f32 summation order); the sum then rounds once more (2 ulp of |ref|)
     mag = prod.float().abs().cpu().numpy() + _order_error(x, w) / EPS[_dtype_name(dtype)]
-    for group in _groups(n, k):
+    for group in _groups(n, k, variant):
         out = residual.clone()
-        ops.decode_gemv_add(out, x, w, group)
+        ops.decode_gemv_add(out, x, w, group, variant)
         assert_close(out, ref, dtype, magnitude=mag, ulps=2, msg=f"group {group}")
 
 
@@ -115,7 +121,8 @@ def test_decode_gemv_add(dtype, t, n, k):
 @pytest.mark.parametrize("t", [1, 4, 8])
 @pytest.mark.parametrize("inter,k", [(1536, 576), (12288, 4096), (768, 2048)])
 @pytest.mark.parametrize("norm", [False, True])
-def test_decode_gemv_swiglu(dtype, t, inter, k, norm):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_gemv_swiglu(dtype, t, inter, k, norm, variant):
     x, w, g = _inputs(t, 2 * inter, k, dtype, seed=inter + k + t)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(_dev(), dtype) if norm else None
     xn = _normed(x, nw, 1e-5)
@@ -132,9 +139,9 @@ def test_decode_gemv_swiglu(dtype, t, inter, k, norm):
     og, ou = order[:, :inter], order[:, inter:]
     mag = (1.1 * (gf.abs() + og) * uf.abs()
            + torch.nn.functional.silu(gf).abs() * (uf.abs() + ou)).numpy()
-    for group in _groups(inter, k):
+    for group in _groups(inter, k, variant):
         out = torch.full((t, inter), float("nan"), device=_dev(), dtype=dtype)
-        ops.decode_gemv_swiglu(out, x, w, nw, 1e-5, group)
+        ops.decode_gemv_swiglu(out, x, w, nw, 1e-5, group, variant)
         assert_close(out, ref, dtype, magnitude=mag, ulps=1, msg=f"group {group}")
 
 
@@ -147,6 +154,22 @@ def test_decode_gemv_rejects_bad_shapes():
         ops.decode_gemv(out, x, w, None, None, 1e-6, 32)
     with pytest.raises(Exception, match="group"):
         ops.decode_gemv(out[:2], x[:2], w, None, None, 1e-6, 48)
+
+
+@gpu
+def test_decode_gemv_variant_table_matches_the_kernel():
+    """GEMV_VARIANTS mirrors the kernel's table: as many rows, the same block sizes."""
+    x = torch.zeros(2, 64, device=_dev(), dtype=torch.bfloat16)
+    w = torch.zeros(32, 64, device=_dev(), dtype=torch.bfloat16)
+    out = torch.zeros(2, 32, device=_dev(), dtype=torch.bfloat16)
+    count = len(fused_decode.GEMV_VARIANTS)
+    with pytest.raises(Exception, match=rf"variant must be in \[0, {count}\)"):
+        ops.decode_gemv(out, x, w, None, None, 1e-6, 32, count)
+    for variant, knobs in enumerate(fused_decode.GEMV_VARIANTS):
+        ops.decode_gemv(out, x, w, None, None, 1e-6, min(knobs.threads, 256), variant)
+        if knobs.threads < 256:
+            with pytest.raises(Exception, match=f"blocks of {knobs.threads} threads"):
+                ops.decode_gemv(out, x, w, None, None, 1e-6, 2 * knobs.threads, variant)
 
 
 # ---------------------------------------------------------------- rope_store_kv
@@ -238,3 +261,30 @@ def test_fused_decode_is_gpu_16_bit_only(monkeypatch):
         monkeypatch.undo()
     Cfg.qk_norm = "full"
     assert not fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev)
+
+
+def test_tuned_table_entries_are_valid():
+    """What the sweep pasted in names a compiled variant and a group that fits its blocks."""
+    for (projection, n, k, tokens), c in fused_decode.TUNED.items():
+        assert projection in ("qkv", "add", "swiglu") and n > 0 and k % 8 == 0
+        assert 1 <= tokens <= fused_decode.MAX_TOKENS
+        assert 0 <= c.variant < len(fused_decode.GEMV_VARIANTS)
+        assert c.group == 0 or c.group in fused_decode._GROUPS
+        assert c.group <= fused_decode.GEMV_VARIANTS[c.variant].threads
+        assert projection != "add" or c.norm_prologue is None
+
+
+def test_gemv_plan_takes_the_table_over_the_rules(monkeypatch):
+    choice = fused_decode.GemvChoice
+    monkeypatch.setitem(fused_decode.TUNED, ("qkv", 6144, 4096, 1), choice(4, 0, False))
+    monkeypatch.setitem(fused_decode.TUNED, ("qkv", 6144, 4096, 3), choice(2, 64, True))
+    plan = fused_decode.gemv_plan("qkv", 6144, 4096, 132)
+    assert len(plan) == fused_decode.MAX_TOKENS + 1
+    assert plan[1] == choice(4, 32, False)
+    assert plan[2] == choice(0, 32, True)   # unlisted: the rules
+    assert plan[3] == choice(2, 64, True)
+    assert plan[4] == choice(0, 32, False)  # the norm as its own kernel past 2 tokens
+    # the rule's group (256 here) is capped at the variant's block of 128 threads
+    assert fused_decode.gemv_group(64, 16384, 132) == 256
+    monkeypatch.setitem(fused_decode.TUNED, ("add", 64, 16384, 1), choice(4))
+    assert fused_decode.gemv_plan("add", 64, 16384, 132)[1].group == 128
