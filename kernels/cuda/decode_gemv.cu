@@ -155,9 +155,11 @@ __device__ __forceinline__ void store_out(const GemvArgs& a, int n, int t, float
   }
 }
 
-template <typename T, int NT, int MODE, bool NORM, int VARIANT>
-__global__ void __launch_bounds__(Knobs<VARIANT>::kThreads) gemv_kernel(GemvArgs a) {
-  using C = Knobs<VARIANT>;
+// Launched as a programmatic dependent (the pdl knob), the kernel may start before the
+// previous one has finished: nothing but the weights (never written by a kernel) is read
+// before wait_for_inputs(), and nothing is written before it.
+template <typename T, int NT, int MODE, bool NORM, class C>
+__global__ void __launch_bounds__(C::kThreads) gemv_kernel(GemvArgs a) {
   constexpr int NW = MODE == kSwiGLU ? 2 : 1;
   __shared__ float inv_rms[kMaxTokens];
   __shared__ float red[C::kWarps][NW * NT];
@@ -172,6 +174,7 @@ __global__ void __launch_bounds__(Knobs<VARIANT>::kThreads) gemv_kernel(GemvArgs
   for (int r = 0; r < NW; ++r) wrow[r] = w + (live ? n + static_cast<int64_t>(r) * a.n : 0) * k;
   Batch<T, NW, C> first;
   if (C::kPipe) load_batch<T, NW, C>(a, wrow, lane, live, first);  // in flight during the norm
+  if (C::kPipe) wait_for_inputs();
   if (NORM) token_inv_rms<T, NT, C>(a, inv_rms);
   float acc[NW][NT];
 #pragma unroll
@@ -179,6 +182,7 @@ __global__ void __launch_bounds__(Knobs<VARIANT>::kThreads) gemv_kernel(GemvArgs
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
   if (live) dot_rows<T, NT, NW, NORM, C>(a, wrow, inv_rms, lane, first, acc);
+  if (C::kPipe) allow_dependents();  // the next GEMV's weights may start streaming
   int warp = threadIdx.x / kWarp;
 #pragma unroll
   for (int r = 0; r < NW; ++r)
@@ -201,38 +205,73 @@ __global__ void __launch_bounds__(Knobs<VARIANT>::kThreads) gemv_kernel(GemvArgs
   store_out<T, MODE>(a, n, t, v0, v1);
 }
 
+#if !defined(__HIP_PLATFORM_AMD__)
+// Programmatic dependent launch needs sm_90 or newer (the attribute is refused before).
+bool has_pdl(int device) {
+  static int major[64] = {0};  // 0: not asked yet
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0) {
+    FT_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor,
+                                         device));
+  }
+  return major[device] >= 9;
+}
+#endif
+
+template <typename T, int NT, int MODE, bool NORM, class C>
+void launch_kernel(const GemvArgs& a, bool pdl, int device, cudaStream_t stream) {
+  dim3 grid(static_cast<unsigned>(ceil_div(a.n, C::kThreads / a.group)));
+#if !defined(__HIP_PLATFORM_AMD__)
+  if (pdl && has_pdl(device)) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(C::kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    FT_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<T, NT, MODE, NORM, C>, a));
+    return;
+  }
+#endif
+  gemv_kernel<T, NT, MODE, NORM, C><<<grid, C::kThreads, 0, stream>>>(a);
+}
+
 template <typename T, int NT, int MODE, int VARIANT>
-void launch_nt(const GemvArgs& a, cudaStream_t stream) {
-  constexpr int threads = Knobs<VARIANT>::kThreads;
-  dim3 grid(static_cast<unsigned>(ceil_div(a.n, threads / a.group)));
+void launch_nt(const GemvArgs& a, int device, cudaStream_t stream) {
+  constexpr GemvKnobs k = kGemvVariants[VARIANT];
+  using C = Knobs<k.threads, k.unroll, k.load, k.pipe>;
+  static_assert(k.pipe || !k.pdl, "a programmatic dependent must load weights only, first");
   // the residual add never takes the norm prologue: no such instantiation
   if (MODE != kAddResidual && a.norm != nullptr) {
-    gemv_kernel<T, NT, MODE, MODE != kAddResidual, VARIANT><<<grid, threads, 0, stream>>>(a);
+    launch_kernel<T, NT, MODE, MODE != kAddResidual, C>(a, k.pdl, device, stream);
   } else {
-    gemv_kernel<T, NT, MODE, false, VARIANT><<<grid, threads, 0, stream>>>(a);
+    launch_kernel<T, NT, MODE, false, C>(a, k.pdl, device, stream);
   }
 }
 
 template <typename T, int MODE, int VARIANT>
-void launch_variant(const GemvArgs& a, cudaStream_t stream) {
+void launch_variant(const GemvArgs& a, int device, cudaStream_t stream) {
   if (a.tokens <= 1) {
-    launch_nt<T, 1, MODE, VARIANT>(a, stream);
+    launch_nt<T, 1, MODE, VARIANT>(a, device, stream);
   } else if (a.tokens <= 2) {
-    launch_nt<T, 2, MODE, VARIANT>(a, stream);
+    launch_nt<T, 2, MODE, VARIANT>(a, device, stream);
   } else if (a.tokens <= 4) {
-    launch_nt<T, 4, MODE, VARIANT>(a, stream);
+    launch_nt<T, 4, MODE, VARIANT>(a, device, stream);
   } else {
-    launch_nt<T, 8, MODE, VARIANT>(a, stream);
+    launch_nt<T, 8, MODE, VARIANT>(a, device, stream);
   }
 }
 
 template <typename T, int MODE, int VARIANT = 0>
-void launch(const GemvArgs& a, int variant, cudaStream_t stream) {
+void launch(const GemvArgs& a, int variant, int device, cudaStream_t stream) {
   if constexpr (VARIANT < kNumGemvVariants) {
     if (variant == VARIANT) {
-      launch_variant<T, MODE, VARIANT>(a, stream);
+      launch_variant<T, MODE, VARIANT>(a, device, stream);
     } else {
-      launch<T, MODE, VARIANT + 1>(a, variant, stream);
+      launch<T, MODE, VARIANT + 1>(a, variant, device, stream);
     }
   }
 }
@@ -297,13 +336,13 @@ void run_gemv(TensorView out, TensorView x, TensorView w, tvm::ffi::Optional<Ten
   cudaStream_t stream = stream_for(x);
   int v = static_cast<int>(variant);
   if (ft == FloatType::kBF16) {
-    if (mode == kPlain) launch<bf16, kPlain>(a, v, stream);
-    if (mode == kAddResidual) launch<bf16, kAddResidual>(a, v, stream);
-    if (mode == kSwiGLU) launch<bf16, kSwiGLU>(a, v, stream);
+    if (mode == kPlain) launch<bf16, kPlain>(a, v, dev, stream);
+    if (mode == kAddResidual) launch<bf16, kAddResidual>(a, v, dev, stream);
+    if (mode == kSwiGLU) launch<bf16, kSwiGLU>(a, v, dev, stream);
   } else {
-    if (mode == kPlain) launch<f16, kPlain>(a, v, stream);
-    if (mode == kAddResidual) launch<f16, kAddResidual>(a, v, stream);
-    if (mode == kSwiGLU) launch<f16, kSwiGLU>(a, v, stream);
+    if (mode == kPlain) launch<f16, kPlain>(a, v, dev, stream);
+    if (mode == kAddResidual) launch<f16, kAddResidual>(a, v, dev, stream);
+    if (mode == kSwiGLU) launch<f16, kSwiGLU>(a, v, dev, stream);
   }
   check_launch("decode_gemv");
 }

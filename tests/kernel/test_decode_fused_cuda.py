@@ -156,6 +156,61 @@ def test_decode_gemv_rejects_bad_shapes():
         ops.decode_gemv(out[:2], x[:2], w, None, None, 1e-6, 48)
 
 
+def _layer_chain(res, wts, nw, act, qkv, variant):
+    """qkv GEMV (norm prologue), o add, gate/up SwiGLU (norm prologue), down add: each reads
+    what the one before wrote, as in a decode step (a launched-early variant must wait)."""
+    w_qkv, w_o, w_gu, w_down = wts
+    ops.decode_gemv(qkv, res, w_qkv, None, nw, 1e-6, 32, variant)
+    ops.decode_gemv_add(res, qkv[:, :w_o.shape[1]], w_o, 32, variant)
+    ops.decode_gemv_swiglu(act, res, w_gu, nw, 1e-6, 32, variant)
+    ops.decode_gemv_add(res, act, w_down, 32, variant)
+
+
+@gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_gemv_chain_reads_what_the_previous_kernel_wrote(variant, graph):
+    """The layer chain eager and replayed from a CUDA graph, against the same chain of the
+    plain-torch references fed the kernels' own intermediates (a kernel that read its input
+    before the previous one finished would be off by O(1))."""
+    h, inter, t, dtype = 1024, 2048, 2, torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(variant)
+    wts = [(torch.randn(n, k, generator=g) / math.sqrt(k)).to(_dev(), dtype)
+           for n, k in ((2 * h, h), (h, h), (2 * inter, h), (h, inter))]
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(_dev(), dtype)
+    res0 = torch.randn(t, h, generator=g).to(_dev(), dtype)
+    res, act = res0.clone(), torch.empty(t, inter, device=_dev(), dtype=dtype)
+    qkv = torch.empty(t, 2 * h, device=_dev(), dtype=dtype)
+    if graph:
+        _layer_chain(res, wts, nw, act, qkv, variant)  # load the kernels outside the capture
+        res.copy_(res0)
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            _layer_chain(res, wts, nw, act, qkv, variant)
+        res.copy_(res0)
+        cuda_graph.replay()
+    else:
+        _layer_chain(res, wts, nw, act, qkv, variant)
+    # the references, step by step from the kernels' outputs (only the last add is redone)
+    want_qkv = torch.empty_like(qkv)
+    reference.decode_gemv(want_qkv, res0, wts[0], None, nw, 1e-6, 32)
+    _assert_dot_close(qkv, want_qkv.float(), _normed(res0, nw, 1e-6), wts[0], dtype)
+    # the residual between the two adds is not observable: rebuilt by the reference, it may
+    # differ from the kernel's by an ulp here and there, and so may what follows from it; each
+    # of the chain's four roundings moves a result by about an ulp of the largest value, so 8
+    # ulps of it bound the rest, while a stale input moves it by O(its magnitude)
+    mid = res0.clone()
+    reference.decode_gemv_add(mid, qkv[:, :h], wts[1], 32)
+    want_act = torch.empty_like(act)
+    reference.decode_gemv_swiglu(want_act, mid, wts[2], nw, 1e-6, 32)
+    want = mid.clone()
+    reference.decode_gemv_add(want, act, wts[3], 32)
+    for got, ref in ((act, want_act), (res, want)):
+        limit = 8 * EPS["bfloat16"] * ref.float().abs().max().item()
+        assert (got.float() - ref.float()).abs().max().item() <= limit
+
+
 @gpu
 def test_decode_gemv_variant_table_matches_the_kernel():
     """GEMV_VARIANTS mirrors the kernel's table: as many rows, the same block sizes."""

@@ -22,26 +22,47 @@ struct GemvKnobs {
   int load;     // WeightLoad
   bool pipe;    // issue the next batch of loads before the current batch's math (and the
                 // first batch before the RMSNorm prologue's reduction)
+  bool pdl;     // programmatic dependent launch (sm_90+, pipelined variants only): the blocks
+                // start, and load their first weights, while the previous kernel drains
 };
 
+// Rows that differ only in `pdl` share their compiled kernels (it is a launch attribute).
 constexpr GemvKnobs kGemvVariants[] = {
-    {256, 4, kLoadPlain, false},    // 0: the original kernel
-    {256, 4, kLoadNoL1, false},     // 1: cache hint alone
-    {256, 4, kLoadNoL1, true},      // 2: + software pipelining
-    {256, 8, kLoadNoL1, true},      // 3: twice the bytes in flight
-    {128, 4, kLoadNoL1, true},      // 4: smaller blocks (a shorter last wave)
-    {256, 8, kLoadNoL1L2Pf, true},  // 5: 256-byte L2 prefetch
+    {256, 4, kLoadPlain, false, false},    // 0: the original kernel
+    {256, 4, kLoadNoL1, false, false},     // 1: cache hint alone
+    {256, 4, kLoadNoL1, true, false},      // 2: + software pipelining
+    {256, 8, kLoadNoL1, true, false},      // 3: twice the bytes in flight
+    {128, 4, kLoadNoL1, true, false},      // 4: smaller blocks (a shorter last wave)
+    {256, 8, kLoadNoL1L2Pf, true, false},  // 5: 256-byte L2 prefetch
+    {256, 4, kLoadNoL1, true, true},       // 6: 2 launched early
+    {256, 8, kLoadNoL1, true, true},       // 7: 3 launched early
+    {128, 4, kLoadNoL1, true, true},       // 8: 4 launched early
 };
 constexpr int kNumGemvVariants = sizeof(kGemvVariants) / sizeof(kGemvVariants[0]);
 
-template <int I>
+template <int THREADS, int UNROLL, int LOAD, bool PIPE>
 struct Knobs {
-  static constexpr int kThreads = kGemvVariants[I].threads;
-  static constexpr int kWarps = kThreads / kWarp;
-  static constexpr int kUnroll = kGemvVariants[I].unroll;
-  static constexpr int kLoad = kGemvVariants[I].load;
-  static constexpr bool kPipe = kGemvVariants[I].pipe;
+  static constexpr int kThreads = THREADS;
+  static constexpr int kWarps = THREADS / kWarp;
+  static constexpr int kUnroll = UNROLL;
+  static constexpr int kLoad = LOAD;
+  static constexpr bool kPipe = PIPE;
 };
+
+/*! \brief Wait until the kernels this one depends on have finished and their writes are
+ * visible: a no-op unless launched as a programmatic dependent (and before sm_90, or on HIP). */
+__device__ __forceinline__ void wait_for_inputs() {
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+/*! \brief Let the next kernel, if launched as a programmatic dependent, start its blocks. */
+__device__ __forceinline__ void allow_dependents() {
+#if !defined(__HIP_PLATFORM_AMD__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 /*! \brief One 16-byte weight vector, loaded as knob LOAD says (HIP: always a plain load). */
 template <int LOAD, typename T, int V>

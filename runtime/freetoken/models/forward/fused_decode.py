@@ -67,6 +67,8 @@ class GemvVariant:
     unroll: int       # 16-byte weight loads in flight per thread and row
     load: str         # "plain", "no-L1" (ld.global.nc.L1::no_allocate), "no-L1+L2-256B"
     pipelined: bool   # next loads issued before the current math (and before the norm)
+    pdl: bool = False  # programmatic dependent launch (sm_90+): starts while the previous
+                       # kernel drains, loading weights only until that one has finished
 
 
 GEMV_VARIANTS = (
@@ -76,6 +78,9 @@ GEMV_VARIANTS = (
     GemvVariant(256, 8, "no-L1", True),
     GemvVariant(128, 4, "no-L1", True),
     GemvVariant(256, 8, "no-L1+L2-256B", True),
+    GemvVariant(256, 4, "no-L1", True, pdl=True),
+    GemvVariant(256, 8, "no-L1", True, pdl=True),
+    GemvVariant(128, 4, "no-L1", True, pdl=True),
 )
 
 
