@@ -205,6 +205,9 @@ __global__ void __launch_bounds__(C::kThreads) gemv_kernel(GemvArgs a) {
   store_out<T, MODE>(a, n, t, v0, v1);
 }
 
+// ---------------------------------------------------------------- launches and checks
+// (tests/kernel/decode_gemv_emu.cc runs the kernel above on CPU threads, without this part)
+#if !defined(FT_HOST_EMULATION)
 #if !defined(__HIP_PLATFORM_AMD__)
 // Programmatic dependent launch needs sm_90 or newer (the attribute is refused before).
 bool has_pdl(int device) {
@@ -369,9 +372,12 @@ void decode_gemv_swiglu(TensorView out, TensorView x, TensorView gate_up,
            kSwiGLU);
 }
 
+#endif  // !FT_HOST_EMULATION
 }  // namespace
 }  // namespace freetoken
 
+#if !defined(FT_HOST_EMULATION)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_gemv, freetoken::decode_gemv);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_gemv_add, freetoken::decode_gemv_add);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_gemv_swiglu, freetoken::decode_gemv_swiglu);
+#endif
