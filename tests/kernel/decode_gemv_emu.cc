@@ -2,7 +2,8 @@
 // through the stand-in tests/kernel/emu/freetoken/cuda_common.cuh: every variant of
 // freetoken/gemv_knobs.cuh (block size, unroll, pipelined loads; cache hints and programmatic
 // launch are GPU-only and fall back to plain loads / no waits, as on HIP), every token-count
-// instantiation, epilogue and the norm prologue, checked by tests/kernel/test_decode_gemv_emulated.py.
+// instantiation, epilogue and the norm prologue, checked by
+// tests/kernel/test_decode_gemv_emulated.py.
 #include <cmath>
 #include <thread>
 
@@ -62,7 +63,8 @@ void run_nt(const ft::GemvArgs& a) {
   using C = ft::Knobs<k.threads, k.unroll, k.load, k.pipe>;
   auto grid = static_cast<unsigned>(ft::ceil_div(a.n, C::kThreads / a.group));
   if (MODE != ft::kAddResidual && a.norm != nullptr) {
-    launch(grid, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, MODE != ft::kAddResidual, C>(a); });
+    constexpr bool norm = MODE != ft::kAddResidual;
+    launch(grid, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, norm, C>(a); });
   } else {
     launch(grid, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, false, C>(a); });
   }
