@@ -5,14 +5,15 @@
 // + bias; residual += (the o / down projections); SwiGLU over gate/up rows n and n + I.
 // Every intermediate is rounded to the activation dtype where the unfused kernels store it, so
 // the results match the unfused chain up to the f32 summation order.
-#include "freetoken/cuda_common.cuh"
+// Performance knobs (block size, loads in flight, cache hints, pipelining) are compiled as the
+// variants of freetoken/gemv_knobs.cuh and picked per call by `variant` (0: the original);
+// every variant computes the same sums in the same per-thread order up to the f32 reduction.
+#include "freetoken/gemv_knobs.cuh"
 
 namespace freetoken {
 namespace {
 
-constexpr int kThreads = 256;
 constexpr int kMaxTokens = 8;
-constexpr int kWarps = kThreads / kWarp;
 
 enum Epilogue : int { kPlain = 0, kAddResidual = 1, kSwiGLU = 2 };
 
@@ -28,15 +29,15 @@ struct GemvArgs {
 };
 
 // inv_rms[t] for the block's tokens, every thread of the block cooperating.
-template <typename T, int NT>
+template <typename T, int NT, class C>
 __device__ void token_inv_rms(const GemvArgs& a, float* inv_rms) {
-  __shared__ float part[kWarps][kMaxTokens];
+  __shared__ float part[C::kWarps][kMaxTokens];
   constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(a.x);
   float ss[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) ss[t] = 0.f;
-  for (int i = threadIdx.x; i < a.k_vecs; i += kThreads) {
+  for (int i = threadIdx.x; i < a.k_vecs; i += C::kThreads) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t >= a.tokens) break;
@@ -54,55 +55,88 @@ __device__ void token_inv_rms(const GemvArgs& a, float* inv_rms) {
   __syncthreads();
   if (threadIdx.x < NT) {
     float s = 0.f;
-    for (int w = 0; w < kWarps; ++w) s += part[w][threadIdx.x];
+    for (int w = 0; w < C::kWarps; ++w) s += part[w][threadIdx.x];
     inv_rms[threadIdx.x] = rsqrtf(s * a.inv_k + a.eps);
   }
   __syncthreads();
 }
 
-constexpr int kUnroll = 4;  // 16-byte weight loads in flight per thread and row
+// A thread's batch of weight vectors: C::kUnroll of each of its NW rows.
+template <typename T, int NW, class C>
+struct Batch {
+  Vec<T, 16 / sizeof(T)> v[C::kUnroll][NW];
+};
 
-// acc[r][t] += W[row r] . x[t] over this thread's share of the K vectors: vectors lane,
-// lane + group, ... (a group reads whole 16-byte-per-thread rows, coalesced), kUnroll of them
-// loaded before any is used so that enough bytes are in flight to reach HBM bandwidth.
-template <typename T, int NT, int NW, bool NORM>
-__device__ __forceinline__ void dot_rows(const GemvArgs& a, const T* const (&wrow)[NW],
-                                         const float* inv_rms, int lane, float (&acc)[NW][NT]) {
+// Loads the batch whose first vector is i0: vectors i0, i0 + group, ... (a group reads whole
+// 16-byte-per-thread rows, coalesced); those past the row (or of a row past N) are left unset.
+template <typename T, int NW, class C>
+__device__ __forceinline__ void load_batch(const GemvArgs& a, const T* const (&wrow)[NW], int i0,
+                                           bool live, Batch<T, NW, C>& b) {
+  constexpr int V = 16 / sizeof(T);
+#pragma unroll
+  for (int u = 0; u < C::kUnroll; ++u) {
+    int i = i0 + u * a.group;
+#pragma unroll
+    for (int r = 0; r < NW; ++r) {
+      if (live && i < a.k_vecs) {
+        b.v[u][r] = load_weight<C::kLoad, T, V>(wrow[r] + static_cast<int64_t>(i) * V);
+      }
+    }
+  }
+}
+
+// acc[r][t] += the batch's weights . x[t] (x normed on the fly when NORM).
+template <typename T, int NT, int NW, bool NORM, class C>
+__device__ __forceinline__ void fma_batch(const GemvArgs& a, const Batch<T, NW, C>& b, int i0,
+                                          const float (&inv)[NT], float (&acc)[NW][NT]) {
   constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(a.x);
   const T* nw = static_cast<const T*>(a.norm);
+#pragma unroll
+  for (int u = 0; u < C::kUnroll; ++u) {
+    int i = i0 + u * a.group;
+    if (i >= a.k_vecs) break;
+    Vec<T, V> g;
+    if (NORM) g = load_vec<T, V>(nw + i * V);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= a.tokens) break;
+      Vec<T, V> xv = load_vec<T, V>(x + t * a.x_stride + i * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float xf = to_float(xv.v[e]);
+        // the unfused norm stores its output in T: round the same way
+        if (NORM) xf = to_float(from_float<T>(xf * inv[t] * to_float(g.v[e])));
+#pragma unroll
+        for (int r = 0; r < NW; ++r) acc[r][t] += to_float(b.v[u][r].v[e]) * xf;
+      }
+    }
+  }
+}
+
+// acc[r][t] = W[row r] . x[t] over this thread's share of the K vectors, C::kUnroll loads in
+// flight per row so that enough bytes are in flight to reach HBM bandwidth; pipelined, the
+// next batch is in flight during the current one's math (`first` arrives already loaded).
+template <typename T, int NT, int NW, bool NORM, class C>
+__device__ __forceinline__ void dot_rows(const GemvArgs& a, const T* const (&wrow)[NW],
+                                         const float* inv_rms, int lane,
+                                         Batch<T, NW, C>& first, float (&acc)[NW][NT]) {
   float inv[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) inv[t] = NORM ? inv_rms[t] : 1.f;
-  for (int i0 = lane; i0 < a.k_vecs; i0 += kUnroll * a.group) {
-    Vec<T, V> wv[kUnroll][NW];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      int i = i0 + u * a.group;
-#pragma unroll
-      for (int r = 0; r < NW; ++r) {
-        if (i < a.k_vecs) wv[u][r] = load_vec<T, V>(wrow[r] + static_cast<int64_t>(i) * V);
-      }
+  const int step = C::kUnroll * a.group;
+  if constexpr (C::kPipe) {
+    for (int i0 = lane; i0 < a.k_vecs; i0 += step) {
+      Batch<T, NW, C> next;
+      load_batch<T, NW, C>(a, wrow, i0 + step, true, next);
+      fma_batch<T, NT, NW, NORM, C>(a, first, i0, inv, acc);
+      first = next;
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      int i = i0 + u * a.group;
-      if (i >= a.k_vecs) break;
-      Vec<T, V> g;
-      if (NORM) g = load_vec<T, V>(nw + i * V);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t >= a.tokens) break;
-        Vec<T, V> xv = load_vec<T, V>(x + t * a.x_stride + i * V);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float xf = to_float(xv.v[e]);
-          // the unfused norm stores its output in T: round the same way
-          if (NORM) xf = to_float(from_float<T>(xf * inv[t] * to_float(g.v[e])));
-#pragma unroll
-          for (int r = 0; r < NW; ++r) acc[r][t] += to_float(wv[u][r].v[e]) * xf;
-        }
-      }
+  } else {
+    for (int i0 = lane; i0 < a.k_vecs; i0 += step) {
+      Batch<T, NW, C> b;
+      load_batch<T, NW, C>(a, wrow, i0, true, b);
+      fma_batch<T, NT, NW, NORM, C>(a, b, i0, inv, acc);
     }
   }
 }
@@ -121,28 +155,34 @@ __device__ __forceinline__ void store_out(const GemvArgs& a, int n, int t, float
   }
 }
 
-template <typename T, int NT, int MODE, bool NORM>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
+// Launched as a programmatic dependent (the pdl knob), the kernel may start before the
+// previous one has finished: nothing but the weights (never written by a kernel) is read
+// before wait_for_inputs(), and nothing is written before it.
+template <typename T, int NT, int MODE, bool NORM, class C>
+__global__ void __launch_bounds__(C::kThreads) gemv_kernel(GemvArgs a) {
   constexpr int NW = MODE == kSwiGLU ? 2 : 1;
   __shared__ float inv_rms[kMaxTokens];
-  __shared__ float red[kWarps][NW * NT];
-  if (NORM) token_inv_rms<T, NT>(a, inv_rms);
-  int rows_per_block = kThreads / a.group;
+  __shared__ float red[C::kWarps][NW * NT];
+  int rows_per_block = C::kThreads / a.group;
   int r_local = threadIdx.x / a.group, lane = threadIdx.x % a.group;
   int n = blockIdx.x * rows_per_block + r_local;
+  bool live = n < a.n;
+  const T* w = static_cast<const T*>(a.w);
+  int64_t k = static_cast<int64_t>(a.k_vecs) * (16 / sizeof(T));
+  const T* wrow[NW];
+#pragma unroll
+  for (int r = 0; r < NW; ++r) wrow[r] = w + (live ? n + static_cast<int64_t>(r) * a.n : 0) * k;
+  Batch<T, NW, C> first;
+  if (C::kPipe) load_batch<T, NW, C>(a, wrow, lane, live, first);  // in flight during the norm
+  if (C::kPipe) wait_for_inputs();
+  if (NORM) token_inv_rms<T, NT, C>(a, inv_rms);
   float acc[NW][NT];
 #pragma unroll
   for (int r = 0; r < NW; ++r)
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-  if (n < a.n) {
-    const T* w = static_cast<const T*>(a.w);
-    int64_t k = static_cast<int64_t>(a.k_vecs) * (16 / sizeof(T));
-    const T* wrow[NW];
-#pragma unroll
-    for (int r = 0; r < NW; ++r) wrow[r] = w + (n + static_cast<int64_t>(r) * a.n) * k;
-    dot_rows<T, NT, NW, NORM>(a, wrow, inv_rms, lane, acc);
-  }
+  if (live) dot_rows<T, NT, NW, NORM, C>(a, wrow, inv_rms, lane, first, acc);
+  if (C::kPipe) allow_dependents();  // the next GEMV's weights may start streaming
   int warp = threadIdx.x / kWarp;
 #pragma unroll
   for (int r = 0; r < NW; ++r)
@@ -165,26 +205,77 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
   store_out<T, MODE>(a, n, t, v0, v1);
 }
 
-template <typename T, int NT, int MODE>
-void launch_nt(const GemvArgs& a, cudaStream_t stream) {
-  dim3 grid(static_cast<unsigned>(ceil_div(a.n, kThreads / a.group)));
-  if (a.norm != nullptr) {
-    gemv_kernel<T, NT, MODE, true><<<grid, kThreads, 0, stream>>>(a);
+// ---------------------------------------------------------------- launches and checks
+// (tests/kernel/decode_gemv_emu.cc runs the kernel above on CPU threads, without this part)
+#if !defined(FT_HOST_EMULATION)
+#if !defined(__HIP_PLATFORM_AMD__)
+// Programmatic dependent launch needs sm_90 or newer (the attribute is refused before).
+bool has_pdl(int device) {
+  static int major[64] = {0};  // 0: not asked yet
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0) {
+    FT_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor,
+                                         device));
+  }
+  return major[device] >= 9;
+}
+#endif
+
+template <typename T, int NT, int MODE, bool NORM, class C>
+void launch_kernel(const GemvArgs& a, bool pdl, int device, cudaStream_t stream) {
+  dim3 grid(static_cast<unsigned>(ceil_div(a.n, C::kThreads / a.group)));
+#if !defined(__HIP_PLATFORM_AMD__)
+  if (pdl && has_pdl(device)) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(C::kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    FT_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<T, NT, MODE, NORM, C>, a));
+    return;
+  }
+#endif
+  gemv_kernel<T, NT, MODE, NORM, C><<<grid, C::kThreads, 0, stream>>>(a);
+}
+
+template <typename T, int NT, int MODE, int VARIANT>
+void launch_nt(const GemvArgs& a, int device, cudaStream_t stream) {
+  constexpr GemvKnobs k = kGemvVariants[VARIANT];
+  using C = Knobs<k.threads, k.unroll, k.load, k.pipe>;
+  static_assert(k.pipe || !k.pdl, "a programmatic dependent must load weights only, first");
+  // the residual add never takes the norm prologue: no such instantiation
+  if (MODE != kAddResidual && a.norm != nullptr) {
+    launch_kernel<T, NT, MODE, MODE != kAddResidual, C>(a, k.pdl, device, stream);
   } else {
-    gemv_kernel<T, NT, MODE, false><<<grid, kThreads, 0, stream>>>(a);
+    launch_kernel<T, NT, MODE, false, C>(a, k.pdl, device, stream);
   }
 }
 
-template <typename T, int MODE>
-void launch(const GemvArgs& a, cudaStream_t stream) {
+template <typename T, int MODE, int VARIANT>
+void launch_variant(const GemvArgs& a, int device, cudaStream_t stream) {
   if (a.tokens <= 1) {
-    launch_nt<T, 1, MODE>(a, stream);
+    launch_nt<T, 1, MODE, VARIANT>(a, device, stream);
   } else if (a.tokens <= 2) {
-    launch_nt<T, 2, MODE>(a, stream);
+    launch_nt<T, 2, MODE, VARIANT>(a, device, stream);
   } else if (a.tokens <= 4) {
-    launch_nt<T, 4, MODE>(a, stream);
+    launch_nt<T, 4, MODE, VARIANT>(a, device, stream);
   } else {
-    launch_nt<T, 8, MODE>(a, stream);
+    launch_nt<T, 8, MODE, VARIANT>(a, device, stream);
+  }
+}
+
+template <typename T, int MODE, int VARIANT = 0>
+void launch(const GemvArgs& a, int variant, int device, cudaStream_t stream) {
+  if constexpr (VARIANT < kNumGemvVariants) {
+    if (variant == VARIANT) {
+      launch_variant<T, MODE, VARIANT>(a, device, stream);
+    } else {
+      launch<T, MODE, VARIANT + 1>(a, variant, device, stream);
+    }
   }
 }
 
@@ -208,7 +299,8 @@ void check_vector(const TensorView& t, int dev, const TensorView& like, int64_t 
 
 // Checks every operand, fills the arguments and launches epilogue `mode`.
 void run_gemv(TensorView out, TensorView x, TensorView w, tvm::ffi::Optional<TensorView> bias,
-              tvm::ffi::Optional<TensorView> norm, double eps, int64_t group, int mode) {
+              tvm::ffi::Optional<TensorView> norm, double eps, int64_t group, int64_t variant,
+              int mode) {
   int dev = x.device().device_id;
   FloatType ft = float_type(x, "x");
   TVM_FFI_ICHECK(ft != FloatType::kF32) << "decode GEMV takes bfloat16 or float16, not float32";
@@ -229,6 +321,11 @@ void run_gemv(TensorView out, TensorView x, TensorView w, tvm::ffi::Optional<Ten
                                        << " tokens, got " << tokens;
   TVM_FFI_ICHECK(group == 32 || group == 64 || group == 128 || group == 256)
       << "group must be 32, 64, 128 or 256 threads, got " << group;
+  TVM_FFI_ICHECK(variant >= 0 && variant < kNumGemvVariants)
+      << "variant must be in [0, " << kNumGemvVariants << "), got " << variant;
+  TVM_FFI_ICHECK(group <= kGemvVariants[variant].threads)
+      << "variant " << variant << " has blocks of " << kGemvVariants[variant].threads
+      << " threads: group " << group << " does not fit";
   if (bias.has_value()) check_vector(bias.value(), dev, x, n, "bias");
   if (norm.has_value()) check_vector(norm.value(), dev, x, k, "norm_weight");
   if (tokens == 0 || n == 0) return;
@@ -240,14 +337,15 @@ void run_gemv(TensorView out, TensorView x, TensorView w, tvm::ffi::Optional<Ten
              static_cast<int>(group), static_cast<float>(eps), 1.f / static_cast<float>(k)};
   DeviceGuard guard(dev);
   cudaStream_t stream = stream_for(x);
+  int v = static_cast<int>(variant);
   if (ft == FloatType::kBF16) {
-    if (mode == kPlain) launch<bf16, kPlain>(a, stream);
-    if (mode == kAddResidual) launch<bf16, kAddResidual>(a, stream);
-    if (mode == kSwiGLU) launch<bf16, kSwiGLU>(a, stream);
+    if (mode == kPlain) launch<bf16, kPlain>(a, v, dev, stream);
+    if (mode == kAddResidual) launch<bf16, kAddResidual>(a, v, dev, stream);
+    if (mode == kSwiGLU) launch<bf16, kSwiGLU>(a, v, dev, stream);
   } else {
-    if (mode == kPlain) launch<f16, kPlain>(a, stream);
-    if (mode == kAddResidual) launch<f16, kAddResidual>(a, stream);
-    if (mode == kSwiGLU) launch<f16, kSwiGLU>(a, stream);
+    if (mode == kPlain) launch<f16, kPlain>(a, v, dev, stream);
+    if (mode == kAddResidual) launch<f16, kAddResidual>(a, v, dev, stream);
+    if (mode == kSwiGLU) launch<f16, kSwiGLU>(a, v, dev, stream);
   }
   check_launch("decode_gemv");
 }
@@ -255,25 +353,31 @@ void run_gemv(TensorView out, TensorView x, TensorView w, tvm::ffi::Optional<Ten
 /*! \brief out[T, N] = norm?(x) @ weight.T (+ bias); T <= 8, bf16/f16. */
 void decode_gemv(TensorView out, TensorView x, TensorView weight,
                  tvm::ffi::Optional<TensorView> bias, tvm::ffi::Optional<TensorView> norm_weight,
-                 double eps, int64_t group) {
-  run_gemv(out, x, weight, bias, norm_weight, eps, group, kPlain);
+                 double eps, int64_t group, int64_t variant) {
+  run_gemv(out, x, weight, bias, norm_weight, eps, group, variant, kPlain);
 }
 
 /*! \brief residual[T, N] += x @ weight.T (rounded to the dtype first, as the unfused add). */
-void decode_gemv_add(TensorView residual, TensorView x, TensorView weight, int64_t group) {
+void decode_gemv_add(TensorView residual, TensorView x, TensorView weight, int64_t group,
+                     int64_t variant) {
   run_gemv(residual, x, weight, tvm::ffi::Optional<TensorView>(),
-           tvm::ffi::Optional<TensorView>(), 0.0, group, kAddResidual);
+           tvm::ffi::Optional<TensorView>(), 0.0, group, variant, kAddResidual);
 }
 
 /*! \brief out[T, I] = silu(g) * u with [g | u] = norm?(x) @ gate_up.T (gate_up [2I, K]). */
 void decode_gemv_swiglu(TensorView out, TensorView x, TensorView gate_up,
-                        tvm::ffi::Optional<TensorView> norm_weight, double eps, int64_t group) {
-  run_gemv(out, x, gate_up, tvm::ffi::Optional<TensorView>(), norm_weight, eps, group, kSwiGLU);
+                        tvm::ffi::Optional<TensorView> norm_weight, double eps, int64_t group,
+                        int64_t variant) {
+  run_gemv(out, x, gate_up, tvm::ffi::Optional<TensorView>(), norm_weight, eps, group, variant,
+           kSwiGLU);
 }
 
+#endif  // !FT_HOST_EMULATION
 }  // namespace
 }  // namespace freetoken
 
+#if !defined(FT_HOST_EMULATION)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_gemv, freetoken::decode_gemv);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_gemv_add, freetoken::decode_gemv_add);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_gemv_swiglu, freetoken::decode_gemv_swiglu);
+#endif

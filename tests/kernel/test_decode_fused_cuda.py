@@ -3,6 +3,7 @@ run through the plain-torch references; plus the load-time rule, which needs no 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -54,9 +55,13 @@ def _assert_dot_close(out, ref, xn, w, dtype):
     assert (err <= limit).all(), f"max excess {(err - limit).max():.3g} at {np.argmax(err - limit)}"
 
 
-def _groups(n, k):
+VARIANTS = range(len(fused_decode.GEMV_VARIANTS))
+
+
+def _groups(n, k, variant=0):
     """One warp per row, a whole block per row (the split-K reduction), and the rule's pick."""
-    return sorted({32, 256, fused_decode.gemv_group(n, k, _sms())})
+    threads = fused_decode.GEMV_VARIANTS[variant].threads
+    return sorted({32, threads, min(threads, fused_decode.gemv_group(n, k, _sms()))})
 
 
 def _normed(x, norm, eps):
@@ -67,11 +72,18 @@ def _normed(x, norm, eps):
     return xn
 
 
+@functools.lru_cache(maxsize=16)
+def _weight(n, k):
+    """float32 [N, K], made once per shape: every dtype, token count and variant reads it
+    (a 24576 x 4096 randn takes about a second on the host)."""
+    g = torch.Generator(device="cpu").manual_seed(n * k)
+    return torch.randn(n, k, generator=g) / math.sqrt(k)
+
+
 def _inputs(t, n, k, dtype, seed, x_pad=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(t, k + x_pad, generator=g).to(_dev(), dtype)[:, :k]  # strided when padded
-    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(_dev(), dtype)
-    return x, w, g
+    return x, _weight(n, k).to(_dev(), dtype), g
 
 
 # ---------------------------------------------------------------- decode_gemv (+ norm, bias)
@@ -81,22 +93,24 @@ def _inputs(t, n, k, dtype, seed, x_pad=0):
 @pytest.mark.parametrize("t", [1, 3, 8])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (72, 2048)])
 @pytest.mark.parametrize("norm,bias", [(False, False), (True, False), (True, True)])
-def test_decode_gemv(dtype, t, n, k, norm, bias):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_gemv(dtype, t, n, k, norm, bias, variant):
     x, w, g = _inputs(t, n, k, dtype, seed=n * k + t, x_pad=8)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(_dev(), dtype) if norm else None
     b = torch.randn(n, generator=g).to(_dev(), dtype) if bias else None
     xn = _normed(x, nw, 1e-6)
     ref = xn.float() @ w.float().T + (b.float() if bias else 0)
-    for group in _groups(n, k):
+    for group in _groups(n, k, variant):
         out = torch.full((t, n), float("nan"), device=_dev(), dtype=dtype)
-        ops.decode_gemv(out, x, w, b, nw, 1e-6, group)
+        ops.decode_gemv(out, x, w, b, nw, 1e-6, group, variant)
         _assert_dot_close(out, ref.to(dtype), xn, w, dtype)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,n,k", [(1, 576, 576), (8, 4096, 12288), (5, 2048, 768)])
-def test_decode_gemv_add(dtype, t, n, k):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_gemv_add(dtype, t, n, k, variant):
     x, w, g = _inputs(t, n, k, dtype, seed=7 * n + k)
     residual = torch.randn(t, n, generator=g).to(_dev(), dtype)
     prod = (x.float() @ w.float().T).to(dtype)  # the unfused chain: mm, then the add
@@ -104,9 +118,9 @@ def test_decode_gemv_add(dtype, t, n, k):
     # the product may round to its neighbour (one ulp of it) or, where it nearly cancels,
     # further (its f32 summation order); the sum then rounds once more (2 ulp of |ref|)
     mag = prod.float().abs().cpu().numpy() + _order_error(x, w) / EPS[_dtype_name(dtype)]
-    for group in _groups(n, k):
+    for group in _groups(n, k, variant):
         out = residual.clone()
-        ops.decode_gemv_add(out, x, w, group)
+        ops.decode_gemv_add(out, x, w, group, variant)
         assert_close(out, ref, dtype, magnitude=mag, ulps=2, msg=f"group {group}")
 
 
@@ -115,7 +129,8 @@ def test_decode_gemv_add(dtype, t, n, k):
 @pytest.mark.parametrize("t", [1, 4, 8])
 @pytest.mark.parametrize("inter,k", [(1536, 576), (12288, 4096), (768, 2048)])
 @pytest.mark.parametrize("norm", [False, True])
-def test_decode_gemv_swiglu(dtype, t, inter, k, norm):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_gemv_swiglu(dtype, t, inter, k, norm, variant):
     x, w, g = _inputs(t, 2 * inter, k, dtype, seed=inter + k + t)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(_dev(), dtype) if norm else None
     xn = _normed(x, nw, 1e-5)
@@ -132,9 +147,9 @@ def test_decode_gemv_swiglu(dtype, t, inter, k, norm):
     og, ou = order[:, :inter], order[:, inter:]
     mag = (1.1 * (gf.abs() + og) * uf.abs()
            + torch.nn.functional.silu(gf).abs() * (uf.abs() + ou)).numpy()
-    for group in _groups(inter, k):
+    for group in _groups(inter, k, variant):
         out = torch.full((t, inter), float("nan"), device=_dev(), dtype=dtype)
-        ops.decode_gemv_swiglu(out, x, w, nw, 1e-5, group)
+        ops.decode_gemv_swiglu(out, x, w, nw, 1e-5, group, variant)
         assert_close(out, ref, dtype, magnitude=mag, ulps=1, msg=f"group {group}")
 
 
@@ -147,6 +162,77 @@ def test_decode_gemv_rejects_bad_shapes():
         ops.decode_gemv(out, x, w, None, None, 1e-6, 32)
     with pytest.raises(Exception, match="group"):
         ops.decode_gemv(out[:2], x[:2], w, None, None, 1e-6, 48)
+
+
+def _layer_chain(res, wts, nw, act, qkv, variant):
+    """qkv GEMV (norm prologue), o add, gate/up SwiGLU (norm prologue), down add: each reads
+    what the one before wrote, as in a decode step (a launched-early variant must wait)."""
+    w_qkv, w_o, w_gu, w_down = wts
+    ops.decode_gemv(qkv, res, w_qkv, None, nw, 1e-6, 32, variant)
+    ops.decode_gemv_add(res, qkv[:, :w_o.shape[1]], w_o, 32, variant)
+    ops.decode_gemv_swiglu(act, res, w_gu, nw, 1e-6, 32, variant)
+    ops.decode_gemv_add(res, act, w_down, 32, variant)
+
+
+@gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_gemv_chain_reads_what_the_previous_kernel_wrote(variant, graph):
+    """The layer chain eager and replayed from a CUDA graph, against the same chain of the
+    plain-torch references fed the kernels' own intermediates (a kernel that read its input
+    before the previous one finished would be off by O(1))."""
+    h, inter, t, dtype = 1024, 2048, 2, torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(variant)
+    wts = [(torch.randn(n, k, generator=g) / math.sqrt(k)).to(_dev(), dtype)
+           for n, k in ((2 * h, h), (h, h), (2 * inter, h), (h, inter))]
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(_dev(), dtype)
+    res0 = torch.randn(t, h, generator=g).to(_dev(), dtype)
+    res, act = res0.clone(), torch.empty(t, inter, device=_dev(), dtype=dtype)
+    qkv = torch.empty(t, 2 * h, device=_dev(), dtype=dtype)
+    if graph:
+        _layer_chain(res, wts, nw, act, qkv, variant)  # load the kernels outside the capture
+        res.copy_(res0)
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            _layer_chain(res, wts, nw, act, qkv, variant)
+        res.copy_(res0)
+        cuda_graph.replay()
+    else:
+        _layer_chain(res, wts, nw, act, qkv, variant)
+    # the references, step by step from the kernels' outputs (only the last add is redone)
+    want_qkv = torch.empty_like(qkv)
+    reference.decode_gemv(want_qkv, res0, wts[0], None, nw, 1e-6, 32)
+    _assert_dot_close(qkv, want_qkv.float(), _normed(res0, nw, 1e-6), wts[0], dtype)
+    # the residual between the two adds is not observable: rebuilt by the reference, it may
+    # differ from the kernel's by an ulp here and there, and so may what follows from it; each
+    # of the chain's four roundings moves a result by about an ulp of the largest value, so 8
+    # ulps of it bound the rest, while a stale input moves it by O(its magnitude)
+    mid = res0.clone()
+    reference.decode_gemv_add(mid, qkv[:, :h], wts[1], 32)
+    want_act = torch.empty_like(act)
+    reference.decode_gemv_swiglu(want_act, mid, wts[2], nw, 1e-6, 32)
+    want = mid.clone()
+    reference.decode_gemv_add(want, act, wts[3], 32)
+    for got, ref in ((act, want_act), (res, want)):
+        limit = 8 * EPS["bfloat16"] * ref.float().abs().max().item()
+        assert (got.float() - ref.float()).abs().max().item() <= limit
+
+
+@gpu
+def test_decode_gemv_variant_table_matches_the_kernel():
+    """GEMV_VARIANTS mirrors the kernel's table: as many rows, the same block sizes."""
+    x = torch.zeros(2, 64, device=_dev(), dtype=torch.bfloat16)
+    w = torch.zeros(32, 64, device=_dev(), dtype=torch.bfloat16)
+    out = torch.zeros(2, 32, device=_dev(), dtype=torch.bfloat16)
+    count = len(fused_decode.GEMV_VARIANTS)
+    with pytest.raises(Exception, match=rf"variant must be in \[0, {count}\)"):
+        ops.decode_gemv(out, x, w, None, None, 1e-6, 32, count)
+    for variant, knobs in enumerate(fused_decode.GEMV_VARIANTS):
+        ops.decode_gemv(out, x, w, None, None, 1e-6, min(knobs.threads, 256), variant)
+        if knobs.threads < 256:
+            with pytest.raises(Exception, match=f"blocks of {knobs.threads} threads"):
+                ops.decode_gemv(out, x, w, None, None, 1e-6, 2 * knobs.threads, variant)
 
 
 # ---------------------------------------------------------------- rope_store_kv
@@ -238,3 +324,30 @@ def test_fused_decode_is_gpu_16_bit_only(monkeypatch):
         monkeypatch.undo()
     Cfg.qk_norm = "full"
     assert not fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev)
+
+
+def test_tuned_table_entries_are_valid():
+    """What the sweep pasted in names a compiled variant and a group that fits its blocks."""
+    for (projection, n, k, tokens), c in fused_decode.TUNED.items():
+        assert projection in ("qkv", "add", "swiglu") and n > 0 and k % 8 == 0
+        assert 1 <= tokens <= fused_decode.MAX_TOKENS
+        assert 0 <= c.variant < len(fused_decode.GEMV_VARIANTS)
+        assert c.group == 0 or c.group in fused_decode._GROUPS
+        assert c.group <= fused_decode.GEMV_VARIANTS[c.variant].threads
+        assert projection != "add" or c.norm_prologue is None
+
+
+def test_gemv_plan_takes_the_table_over_the_rules(monkeypatch):
+    choice = fused_decode.GemvChoice
+    monkeypatch.setitem(fused_decode.TUNED, ("qkv", 6144, 4096, 1), choice(4, 0, False))
+    monkeypatch.setitem(fused_decode.TUNED, ("qkv", 6144, 4096, 3), choice(2, 64, True))
+    plan = fused_decode.gemv_plan("qkv", 6144, 4096, 132)
+    assert len(plan) == fused_decode.MAX_TOKENS + 1
+    assert plan[1] == choice(4, 32, False)
+    assert plan[2] == choice(0, 32, True)   # unlisted: the rules
+    assert plan[3] == choice(2, 64, True)
+    assert plan[4] == choice(0, 32, False)  # the norm as its own kernel past 2 tokens
+    # the rule's group (256 here) is capped at the variant's block of 128 threads
+    assert fused_decode.gemv_group(64, 16384, 132) == 256
+    monkeypatch.setitem(fused_decode.TUNED, ("add", 64, 16384, 1), choice(4))
+    assert fused_decode.gemv_plan("add", 64, 16384, 132)[1].group == 128

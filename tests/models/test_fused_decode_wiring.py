@@ -82,3 +82,41 @@ def test_fused_decode_steps_match_transformers(arch, tmp_path, reference_ops):
                 ref = hf(torch.tensor([seqs[seq]])).logits[0, -1]
             assert_logits_close(ours[row], ref, config, msg=f"fused {arch} {chunks} row {row}")
             assert_logits_close(theirs[row], ref, config, msg=f"plain {arch} {chunks}")
+
+
+def test_tuned_choices_reach_the_kernels(tmp_path, reference_ops, monkeypatch):
+    """A TUNED entry's variant and group reach the kernel calls, and moving the norm out of
+    the prologue (rms_norm first) leaves the logits as close to transformers as before."""
+    hf = tiny_hf_model("qwen3", tmp_path, seed=5, **SHAPE)
+    h, inter = SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    qkv_rows = (SHAPE["num_attention_heads"] + 2 * SHAPE["num_key_value_heads"]) * 16
+    choices = {("qkv", qkv_rows, h, 1): fused_decode.GemvChoice(3, 64, False),
+               ("swiglu", inter, h, 1): fused_decode.GemvChoice(4, 0, False),
+               ("add", h, h, 1): fused_decode.GemvChoice(5, 0),
+               ("add", h, inter, 1): fused_decode.GemvChoice(2, 128)}
+    for key, choice in choices.items():
+        monkeypatch.setitem(fused_decode.TUNED, key, choice)
+    calls = []
+
+    def recording(name):
+        def call(*args):
+            calls.append((name, args[-2], args[-1]))  # (kernel, group, variant)
+            getattr(reference, name)(*args)
+        return call
+
+    for name in FUSED_OPS[:3]:
+        monkeypatch.setattr(ops, name, recording(name))
+    config, _, fused = _models(tmp_path)
+    runner = PagedRunner(fused, num_blocks=16, block_size=4, seed=2)
+    prompt = list(range(3, 12))
+    runner.step([(0, prompt)])
+    calls.clear()
+    logits = runner.step([(0, [7])])[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + [7]])).logits[0, -1]
+    assert_logits_close(logits, ref, config, msg="tuned fused step")
+    group = fused_decode.gemv_group
+    expected = [("decode_gemv", 64, 3), ("decode_gemv_add", group(h, h, 132), 5),
+                ("decode_gemv_swiglu", min(128, group(inter, h, 132)), 4),
+                ("decode_gemv_add", 128, 2)]
+    assert calls == expected * SHAPE["num_hidden_layers"]

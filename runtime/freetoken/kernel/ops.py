@@ -288,23 +288,26 @@ def gdn_recurrence(out: torch.Tensor, qkv: torch.Tensor, ba: torch.Tensor,
 
 def decode_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-                group: int) -> None:
+                group: int, variant: int = 0) -> None:
     """GPU decode projection, T <= 8 tokens, bf16/f16: out[T, N] = xn @ weight[N, K].T (+ bias)
     with xn = rms_norm(x) * norm_weight when norm_weight is given (else x). `group` threads
-    (32/64/128/256) share one output row: see forward/fused_decode.py's gemv_group."""
-    _fn("decode_gemv", x.device)(out, x, weight, bias, norm_weight, eps, group)
+    (32/64/128/256) share one output row: see forward/fused_decode.py's gemv_group. `variant`
+    picks the compiled performance knobs (fused_decode.GEMV_VARIANTS; 0 the original): every
+    variant gives the same result up to the f32 summation order."""
+    _fn("decode_gemv", x.device)(out, x, weight, bias, norm_weight, eps, group, variant)
 
 
 def decode_gemv_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    group: int) -> None:
+                    group: int, variant: int = 0) -> None:
     """In place: residual[T, N] += x[T, K] @ weight.T, the product rounded to the dtype first."""
-    _fn("decode_gemv_add", x.device)(residual, x, weight, group)
+    _fn("decode_gemv_add", x.device)(residual, x, weight, group, variant)
 
 
 def decode_gemv_swiglu(out: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor,
-                       norm_weight: torch.Tensor | None, eps: float, group: int) -> None:
+                       norm_weight: torch.Tensor | None, eps: float, group: int,
+                       variant: int = 0) -> None:
     """out[T, I] = silu(g) * u where [g | u] = xn @ gate_up[2I, K].T (xn as in decode_gemv)."""
-    _fn("decode_gemv_swiglu", x.device)(out, x, gate_up, norm_weight, eps, group)
+    _fn("decode_gemv_swiglu", x.device)(out, x, gate_up, norm_weight, eps, group, variant)
 
 
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

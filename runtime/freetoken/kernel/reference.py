@@ -263,18 +263,18 @@ def _normed(x, norm_weight, eps):
     return xn
 
 
-def decode_gemv(out, x, weight, bias, norm_weight, eps, group):
+def decode_gemv(out, x, weight, bias, norm_weight, eps, group, variant=0):
     """The unfused chain: [rms_norm], mm (+ bias), rounded once to out's dtype."""
     y = _normed(x, norm_weight, eps).float() @ weight.float().T
     out.copy_((y + bias.float() if bias is not None else y).to(out.dtype))
 
 
-def decode_gemv_add(residual, x, weight, group):
+def decode_gemv_add(residual, x, weight, group, variant=0):
     prod = (x.float() @ weight.float().T).to(residual.dtype)
     residual.copy_((residual.float() + prod.float()).to(residual.dtype))
 
 
-def decode_gemv_swiglu(out, x, gate_up, norm_weight, eps, group):
+def decode_gemv_swiglu(out, x, gate_up, norm_weight, eps, group, variant=0):
     silu_and_mul(out, (_normed(x, norm_weight, eps).float() @ gate_up.float().T).to(out.dtype))
 
 

@@ -22,6 +22,7 @@ stores it, so the two paths differ only in the f32 summation order of the dot pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from freetoken.kernel import ops
@@ -54,6 +55,62 @@ def gemv_group(rows: int, k: int, sms: int) -> int:
            and k // 8 >= 4 * group):
         group *= 2
     return group
+
+
+@dataclass(frozen=True)
+class GemvVariant:
+    """One compiled set of decode_gemv's performance knobs: a row of kGemvVariants in
+    kernels/include/freetoken/gemv_knobs.cuh, whose index is the kernel's `variant` argument
+    (keep the two tables in step; the GPU tests run every row)."""
+
+    threads: int      # per block: group may not exceed it
+    unroll: int       # 16-byte weight loads in flight per thread and row
+    load: str         # "plain", "no-L1" (ld.global.nc.L1::no_allocate), "no-L1+L2-256B"
+    pipelined: bool   # next loads issued before the current math (and before the norm)
+    pdl: bool = False  # programmatic dependent launch (sm_90+): starts while the previous
+                       # kernel drains, loading weights only until that one has finished
+
+
+GEMV_VARIANTS = (
+    GemvVariant(256, 4, "plain", False),          # 0: the original kernel, the default
+    GemvVariant(256, 4, "no-L1", False),
+    GemvVariant(256, 4, "no-L1", True),
+    GemvVariant(256, 8, "no-L1", True),
+    GemvVariant(128, 4, "no-L1", True),
+    GemvVariant(256, 8, "no-L1+L2-256B", True),
+    GemvVariant(256, 4, "no-L1", True, pdl=True),
+    GemvVariant(256, 8, "no-L1", True, pdl=True),
+    GemvVariant(128, 4, "no-L1", True, pdl=True),
+)
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """How one projection runs at one token count. 0 / None mean "the rule": group from
+    gemv_group, the norm in the prologue up to NORM_IN_PROLOGUE_TOKENS tokens (else rms_norm
+    runs first as its own kernel; ignored for the residual-add projections)."""
+
+    variant: int = 0
+    group: int = 0
+    norm_prologue: bool | None = None
+
+
+# (projection, N, K, tokens) -> GemvChoice: the fastest measured by benchmarks/gemv_sweep.py
+# (which prints this table) on an H200. projection: "qkv" (norm prologue, optional bias), "add"
+# (o and down: residual +=), "swiglu" (gate/up, N = I). Unlisted shapes take the rules.
+TUNED: dict[tuple[str, int, int, int], GemvChoice] = {}
+
+
+def gemv_plan(projection: str, n: int, k: int, sms: int) -> tuple[GemvChoice, ...]:
+    """The choice for each token count 0..MAX_TOKENS, the rules filled in (no zero, no None)."""
+    plan = []
+    for tokens in range(MAX_TOKENS + 1):
+        c = TUNED.get((projection, n, k, tokens), GemvChoice())
+        group = min(c.group or gemv_group(n, k, sms), GEMV_VARIANTS[c.variant].threads)
+        prologue = (tokens <= NORM_IN_PROLOGUE_TOKENS if c.norm_prologue is None
+                    else c.norm_prologue)
+        plan.append(GemvChoice(c.variant, group, prologue))
+    return tuple(plan)
 
 
 def _matrix(weight):
@@ -120,21 +177,22 @@ class FusedLayer:
         self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
         self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
         h = cfg.hidden_size
-        self.g_qkv = gemv_group(self.qkv.shape[0], h, sms)
-        self.g_o = gemv_group(h, cfg.q_size, sms)
+        self.p_qkv = gemv_plan("qkv", self.qkv.shape[0], h, sms)
+        self.p_o = gemv_plan("add", h, cfg.q_size, sms)
         self.dense = not cfg.is_sparse(index)
         if self.dense:
             self.gate_up, self.down = _matrix(w["gate_up"]), w["down"]
             inter = self.down.shape[1]
-            self.g_up = gemv_group(inter, h, sms)
-            self.g_down = gemv_group(h, inter, sms)
+            self.p_up = gemv_plan("swiglu", inter, h, sms)
+            self.p_down = gemv_plan("add", h, inter, sms)
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:
         """w.residual holds this layer's input; on return, its output (neither normed)."""
-        a, eps = self.attn, self.eps
-        x, norm = self._normed_input(w, batch.num_tokens, self.input_norm)
-        self.gemv(w.qkv, x, self.qkv, self.bias, norm, eps, self.g_qkv)
+        a, eps, t = self.attn, self.eps, batch.num_tokens
+        c = self.p_qkv[t]
+        x, norm = self._normed_input(w, c, self.input_norm)
+        self.gemv(w.qkv, x, self.qkv, self.bias, norm, eps, c.group, c.variant)
         q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
         self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
                            batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
@@ -142,20 +200,23 @@ class FusedLayer:
         self.ops.paged_attention(w.attn3, w.q3_cols, k_cache, v_cache, batch.block_tables,
                                  batch.seq_lens, batch.query_start_loc, block_size, a.scale,
                                  a.window, *self.ops.attn_extra)
-        self.gemv_add(w.residual, w.attn, self.o, self.g_o)
+        self.gemv_add(w.residual, w.attn, self.o, self.p_o[t].group, self.p_o[t].variant)
         if self.dense:
-            x, norm = self._normed_input(w, batch.num_tokens, self.post_norm)
-            self.gemv_swiglu(w.act, x, self.gate_up, norm, eps, self.g_up)
-            self.gemv_add(w.residual, w.act, self.down, self.g_down)
+            c = self.p_up[t]
+            x, norm = self._normed_input(w, c, self.post_norm)
+            self.gemv_swiglu(w.act, x, self.gate_up, norm, eps, c.group, c.variant)
+            c = self.p_down[t]
+            self.gemv_add(w.residual, w.act, self.down, c.group, c.variant)
             return
         self.ops.rms_norm(w.hidden, w.residual, self.post_norm, eps)
         y = self.mlp(w.hidden, w)
         w.residual.add_(y)  # rounded once to the dtype, as the unfused fused_add_rms_norm
 
-    def _normed_input(self, w: WorkViews, tokens: int, weight: Array) -> tuple[Array, Array]:
+    def _normed_input(self, w: WorkViews, choice: GemvChoice,
+                      weight: Array) -> tuple[Array, Array]:
         """(x, the norm weight for the GEMV's prologue or None): the norm runs in the prologue
-        for steps of up to NORM_IN_PROLOGUE_TOKENS tokens, else as rms_norm into w.hidden."""
-        if tokens <= NORM_IN_PROLOGUE_TOKENS:
+        where the choice says so, else as rms_norm into w.hidden."""
+        if choice.norm_prologue:
             return w.residual, weight
         self.ops.rms_norm(w.hidden, w.residual, weight, self.eps)
         return w.hidden, None
