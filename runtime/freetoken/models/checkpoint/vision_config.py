@@ -4,11 +4,11 @@ how images are preprocessed (preprocessor_config.json). Text-only folders have n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from freetoken.models.checkpoint.hf import read_json
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.vision.inputs import VisionPreprocess
 
@@ -122,18 +122,6 @@ def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | No
     return config
 
 
-def _read_preprocessor(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFormatError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{path}: expected a JSON object")
-    return value
-
-
 def _triple(pre: dict, key: str, default: tuple, where: Path) -> tuple[float, float, float]:
     value = pre.get(key, default)
     if (not isinstance(value, (list, tuple)) or len(value) != 3
@@ -148,7 +136,7 @@ def read_vision_preprocess(directory: Path, config: VisionConfig,
     min/max pixels (`min_pixels`/`max_pixels` or `size.shortest_edge`/`size.longest_edge`),
     image_mean and image_std, the HF Qwen2-VL processor's defaults where absent."""
     path = directory / "preprocessor_config.json"
-    pre = _read_preprocessor(path)
+    pre = read_json(path, required=False)
     size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
     min_pixels = pre.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
     max_pixels = pre.get("max_pixels", size.get("longest_edge", DEFAULT_MAX_PIXELS))
