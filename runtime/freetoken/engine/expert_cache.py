@@ -12,6 +12,10 @@ Per MoE layer call (``run``):
   says so, computed on the CPU from host memory while the GPU runs), the map is uploaded, and
   the kernel waits for the copies' event. When the misses do not fit beside the layer's hits,
   they go through staging buffer 0 instead.
+- decode in CUDA graph segments (engine/segment_graphs.py): the same per layer, but the engine
+  calls ``prepare_segment`` between two replays (the ids arrive through a pinned buffer and an
+  event), the map is uploaded only when a routed entry changed, and misses are always copied
+  (the co-execution policy runs eager steps only).
 - prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts
   stream whole through the staging buffers, never entering the LRU (no thrashing): layer l
   reads buffer l % 2 while layer l + 1's experts are copied into the other (double buffering).
@@ -31,6 +35,9 @@ class _NoEvent:
     """Stands in for a CUDA event on the CPU (tests), where every copy is synchronous."""
 
     def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
         pass
 
 
@@ -82,6 +89,11 @@ class ExpertCache:
         # Set by the engine before each forward: True for steps with a prompt chunk (they
         # stream), False for decode-only steps; None: decide by T * K >= E.
         self.prefill: bool | None = None
+        # Set while decode graph segments are captured (engine/segment_graphs.py): called with
+        # (layer, topk_ids) where a segment ends, before the layer's experts kernel.
+        self.segment_hook: Callable[[int, Any], None] | None = None
+        self._ids_host = None          # pinned int32: the routed ids of one layer, flat
+        self._ids_ready = torch.cuda.Event() if self.is_cuda else _NoEvent()
 
     # ---- pool --------------------------------------------------------------------------------
 
@@ -177,43 +189,13 @@ class ExpertCache:
             self._stage_layer(layer + 1, 1 - buf)     # overlaps this layer's kernel
 
     def _decode(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
-        import numpy as np
-
+        if self.segment_hook is not None:             # capturing decode graph segments
+            self.segment_hook(layer, topk_ids)
+            self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self.maps_dev[layer],
+                        workspace)
+            return
         ids = topk_ids.to("cpu")                      # the one host sync of this layer
-        experts, counts = np.unique(ids.numpy(), return_counts=True)
-        lookup, hits, misses = self.lru.lookup, {}, {}
-        for e, c in zip(experts.tolist(), counts.tolist()):
-            slot = lookup((layer, e))
-            if slot is None:
-                misses[e] = c
-            else:
-                hits[e] = slot
-        self.stats.hits += len(hits)
-        self.stats.misses += len(misses)
-        copy, cpu = (self.policy.split(misses) if self.policy is not None
-                     else (sorted(misses), []))
-        # Experts not routed this step point at slot 0 (never read; the CPU kernel checks every
-        # entry); -1 only marks routed experts the CPU computes, which the GPU kernel skips.
-        # NOTE: this pinned buffer is rewritten only after the next step's sync on this layer's
-        # ids, by which time its last upload has long completed.
-        emap = self._maps_np[layer]
-        emap.fill(0)
-        emap[cpu] = -1
-        emap[list(hits)] = list(hits.values())
-        keep = {(layer, e) for e in hits}
-        with self._copy_ctx():
-            if self.lru.can_place(len(copy), keep):
-                for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
-                    self._copy_expert(layer, e, slot)
-                    emap[e] = slot
-            else:                                     # overflow: through staging buffer 0
-                base, self._staged[0] = self._staging_base(0), -1
-                for e in copy:
-                    self._copy_expert(layer, e, base + e)
-                    emap[e] = base + e
-            self._copied.record(self.copy_stream)
-        self._compute_wait(self._copied)
-        self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+        cpu = self._route(layer, ids.numpy(), eager=True)
         host_x = host_w = None
         if cpu:
             host_x, host_w = x.to("cpu"), topk_weights.to("cpu")
@@ -224,6 +206,74 @@ class ExpertCache:
                                cpu)
             out.add_(part.to(device=out.device, dtype=out.dtype, non_blocking=True))
             self.stats.cpu_experts += len(cpu)
+
+    def prepare_segment(self, layer: int, topk_ids) -> None:
+        """Between two decode graph segments: read MoE layer `layer`'s routed ids (the real
+        rows of `topk_ids`, still on the device) through a pinned buffer, place its misses and
+        make the map the next segment reads current. The segment before must have been
+        launched on the current stream; the next one is launched after this returns."""
+        torch = self.torch
+        n = topk_ids.numel()
+        if self._ids_host is None or self._ids_host.numel() < n:
+            self._ids_host = torch.empty(n, dtype=torch.int32, pin_memory=self.is_cuda)
+        host = self._ids_host[:n]
+        host.copy_(topk_ids.reshape(-1), non_blocking=True)
+        if self.is_cuda:                              # the one host sync of this layer
+            self._ids_ready.record(torch.cuda.current_stream(self.device))
+            self._ids_ready.synchronize()
+        if layer == 0:
+            self.stats.tokens += topk_ids.shape[0]
+        self._route(layer, host.numpy(), eager=False)
+
+    def _route(self, layer: int, ids, eager: bool) -> list[int]:
+        """Look up MoE layer `layer`'s routed experts (ids: numpy int [T, K] or flat), copy the
+        misses into slots on the copy stream, make the compute stream wait for them and upload
+        the layer's map when it changed. Returns the experts the CPU computes (eager only).
+
+        The map's entries of experts not routed this step are stale but always a slot in range
+        (or -1: skipped), so only routed entries are written; eager steps reset the map first,
+        as the CPU kernel checks every entry. NOTE: the pinned map is rewritten only after the
+        next step's sync on this layer's ids, by which time its last upload has completed."""
+        import numpy as np
+
+        experts, counts = np.unique(ids, return_counts=True)
+        lookup, hits, misses = self.lru.lookup, {}, {}
+        for e, c in zip(experts.tolist(), counts.tolist()):
+            slot = lookup((layer, e))
+            if slot is None:
+                misses[e] = c
+            else:
+                hits[e] = slot
+        self.stats.hits += len(hits)
+        self.stats.misses += len(misses)
+        copy, cpu = (self.policy.split(misses) if self.policy is not None and eager
+                     else (sorted(misses), []))
+        want = dict.fromkeys(cpu, -1)
+        want.update(hits)
+        if copy:
+            keep = {(layer, e) for e in hits}
+            with self._copy_ctx():
+                if self.lru.can_place(len(copy), keep):
+                    for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
+                        self._copy_expert(layer, e, slot)
+                        want[e] = slot
+                else:                                 # overflow: through staging buffer 0
+                    base, self._staged[0] = self._staging_base(0), -1
+                    for e in copy:
+                        self._copy_expert(layer, e, base + e)
+                        want[e] = base + e
+                self._copied.record(self.copy_stream)
+            self._compute_wait(self._copied)
+        emap = self._maps_np[layer]
+        keys = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
+        slots = np.fromiter(want.values(), dtype=np.int32, count=len(want))
+        if eager:
+            emap.fill(0)
+        elif np.array_equal(emap[keys], slots):
+            return cpu                                # all hits in their mapped slots
+        emap[keys] = slots
+        self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+        return cpu
 
     def check_integrity(self) -> None:
         self.lru.check_integrity()
