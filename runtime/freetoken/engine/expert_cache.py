@@ -142,7 +142,7 @@ class ExpertCache:
     def run(self, layer: int, out, x, topk_ids, topk_weights, workspace) -> None:
         """The routed experts of MoE layer `layer` into out (overwritten), as moe_experts."""
         tokens, top_k = topk_ids.shape
-        if layer == 0:
+        if layer == 0 and self.segment_hook is None:    # segments count in prepare_segment
             self.stats.tokens += tokens
         stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
         if stream:
