@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.expert_cache import ExpertCache, cpu_experts
+from freetoken.engine.expert_cache import ExpertCache
 from freetoken.engine.expert_slots import SlotLRU
-from freetoken.engine.offload_policy import CoExecPolicy, Throughput
+from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
 from freetoken.kernel import reference
 
 E, H, I, K, LAYERS = 8, 32, 16, 2, 3
@@ -224,3 +224,12 @@ def test_graph_segments_never_hand_misses_to_the_cpu(experts):
     cache.prefill = False
     run_segments(cache, w13, w2, steps=3, tokens=2, real=2)
     assert cache.stats.cpu_experts == 0 and cache.stats.misses > 0
+
+
+def test_a_layer_lookup_touches_its_hits_like_single_lookups():
+    lru = SlotLRU(4)
+    lru.place([(0, 1), (0, 2), (1, 1), (0, 3)], keep=())
+    hits, misses = lru.lookup_layer(0, [3, 5, 1])
+    assert hits == {3: 3, 1: 0} and misses == [5]
+    (_, _, evicted), = lru.place([(2, 0)], keep=())
+    assert evicted == (0, 2)                 # (0, 1) and (0, 3) were touched, (1, 1) is newer

@@ -25,10 +25,11 @@ Indices: `layer` counts MoE layers only (0 .. moe_layers - 1), not decoder layer
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Any, Callable
 
 from freetoken.engine.expert_slots import OffloadStats, SlotLRU
-from freetoken.engine.offload_policy import CoExecPolicy
+from freetoken.engine.offload_policy import CoExecPolicy, cpu_experts
 
 
 class _NoEvent:
@@ -75,6 +76,7 @@ class ExpertCache:
         self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
                          for _ in range(self.num_layers)]
         self._maps_np = [m.numpy() for m in self.maps_host]    # views: written in place
+        self._maps_list = [[-1] * e for _ in range(self.num_layers)]   # the same, to compare
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
@@ -92,7 +94,8 @@ class ExpertCache:
         # Set while decode graph segments are captured (engine/segment_graphs.py): called with
         # (layer, topk_ids) where a segment ends, before the layer's experts kernel.
         self.segment_hook: Callable[[int, Any], None] | None = None
-        self._ids_host = None          # pinned int32: the routed ids of one layer, flat
+        self._ids_host = self._ids_np = None   # pinned int32: the routed ids of one layer
+        self._ids_views: dict = {}
         self._ids_ready = torch.cuda.Event() if self.is_cuda else _NoEvent()
 
     # ---- pool --------------------------------------------------------------------------------
@@ -208,25 +211,33 @@ class ExpertCache:
             self.stats.cpu_experts += len(cpu)
 
     def prepare_segment(self, layer: int, topk_ids) -> None:
-        """Between two decode graph segments: read MoE layer `layer`'s routed ids (the real
-        rows of `topk_ids`, still on the device) through a pinned buffer, place its misses and
-        make the map the next segment reads current. The segment before must have been
+        """Between two decode graph segments: read MoE layer `layer`'s routed ids (topk_ids:
+        the real rows [B, K], still on the device) through a pinned buffer, place its misses
+        and make the map the next segment reads current. The segment before must have been
         launched on the current stream; the next one is launched after this returns."""
-        torch = self.torch
-        n = topk_ids.numel()
-        if self._ids_host is None or self._ids_host.numel() < n:
-            self._ids_host = torch.empty(n, dtype=torch.int32, pin_memory=self.is_cuda)
-        host = self._ids_host[:n]
-        host.copy_(topk_ids.reshape(-1), non_blocking=True)
+        shape = tuple(topk_ids.shape)
+        host = self._ids_views.get(shape)
+        if host is None:
+            host = self._ids_view(shape)
+        host.copy_(topk_ids, non_blocking=True)
         if self.is_cuda:                              # the one host sync of this layer
-            self._ids_ready.record(torch.cuda.current_stream(self.device))
+            self._ids_ready.record(self.torch.cuda.current_stream(self.device))
             self._ids_ready.synchronize()
         if layer == 0:
-            self.stats.tokens += topk_ids.shape[0]
-        self._route(layer, host.numpy(), eager=False)
+            self.stats.tokens += shape[0]
+        self._route(layer, self._ids_np[:host.numel()], eager=False)
+
+    def _ids_view(self, shape: tuple[int, ...]):
+        """A pinned int32 view of `shape` (kept per shape: views cost a few us per step)."""
+        n = shape[0] * shape[1]
+        if self._ids_host is None or self._ids_host.numel() < n:
+            self._ids_host = self.torch.empty(n, dtype=self.torch.int32, pin_memory=self.is_cuda)
+            self._ids_np, self._ids_views = self._ids_host.numpy(), {}
+        self._ids_views[shape] = view = self._ids_host[:n].view(shape)
+        return view
 
     def _route(self, layer: int, ids, eager: bool) -> list[int]:
-        """Look up MoE layer `layer`'s routed experts (ids: numpy int [T, K] or flat), copy the
+        """Look up MoE layer `layer`'s routed experts (ids: numpy int, any shape), copy the
         misses into slots on the copy stream, make the compute stream wait for them and upload
         the layer's map when it changed. Returns the experts the CPU computes (eager only).
 
@@ -234,16 +245,9 @@ class ExpertCache:
         (or -1: skipped), so only routed entries are written; eager steps reset the map first,
         as the CPU kernel checks every entry. NOTE: the pinned map is rewritten only after the
         next step's sync on this layer's ids, by which time its last upload has completed."""
-        import numpy as np
-
-        experts, counts = np.unique(ids, return_counts=True)
-        lookup, hits, misses = self.lru.lookup, {}, {}
-        for e, c in zip(experts.tolist(), counts.tolist()):
-            slot = lookup((layer, e))
-            if slot is None:
-                misses[e] = c
-            else:
-                hits[e] = slot
+        counts = Counter(ids.ravel().tolist())
+        hits, missed = self.lru.lookup_layer(layer, counts)
+        misses = {e: counts[e] for e in missed}
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
         copy, cpu = (self.policy.split(misses) if self.policy is not None and eager
@@ -251,47 +255,37 @@ class ExpertCache:
         want = dict.fromkeys(cpu, -1)
         want.update(hits)
         if copy:
-            keep = {(layer, e) for e in hits}
-            with self._copy_ctx():
-                if self.lru.can_place(len(copy), keep):
-                    for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
-                        self._copy_expert(layer, e, slot)
-                        want[e] = slot
-                else:                                 # overflow: through staging buffer 0
-                    base, self._staged[0] = self._staging_base(0), -1
-                    for e in copy:
-                        self._copy_expert(layer, e, base + e)
-                        want[e] = base + e
-                self._copied.record(self.copy_stream)
-            self._compute_wait(self._copied)
-        emap = self._maps_np[layer]
-        keys = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
-        slots = np.fromiter(want.values(), dtype=np.int32, count=len(want))
+            want.update(self._copy_misses(layer, copy, hits))
+        emap, mirror = self._maps_np[layer], self._maps_list[layer]
         if eager:
             emap.fill(0)
-        elif np.array_equal(emap[keys], slots):
-            return cpu                                # all hits in their mapped slots
-        emap[keys] = slots
-        self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+            mirror[:] = [0] * len(mirror)
+        changed = eager
+        for e, slot in want.items():
+            if mirror[e] != slot:
+                mirror[e] = emap[e] = slot
+                changed = True
+        if changed:                                   # else: all hits in their mapped slots
+            self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
         return cpu
+
+    def _copy_misses(self, layer: int, copy: list[int], hits: dict[int, int]) -> dict[int, int]:
+        """Copy `copy` into LRU slots (evicting none of the layer's hits) or, when they do not
+        fit, into staging buffer 0; the compute stream waits for them. Returns expert -> slot."""
+        keep, slots = {(layer, e) for e in hits}, {}
+        with self._copy_ctx():
+            if self.lru.can_place(len(copy), keep):
+                for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
+                    self._copy_expert(layer, e, slot)
+                    slots[e] = slot
+            else:                                     # overflow: through staging buffer 0
+                base, self._staged[0] = self._staging_base(0), -1
+                for e in copy:
+                    self._copy_expert(layer, e, base + e)
+                    slots[e] = base + e
+            self._copied.record(self.copy_stream)
+        self._compute_wait(self._copied)
+        return slots
 
     def check_integrity(self) -> None:
         self.lru.check_integrity()
-
-
-def cpu_experts(x, w13, w2, ids, weights, experts: list[int]):
-    """sum over the (t, k) routed to `experts` of weights[t, k] * expert(x[t]), in float32 on
-    the CPU through torch (bf16 host weights are multiplied as they are: no per-call
-    conversion copy). x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids int [T, K], weights [T, K]."""
-    import torch
-
-    inter = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for e in experts:
-        rows, ks = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows].to(w13.dtype)
-        gu = (xe @ w13[e].T).float()
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        y = (act.to(w2.dtype) @ w2[e].T).float()
-        out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
-    return out
