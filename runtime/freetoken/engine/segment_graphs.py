@@ -50,6 +50,7 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # per size, per MoE layer: the workspace's top-k ids the segments write (device)
         self.topk_ids: dict[int, list[torch.Tensor]] = {}
+        self._real_rows: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def capture(self) -> SegmentedDecodeGraphs:
         start, cache = time.perf_counter(), self.cache
@@ -112,10 +113,13 @@ class SegmentedDecodeGraphs(DecodeGraphs):
             ) -> torch.Tensor:
         size = self.load_inputs(batch, previous_tokens)
         b = batch.num_seqs
-        segments, ids = self.segments[size], self.topk_ids[size]
+        rows = self._real_rows.get((size, b))
+        if rows is None:        # the real rows' views, made once (a view costs a few us)
+            rows = self._real_rows[size, b] = [ids[:b] for ids in self.topk_ids[size]]
+        segments = self.segments[size]
         for layer, graph in enumerate(segments[:-1]):
             graph.replay()
-            self.cache.prepare_segment(layer, ids[layer][:b])
+            self.cache.prepare_segment(layer, rows[layer])
         segments[-1].replay()
         return self.outputs[size][:b]
 
