@@ -207,7 +207,11 @@ class ExpertCache:
         if cpu:                                       # runs while the GPU computes the rest
             part = cpu_experts(host_x, self.host_w13[layer], self.host_w2[layer], ids, host_w,
                                cpu)
-            out.add_(part.to(device=out.device, dtype=out.dtype, non_blocking=True))
+            # NOTE: a blocking copy. A non-blocking one from this pageable temporary (and the
+            # bf16 one torch converts it into) may still be reading it when it is freed and
+            # reused by the next layer where the driver maps pageable memory for the GPU
+            # (HMM); the wait costs only the rest of this layer's experts kernel.
+            out.add_(part.to(out.dtype).to(out.device))
             self.stats.cpu_experts += len(cpu)
 
     def prepare_segment(self, layer: int, topk_ids) -> None:
