@@ -18,9 +18,16 @@ through the map instead of the stacked weights through the identity), so the log
 resident graph's, bit for bit.
 
 Cost over the resident graph, per MoE layer, when every expert hits: the GPU idles from the
-end of segment l until segment l + 1 starts, about 25-50 us on a desktop host: the event wake
-(~5 us), the D2H launch (~3 us), np.unique and the LRU look-ups of T * K ids (~10-25 us of
-Python at batch 1-8), the graph launch (~5 us); no map upload when nothing moved.
+end of segment l until segment l + 1 starts: the event wake (~5 us), the D2H launch (~3 us),
+the LRU look-ups (benchmarks/offload_bookkeeping.py: ~9 us at batch 1, ~50 us at batch 8 with
+top-8 of 128 on a busy 2-core host) and the graph launch (~5 us); no map upload when nothing
+moved. So ~20-30 us per layer at batch 1: 12 layers add ~0.3 ms to a ~1.6 ms resident step.
+
+With misses, segment l + 1 waits for all of layer l's copies: the experts that hit do not
+start early, as splitting the experts kernel into hits and misses would add two bf16 partial
+sums (not the resident rounding). At low cache rates the step is bound by the copies (misses
+x expert bytes / H2D bandwidth, ~115 us per 6 MiB expert at 55 GB/s), of which a layer's own
+GPU work (tens of us) could hide only a few percent.
 
 Padding rows (a batch of B < size) route on garbage: only the first B rows' ids are looked up;
 the padding rows' experts read whatever slot their stale map entry names (always a slot in
