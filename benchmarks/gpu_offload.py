@@ -42,9 +42,12 @@ from benchmarks.gpu_moe import build  # noqa: E402
 class TraceRouter:
     """Stands in for a MoE layer's router linear: writes synthetic logits [T, E] = a fixed
     popularity bias (skewed; none for uniform) + noise. The noise is a pseudo-random function
-    of the token's hidden state, sqrt(2) sin(64 x @ P) for a random P [H, E] (unit variance,
-    fresh for every token and layer as hidden states differ), so the router stays a pure
-    device computation that decode CUDA graphs capture."""
+    of the token's hidden state: the mean of 4 terms sqrt(2) sin(64 x @ P_j) for random
+    P_j [H, E], near Gaussian with unit variance and fresh for every token and layer as hidden
+    states differ, so the router stays a pure device computation that decode CUDA graphs
+    capture."""
+
+    TERMS = 4
 
     def __init__(self, num_experts: int, hidden: int, layer: int, mode: str):
         g = torch.Generator(device="cuda").manual_seed(1000 + layer)
@@ -52,10 +55,12 @@ class TraceRouter:
         self.bias = -1.2 * torch.log(rank)               # Zipf-like popularity, in logits
         if mode == "uniform":
             self.bias.zero_()
-        self.proj = torch.randn(hidden, num_experts, generator=g, device="cuda")
+        self.e = num_experts
+        self.proj = torch.randn(hidden, self.TERMS * num_experts, generator=g, device="cuda")
 
     def __call__(self, out, x) -> None:
-        noise = torch.sin(64.0 * (x.float() @ self.proj)) * 2 ** 0.5
+        waves = torch.sin(64.0 * (x.float() @ self.proj)).view(-1, self.TERMS, self.e)
+        noise = waves.sum(1) * (2.0 / self.TERMS) ** 0.5
         out.copy_((self.bias + noise).to(out.dtype))
 
 
