@@ -122,3 +122,15 @@ def test_co_execution_keeps_steps_eager(graphs):
     assert graphs.can_run(decode_batch(1))
     graphs.cache.policy = object()
     assert not graphs.can_run(decode_batch(1))
+
+
+def test_a_failed_capture_falls_back_to_eager_decode(graphs, monkeypatch, caplog):
+    def fail(self):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(SegmentedDecodeGraphs, "capture", fail)
+    monkeypatch.setattr(segment_graphs.torch.cuda, "synchronize", lambda: None)
+    kv = types.SimpleNamespace(num_state_slots=0)
+    with caplog.at_level("WARNING"):
+        got = segment_graphs.capture_decode_graphs(graphs.model, kv, 4, 2, graphs.cache)
+    assert got is None and "decode runs eagerly" in caplog.text
