@@ -54,9 +54,7 @@ def build(directory: Path, layers: int):
     import transformers
 
     from tests.models.helpers import write_byte_bpe
-    from tests.models.test_hybrid_hf import import_hub_kernels
 
-    import_hub_kernels()
     write_byte_bpe(directory)
     config = transformers.Qwen3_5MoeTextConfig(**QWEN36_35B_A3B, num_hidden_layers=layers,
                                                eos_token_id=2, bos_token_id=None)

@@ -233,3 +233,20 @@ def test_a_layer_lookup_touches_its_hits_like_single_lookups():
     assert hits == {3: 3, 1: 0} and misses == [5]
     (_, _, evicted), = lru.place([(2, 0)], keep=())
     assert evicted == (0, 2)                 # (0, 1) and (0, 3) were touched, (1, 1) is newer
+
+
+def test_segments_and_misses_run_in_and_out_of_inference_mode(experts):
+    """Graph segments are captured (and the engine may resize) in inference mode while a caller
+    may replay outside it: the buffers the cache writes in place must accept either mode (the
+    H200 run failed with 'Inplace update to inference tensor outside InferenceMode')."""
+    w13, w2 = experts
+    with torch.inference_mode():
+        cache = ExpertCache(w13, w2, "cpu", 5, slot_kernel)
+        cache.prefill = False
+        run_segments(cache, w13, w2, steps=2, tokens=2, real=2)     # pinned id views made here
+        cache.resize(4)                                             # a new pool made here
+    run_segments(cache, w13, w2, steps=3, tokens=2, real=2, seed=2)
+    run_steps(cache, w13, w2, steps=2, tokens=2)
+    with torch.inference_mode():
+        run_segments(cache, w13, w2, steps=2, tokens=2, real=1, seed=5)
+    assert cache.stats.misses > 0

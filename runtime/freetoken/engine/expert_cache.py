@@ -71,10 +71,11 @@ class ExpertCache:
         self._alloc(num_slots)
         e, i32 = self.num_experts, torch.int32
         pin = self.is_cuda
-        self.maps_host = [torch.full((e,), -1, dtype=i32, pin_memory=pin)
-                          for _ in range(self.num_layers)]
-        self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
-                         for _ in range(self.num_layers)]
+        with torch.inference_mode(False):             # see _alloc
+            self.maps_host = [torch.full((e,), -1, dtype=i32, pin_memory=pin)
+                              for _ in range(self.num_layers)]
+            self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
+                             for _ in range(self.num_layers)]
         self._maps_np = [m.numpy() for m in self.maps_host]    # views: written in place
         self._maps_list = [[-1] * e for _ in range(self.num_layers)]   # the same, to compare
         if self.is_cuda:
@@ -118,6 +119,13 @@ class ExpertCache:
     def _alloc(self, num_slots: int) -> None:
         """Fixed pool tensors for `num_slots` LRU slots; cached entries below the new size keep
         their slot and data."""
+        # NOTE: every buffer the cache writes in place is made a normal tensor even when the
+        # caller is in inference mode (capture, an engine resize): an inference tensor refuses
+        # in-place updates outside inference mode, and callers may step either way.
+        with self.torch.inference_mode(False):
+            self._alloc_normal(num_slots)
+
+    def _alloc_normal(self, num_slots: int) -> None:
         torch, total = self.torch, num_slots + 2 * self.num_experts
         w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
                           device=self.device)
@@ -234,10 +242,12 @@ class ExpertCache:
     def _ids_view(self, shape: tuple[int, ...]):
         """A pinned int32 view of `shape` (kept per shape: views cost a few us per step)."""
         n = shape[0] * shape[1]
-        if self._ids_host is None or self._ids_host.numel() < n:
-            self._ids_host = self.torch.empty(n, dtype=self.torch.int32, pin_memory=self.is_cuda)
-            self._ids_np, self._ids_views = self._ids_host.numpy(), {}
-        self._ids_views[shape] = view = self._ids_host[:n].view(shape)
+        with self.torch.inference_mode(False):       # written in place by either mode: _alloc
+            if self._ids_host is None or self._ids_host.numel() < n:
+                self._ids_host = self.torch.empty(n, dtype=self.torch.int32,
+                                                  pin_memory=self.is_cuda)
+                self._ids_np, self._ids_views = self._ids_host.numpy(), {}
+            self._ids_views[shape] = view = self._ids_host[:n].view(shape)
         return view
 
     def _route(self, layer: int, ids, eager: bool) -> list[int]:
