@@ -9,8 +9,8 @@ batch composition fixed: a paged runner that prefills the prompts in one step an
 together, or the engine serving one request at a time, eagerly on both sides or with decode
 graphs on both sides (segments around each MoE layer's routing when offloaded). A rate below 1
 runs every expert through the resident kernel with a slot map, so its logits must be
-bit-identical; CPU co-execution adds a float32 CPU partial sum in bf16, so its logits may move by
-bf16 roundings, never by a missing or doubled expert (an O(1) change).
+bit-identical; CPU co-execution adds a float32 CPU partial sum in bf16, so each co-executed
+layer's output may move by bf16 roundings, never by a missing or doubled expert (an O(1) change).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.models.helpers import PagedRunner, tiny_hf_model
-from tests.tolerances import EPS
+from tests.tolerances import assert_close
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,9 +32,6 @@ SHAPE = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, 
              max_position_embeddings=1024)
 PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(40)] for i in range(4)]
 NEW = 16
-# co-execution: a few bf16 roundings (2^-7 relative, tests/tolerances.py) of the MoE outputs,
-# carried through 4 layers, against the logits' scale
-COEXEC_RTOL = 8 * EPS["bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -125,77 +122,55 @@ def test_offloaded_logits_are_bit_identical(model_dir, resident, rate, graphs):
     cache.check_integrity()
 
 
-def record_routing(model) -> list:
-    """Each MoE layer call's (top-k ids, f32 router logits), in call order, from now on."""
-    kernels, calls = model._k, []
-    topk = kernels.moe_topk_softmax
+def check_co_executed_layers(cache) -> list:
+    """Wraps cache.run: every decode layer call that handed experts to the CPU is compared, on
+    the same input and routing, with the resident experts kernel over the layer's full stacked
+    experts (identity map). Returns the list of checked (layer, CPU experts) pairs.
 
-    def recorded(weights, ids, logits, renormalize):
-        topk(weights, ids, logits, renormalize)
-        calls.append((ids.clone(), logits.float().clone()))
+    Per layer, not through the logits: the random model's router logits reach ~100, and a
+    float32 CPU emulation (the same model, prompts and batch) showed that perturbing each decode
+    MoE output by one bf16 rounding (uniform +-2^-9..2^-7 relative) moves the next steps'
+    router logits by 2-20 % of their scale, so no rounding bound survives to the logits (the
+    H200 run at c121885 failed such a bound at batch 4, step 2: 5.875 of 84.5). A layer's own
+    output differs only by the CPU part's roundings: its gate/up, activation and down in bf16,
+    and the two bf16 sums (<= 1 ulp of the row's largest value in the emulation), while a
+    missing or doubled expert moves the row by its weighted output (the router's softmax at
+    that scale gives the top expert nearly all the weight: most of the row)."""
+    run, checked, full = cache.run, [], {}
+    identity = torch.arange(cache.num_experts, dtype=torch.int32, device=cache.device)
 
-    kernels.moe_topk_softmax = recorded
-    return calls
+    def checked_run(layer, out, x, topk_ids, topk_weights, workspace):
+        before = cache.stats.cpu_experts
+        run(layer, out, x, topk_ids, topk_weights, workspace)
+        cpu = cache.stats.cpu_experts - before
+        if cpu == 0:
+            return
+        if layer not in full:
+            full[layer] = (cache.host_w13[layer].to(cache.device),
+                           cache.host_w2[layer].to(cache.device))
+        want = torch.empty_like(out)
+        cache.kernel(want, x, *full[layer], topk_ids, topk_weights, identity, workspace)
+        rows = want.float().abs().amax(1, keepdim=True)
+        assert_close(out, want, "bfloat16", magnitude=rows.cpu(), msg=f"MoE layer {layer}")
+        checked.append((layer, cpu))
 
-
-def first_flip(got_calls, want_calls):
-    """The first MoE layer of a forward whose routed expert sets differ from the resident's:
-    (layer, token, d = the largest change of that token's router logits, the resident's margin
-    between its k-th and (k+1)-th logits, the router logits' scale); None when none differs."""
-    for layer, ((ids_g, lg_g), (ids_w, lg_w)) in enumerate(zip(got_calls, want_calls)):
-        differ = (ids_g.sort(-1).values != ids_w.sort(-1).values).any(-1).nonzero()
-        if len(differ):
-            t, k = differ[0].item(), ids_w.shape[1]
-            top = lg_w[t].topk(k + 1).values
-            return (layer, t, (lg_g[t] - lg_w[t]).abs().max().item(),
-                    (top[k - 1] - top[k]).item(), lg_w.abs().max().item())
-    return None
-
-
-@pytest.fixture(scope="module")
-def resident_routing(model_dir):
-    """batch -> the resident model's tokens, logits and routing of every forward."""
-    from freetoken.models.loader import load_model
-
-    model = load_model(str(model_dir), device="cuda").model
-    calls = record_routing(model)
-    out = {}
-    for batch in (1, 4):
-        calls.clear()
-        out[batch] = (*run_fixed(model, PROMPTS[:batch]), list(calls))
-    return out
+    cache.run = checked_run
+    return checked
 
 
 @pytest.mark.parametrize("rate", [0.5, 0.1])
-def test_co_execution_moves_logits_by_rounding_only(model_dir, resident_routing, rate):
-    """The CPU's float32 partial sums, added in bf16, move the hidden states by roundings; the
-    router's top-k is discontinuous, so a near tie may then pick another expert: an O(1) change
-    of that layer's output that is not an error of co-execution (the H200 run at c017fee
-    failed the plain logits check this way at rate 0.1, step 13: error 2.05 of 3.44). So each
-    forward's routing is compared first: where a token's expert set differs, the router logits
-    must have moved by rounding only, and the comparison stops (the histories differ);
-    elsewhere the logits must match within rounding. A missing or doubled expert fails either
-    check: it moves the logits by O(1) without moving the routing, or moves the next layer's
-    router logits by O(1)."""
+def test_co_execution_changes_each_layer_by_rounding_only(model_dir, resident, rate):
+    """The CPU's float32 partial sums, added in bf16, change each co-executed MoE layer's
+    output by roundings only; the prefill streams whole layers (no co-execution), so its
+    logits are the resident ones bit for bit."""
     loaded, cache = offloaded_model(model_dir, rate, cpu=True)
-    calls, layers = record_routing(loaded.model), 4
+    checked = check_co_executed_layers(cache)
     for batch in (1, 4):
-        calls.clear()
         tokens, steps = run_fixed(loaded.model, PROMPTS[:batch])
-        want_tokens, want_steps, want_calls = resident_routing[batch]
-        for i, (got, want) in enumerate(zip(steps, want_steps)):
-            window = slice(layers * i, layers * (i + 1))      # forward i made steps[i]
-            flip = first_flip(calls[window], want_calls[window])
-            if flip is not None:
-                layer, token, moved, margin, scale = flip
-                assert moved <= COEXEC_RTOL * scale, (batch, i, flip)
-                break
-            scale = want.abs().max().item()
-            err = (got - want).abs().max().item()
-            assert err <= COEXEC_RTOL * scale, (batch, i, err, scale)
-            if [t[i] for t in tokens] != [t[i] for t in want_tokens]:
-                break    # a near tie went the other way: the histories differ from here on
+        assert torch.equal(steps[0], resident[batch, False][1][0])
     assert cache.stats.cpu_experts > 0
+    assert sum(cpu for _, cpu in checked) == cache.stats.cpu_experts
+    assert {layer for layer, _ in checked} == set(range(cache.num_layers))
 
 
 def make_engine(model_dir, rate: float, num_tokens: int = 2048, graphs: bool = False):

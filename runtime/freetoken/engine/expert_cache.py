@@ -118,18 +118,15 @@ class ExpertCache:
 
     def _alloc(self, num_slots: int) -> None:
         """Fixed pool tensors for `num_slots` LRU slots; cached entries below the new size keep
-        their slot and data."""
-        # NOTE: every buffer the cache writes in place is made a normal tensor even when the
-        # caller is in inference mode (capture, an engine resize): an inference tensor refuses
-        # in-place updates outside inference mode, and callers may step either way.
-        with self.torch.inference_mode(False):
-            self._alloc_normal(num_slots)
-
-    def _alloc_normal(self, num_slots: int) -> None:
+        their slot and data. NOTE: what the cache writes in place is made a normal tensor even
+        in inference mode (capture, a resize): an inference tensor refuses in-place updates
+        outside inference mode, and callers may step in either mode."""
         torch, total = self.torch, num_slots + 2 * self.num_experts
-        w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
-                          device=self.device)
-        w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype, device=self.device)
+        with torch.inference_mode(False):
+            w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
+                              device=self.device)
+            w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype,
+                             device=self.device)
         if self.w13 is not None:
             keep = min(num_slots, self.w13.shape[0] - 2 * self.num_experts)
             w13[:keep].copy_(self.w13[:keep])
