@@ -166,7 +166,7 @@ def test_co_execution_changes_each_layer_by_rounding_only(model_dir, resident, r
     loaded, cache = offloaded_model(model_dir, rate, cpu=True)
     checked = check_co_executed_layers(cache)
     for batch in (1, 4):
-        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch])
+        _, steps = run_fixed(loaded.model, PROMPTS[:batch])
         assert torch.equal(steps[0], resident[batch, False][1][0])
     assert cache.stats.cpu_experts > 0
     assert sum(cpu for _, cpu in checked) == cache.stats.cpu_experts
