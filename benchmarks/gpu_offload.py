@@ -6,16 +6,18 @@ own offload (device_map across GPU and CPU).
 
 The model of benchmarks/gpu_moe.py (random bf16, hidden 2048, 128 experts of width 768, 8 per
 token), `--layers` of its 48. Routing is replaced by a synthetic trace so the cache sees a
-known distribution: `uniform` (fresh random logits every token and layer: the worst case for
-a cache) and `skewed` (a fixed popularity per layer, logit bias -1.2 ln(rank), plus unit
-Gaussian noise: a few experts take most tokens, as real traces do). Rate 1.0 is the resident
-model (every expert on the GPU, decode in CUDA graphs, the model's own router); lower rates
-load the experts into pinned host memory and resize one engine's cache live (`resize_pools`)
-from rate to rate. For each rate, batch and trace: decode tok/s, the expert hit rate, the miss
-bytes per token and the miss traffic as a share of the measured H2D bandwidth (goal at 0.2:
->= 70%), copy-only vs co-execution (the CPU policy on: measured PCIe and CPU speeds decide per
-step); then the offloaded engine at rate 1 after warming (every expert cached: the cost of
-eager decode plus one id copy per MoE layer, beside the resident row). transformers' row needs
+known distribution: `uniform` (fresh pseudo-random logits every token and layer: the worst case
+for a cache) and `skewed` (a fixed popularity per layer, logit bias -1.2 ln(rank), plus the
+same unit-variance noise: a few experts take most tokens, as real traces do); the noise is a
+function of the hidden state, so decode CUDA graphs capture the router (TraceRouter). Rate 1.0
+is the resident model (every expert on the GPU, decode in CUDA graphs, the model's own
+router); lower rates load the experts into pinned host memory and resize one engine's cache
+live (`resize_pools`) from rate to rate. For each rate, batch and trace: decode tok/s, the
+expert hit rate, the miss bytes per token and the miss traffic as a share of the measured H2D
+bandwidth (goal at 0.2: >= 70%), copy-only (decode graph segments) vs co-execution (eager
+steps; the CPU policy on: measured PCIe and CPU speeds decide per step); then the offloaded
+engine at rate 1 after warming (every expert cached: the cost of the graph segments, one id
+copy and sync per MoE layer, beside the resident row). transformers' row needs
 `accelerate`; without it the row is skipped with a message.
 """
 
@@ -38,28 +40,44 @@ from benchmarks.gpu_moe import build  # noqa: E402
 
 
 class TraceRouter:
-    """Stands in for a MoE layer's router linear: writes synthetic logits [T, E]."""
+    """Stands in for a MoE layer's router linear: writes synthetic logits [T, E] = a fixed
+    popularity bias (skewed; none for uniform) + noise. The noise is a pseudo-random function
+    of the token's hidden state: the mean of 4 terms sqrt(2) sin(64 x @ P_j) for random
+    P_j [H, E], near Gaussian with unit variance and fresh for every token and layer as hidden
+    states differ, so the router stays a pure device computation that decode CUDA graphs
+    capture."""
 
-    def __init__(self, num_experts: int, layer: int, mode: str):
+    TERMS = 4
+
+    def __init__(self, num_experts: int, hidden: int, layer: int, mode: str):
         g = torch.Generator(device="cuda").manual_seed(1000 + layer)
-        self.mode, self.e = mode, num_experts
         rank = torch.randperm(num_experts, generator=g, device="cuda").float() + 1.0
         self.bias = -1.2 * torch.log(rank)               # Zipf-like popularity, in logits
-        self.gen = torch.Generator(device="cuda").manual_seed(7 + layer)
+        if mode == "uniform":
+            self.bias.zero_()
+        self.e = num_experts
+        self.proj = torch.randn(hidden, self.TERMS * num_experts, generator=g, device="cuda")
 
     def __call__(self, out, x) -> None:
-        noise = torch.randn(out.shape, generator=self.gen, device="cuda")
-        logits = noise if self.mode == "uniform" else self.bias + noise
-        out.copy_(logits.to(out.dtype))
+        waves = torch.sin(64.0 * (x.float() @ self.proj)).view(-1, self.TERMS, self.e)
+        noise = waves.sum(1) * (2.0 / self.TERMS) ** 0.5
+        out.copy_((self.bias + noise).to(out.dtype))
 
 
-def set_trace(model, mode: str) -> None:
+def set_trace(engine, mode: str) -> None:
+    """Route every MoE layer of the engine's model by `mode` (uniform, skewed, or model: its
+    own router), recapturing the decode graphs so they replay the new router.
+    NOTE: call between requests (the engine thread is idle then)."""
     from freetoken.engine.offload_setup import moe_layers
 
+    model = engine.model
     for index, mlp in enumerate(moe_layers(model)):
         if not hasattr(mlp, "_real_router"):
             mlp._real_router = mlp.router
-        mlp.router = TraceRouter(model.config.moe.num_experts, index, mode)
+        mlp.router = mlp._real_router if mode == "model" else TraceRouter(
+            model.config.moe.num_experts, model.config.hidden_size, index, mode)
+    if engine.graphs is not None:
+        engine.graphs = engine.recapture_graphs()
 
 
 def decode(engine, batch: int, prompt: int, gen: int) -> float:
@@ -119,8 +137,7 @@ def freetoken_rows(folder: str, args, h2d: float) -> list[dict]:
 
     def run_all(engine, rate, label, traces=("uniform", "skewed")):
         for mode in traces:
-            if mode != "model":
-                set_trace(engine.model, mode)
+            set_trace(engine, mode)
             decode(engine, 1, args.prompt, 4)              # warm the cache for this trace
             for batch in args.batches:
                 row = dict(rate=rate, trace=mode, mode=label, **measure(engine, batch, args, h2d))
@@ -129,8 +146,7 @@ def freetoken_rows(folder: str, args, h2d: float) -> list[dict]:
 
     if 1.0 in rates:
         engine = Engine.from_loaded(load_model(folder, device="cuda"), config).start()
-        # NOTE: resident decode replays CUDA graphs captured with the model's own router (a
-        # trace router would be captured with its RNG); with no cache, routing barely matters.
+        # with no cache, routing barely matters: the model's own router
         run_all(engine, 1.0, "resident", traces=("model",))
         engine.shutdown()
         del engine
@@ -151,11 +167,12 @@ def freetoken_rows(folder: str, args, h2d: float) -> list[dict]:
         run_all(engine, rate, "copy-only")
         engine.expert_cache.policy = policy
         run_all(engine, rate, "co-exec")
-    # The cost of the offloaded step itself (eager decode, one id copy and sync per MoE
-    # layer) beside the resident row: every expert cached, so (after warming) nothing misses.
+    # The cost of the offloaded step itself (decode graph segments, one id copy and sync per
+    # MoE layer) beside the resident row: every expert cached, so (after warming) nothing
+    # misses.
     engine.resize_pools(moe_rate=1.0)
     engine.expert_cache.policy = None
-    set_trace(engine.model, "uniform")
+    set_trace(engine, "uniform")
     decode(engine, max(args.batches), args.prompt, 64)
     run_all(engine, 1.0, "offload-all-hit", traces=("uniform",))
     engine.shutdown()

@@ -1,6 +1,8 @@
 """Host time the expert cache spends per MoE layer of a decode step (routing ids in, LRU
 look-ups, the slot map written), with every expert cached and a no-op experts kernel: the
 floor an offloaded decode step pays per MoE layer on top of the GPU's own work and the sync.
+Both paths: eager steps (`run`) and decode graph segments (`prepare_segment`, what runs
+between two replays; the map is uploaded only when a routed slot changed).
 
     python benchmarks/offload_bookkeeping.py [--experts 128] [--top-k 8] [--layers 48]
 
@@ -18,7 +20,8 @@ import torch
 from freetoken.engine.expert_cache import ExpertCache
 
 
-def per_layer_us(experts: int, top_k: int, layers: int, batch: int) -> float:
+def per_layer_us(experts: int, top_k: int, layers: int, batch: int,
+                 segments: bool = False) -> float:
     w13 = [torch.zeros(experts, 2, 1) for _ in range(layers)]
     w2 = [torch.zeros(experts, 1, 1) for _ in range(layers)]
     cache = ExpertCache(w13, w2, "cpu", experts * layers, lambda *args: None)
@@ -33,7 +36,10 @@ def per_layer_us(experts: int, top_k: int, layers: int, batch: int) -> float:
         start = time.perf_counter()
         for ids in steps:
             for layer in range(layers):
-                cache.run(layer, out, x, ids, w, ws)
+                if segments:
+                    cache.prepare_segment(layer, ids)
+                else:
+                    cache.run(layer, out, x, ids, w, ws)
         times.append((time.perf_counter() - start) / (len(steps) * layers))
     return 1e6 * statistics.median(times[1:])
 
@@ -44,10 +50,12 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--layers", type=int, default=48)
     args = p.parse_args()
-    for batch in (1, 8, 32):
-        us = per_layer_us(args.experts, args.top_k, args.layers, batch)
-        print(f"batch {batch:3d}: {us:6.1f} us per MoE layer, {us * args.layers / 1e3:6.2f} ms "
-              f"per step over {args.layers} layers")
+    for segments in (False, True):
+        for batch in (1, 8, 32):
+            us = per_layer_us(args.experts, args.top_k, args.layers, batch, segments)
+            print(f"{'graph segments' if segments else 'eager':>14} batch {batch:3d}: "
+                  f"{us:6.1f} us per MoE layer, {us * args.layers / 1e3:6.2f} ms per step over "
+                  f"{args.layers} layers")
 
 
 if __name__ == "__main__":

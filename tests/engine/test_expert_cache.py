@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.engine.expert_cache import ExpertCache, cpu_experts
+from freetoken.engine.expert_cache import ExpertCache
 from freetoken.engine.expert_slots import SlotLRU
-from freetoken.engine.offload_policy import CoExecPolicy, Throughput
+from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
 from freetoken.kernel import reference
 
 E, H, I, K, LAYERS = 8, 32, 16, 2, 3
@@ -156,3 +156,97 @@ def test_the_engine_hint_decides_between_streaming_and_the_lru(experts):
     cache.prefill = True
     run_steps(cache, w13, w2, steps=1, tokens=1)           # a one-token prompt chunk: streams
     assert cache.stats.streamed_layers == LAYERS
+
+
+class CountingMap:
+    """Stands in for a layer's device map: counts uploads, indexes like the tensor."""
+
+    def __init__(self, tensor):
+        self.tensor, self.uploads = tensor, 0
+
+    def copy_(self, src, non_blocking=False):
+        self.uploads += 1
+        self.tensor.copy_(src)
+
+    def __getitem__(self, index):
+        return self.tensor[index]
+
+
+def run_segments(cache, w13, w2, steps, tokens, real, seed=0):
+    """Decode steps as the graph segments run them: the experts kernel reads the map that
+    prepare_segment made from the first `real` rows' ids (the rest are padding)."""
+    cache.segment_hook = lambda layer, ids: cache.prepare_segment(layer, ids[:real])
+    for step in range(steps):
+        for layer in range(LAYERS):
+            g = torch.Generator().manual_seed(100 * (seed + step) + layer)
+            x = torch.randn(tokens, H, generator=g)
+            ids, weights = routing(tokens, 1000 * (seed + step) + layer)
+            out = torch.full_like(x, float("nan"))
+            cache.run(layer, out, x, ids, weights, torch.empty(0, dtype=torch.uint8))
+            want = expected(w13[layer], w2[layer], x[:real], ids[:real], weights[:real])
+            torch.testing.assert_close(out[:real], want, rtol=1e-5, atol=1e-5)
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("slots", [2, 5, 24])
+@pytest.mark.parametrize("tokens,real", [(1, 1), (4, 3), (4, 4)])
+def test_graph_segments_route_the_real_rows_through_the_lru(experts, slots, tokens, real):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", slots, slot_kernel)
+    cache.prefill = False
+    run_segments(cache, w13, w2, steps=5, tokens=tokens, real=real)
+    s = cache.stats
+    assert s.tokens == 5 * real and s.cpu_experts == 0
+    assert s.hits + s.misses == sum(
+        len(set(routing(tokens, 1000 * step + layer)[0][:real].flatten().tolist()))
+        for step in range(5) for layer in range(LAYERS))
+
+
+def test_graph_segments_upload_a_map_only_when_a_routed_slot_changed(experts):
+    w13, w2 = experts
+    cache = ExpertCache(w13, w2, "cpu", E * LAYERS, slot_kernel)
+    cache.prefill = False
+    cache.maps_dev = [CountingMap(m) for m in cache.maps_dev]
+    run_segments(cache, w13, w2, steps=1, tokens=2, real=2)
+    assert [m.uploads for m in cache.maps_dev] == [1] * LAYERS      # every expert missed
+    run_segments(cache, w13, w2, steps=1, tokens=2, real=2)          # the same routing again
+    assert [m.uploads for m in cache.maps_dev] == [1] * LAYERS
+    assert cache.stats.hits == cache.stats.misses
+    run_segments(cache, w13, w2, steps=1, tokens=2, real=2, seed=1)  # new experts: uploads
+    assert all(m.uploads == 2 for m in cache.maps_dev)
+
+
+def test_graph_segments_never_hand_misses_to_the_cpu(experts):
+    w13, w2 = experts
+    slow_pcie = Throughput(h2d_bytes_per_s=1e6, cpu_bytes_per_s=1e9, cpu_flops=1e9)
+    policy = CoExecPolicy(slow_pcie, expert_bytes=3 * H * I * 4, flops_per_token=6 * H * I)
+    cache = ExpertCache(w13, w2, "cpu", 6, slot_kernel, policy)
+    cache.prefill = False
+    run_segments(cache, w13, w2, steps=3, tokens=2, real=2)
+    assert cache.stats.cpu_experts == 0 and cache.stats.misses > 0
+
+
+def test_a_layer_lookup_touches_its_hits_like_single_lookups():
+    lru = SlotLRU(4)
+    lru.place([(0, 1), (0, 2), (1, 1), (0, 3)], keep=())
+    hits, misses = lru.lookup_layer(0, [3, 5, 1])
+    assert hits == {3: 3, 1: 0} and misses == [5]
+    (_, _, evicted), = lru.place([(2, 0)], keep=())
+    assert evicted == (0, 2)                 # (0, 1) and (0, 3) were touched, (1, 1) is newer
+
+
+def test_segments_and_misses_run_in_and_out_of_inference_mode(experts):
+    """Graph segments are captured (and the engine may resize) in inference mode while a caller
+    may replay outside it: the buffers the cache writes in place must accept either mode (the
+    H200 run failed with 'Inplace update to inference tensor outside InferenceMode')."""
+    w13, w2 = experts
+    with torch.inference_mode():
+        cache = ExpertCache(w13, w2, "cpu", 5, slot_kernel)
+        cache.prefill = False
+        run_segments(cache, w13, w2, steps=2, tokens=2, real=2)     # pinned id views made here
+        cache.resize(4)                                             # a new pool made here
+    run_segments(cache, w13, w2, steps=3, tokens=2, real=2, seed=2)
+    run_steps(cache, w13, w2, steps=2, tokens=2)
+    with torch.inference_mode():
+        run_segments(cache, w13, w2, steps=2, tokens=2, real=1, seed=5)
+    assert cache.stats.misses > 0

@@ -78,3 +78,52 @@ def test_a_pinning_failure_names_memlock_the_bytes_and_the_fix():
     for words in ("RLIMIT_MEMLOCK", "40.00 GiB in all", "1.50 GiB tensor", "ulimit -l unlimited",
                   "LimitMEMLOCK=infinity"):
         assert words in text, (words, text)
+
+
+def slot_kernel(out, x, w13, w2, ids, weights, emap, workspace):
+    """moe_experts as the GPU kernel computes it, in float64: a pair whose slot is -1 adds
+    nothing (the CPU kernel refuses such a map, so co-execution runs on a GPU only)."""
+    inter, acc = w2.shape[2], torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            s = int(emap[int(ids[t, k])])
+            if s >= 0:
+                gu = w13[s].double() @ x[t].double()
+                act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+                acc[t] += float(weights[t, k]) * (w2[s].double() @ act)
+    out.copy_(acc.to(out.dtype))
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.0, 2.0], ids=["co-executed", "dropped", "doubled"])
+def test_the_gpu_tests_layer_check_passes_co_execution_only(model_dir, monkeypatch, factor):
+    """tests/engine/test_offload_gpu.py checks co-execution per MoE layer against the resident
+    experts; here on the CPU (the GPU kernel's -1 slots emulated): it must pass the real CPU
+    partial sums and fail them dropped or doubled."""
+    from freetoken.engine import expert_cache, offload_setup
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
+    from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
+    from tests.engine.test_offload_gpu import check_co_executed_layers
+
+    monkeypatch.setattr(offload_setup, "pin", lambda t, total=0: t)
+    monkeypatch.setattr(expert_cache, "cpu_experts", lambda *a: factor * cpu_experts(*a))
+    model = build(model_dir, plan=lambda cfg, dtype: True)
+    cache = attach_expert_cache(model, OffloadDecision(0.5, 1024, None, None, False))
+    cache.kernel = slot_kernel
+    cache.policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), cache.expert_bytes,
+                                6 * cache.hidden * cache.inter)
+    checked = check_co_executed_layers(cache)
+    runner = PagedRunner(model, num_blocks=32, block_size=16)
+    logits = runner.step([(s, list(range(5 + s, 25 + s))) for s in range(3)])
+
+    def decode():
+        nonlocal logits
+        for _ in range(4):
+            nxt = torch.as_tensor(logits).argmax(-1).tolist()
+            logits = runner.step([(s, [t]) for s, t in enumerate(nxt)])
+
+    if factor == 1.0:
+        decode()
+        assert checked and sum(n for _, n in checked) == cache.stats.cpu_experts
+    else:
+        with pytest.raises(AssertionError, match="rounding bound"):
+            decode()

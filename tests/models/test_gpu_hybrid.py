@@ -92,3 +92,46 @@ def test_hybrid_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops):
         finally:
             engine.shutdown()
     assert results[True] == results[False]
+
+
+def test_offloaded_hybrid_decodes_in_graph_segments_with_the_resident_tokens(tmp_path,
+                                                                             moe_ops):
+    """qwen3_next with its experts offloaded (6 slots of 3 MoE layers x 8 experts; layer 1 is
+    a dense MLP, so the MoE layers are decoder layers 0, 2 and 3): decode graph segments around
+    the GDN and attention layers give the resident graphs' tokens, one request at a time."""
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.offload_setup import OffloadDecision
+    from freetoken.engine.request import SamplingParams
+    from freetoken.engine.segment_graphs import SegmentedDecodeGraphs
+    from freetoken.models.loader import load_model
+
+    build_hybrid("qwen3_next", tmp_path, seed=2, head_dim=64, linear_key_head_dim=64,
+                 linear_value_head_dim=32)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    config = EngineConfig(num_tokens=512, block_size=16, max_num_seqs=4, prefix_cache=False)
+    results, prompts = {}, None
+    for rate in (1.0, 0.25):
+        offload = rate < 1.0
+        loaded = load_model(str(tmp_path), device="cuda",
+                            plan=(lambda cfg, dtype: True) if offload else None)
+        if prompts is None:
+            gen = torch.Generator().manual_seed(4)
+            prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()
+                       for n in (9, 30, 17)]
+        decision = OffloadDecision(rate, 512, None, None, False) if offload else None
+        engine = Engine.from_loaded(loaded, config, decision).start()
+
+        async def one(prompt):
+            return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+        try:
+            assert isinstance(engine.graphs, SegmentedDecodeGraphs) == offload
+            results[rate] = [asyncio.run(one(p)) for p in prompts]
+            if offload:
+                assert len(engine.graphs.segments[1]) == 3 + 1
+                assert engine.stats()["expert_misses"] > 0
+                engine.expert_cache.check_integrity()
+        finally:
+            engine.shutdown()
+    assert results[0.25] == results[1.0]

@@ -84,6 +84,13 @@ class DecodeGraphs:
             ) -> torch.Tensor:
         """The logits of `batch`; placeholders in its input ids are filled from
         `previous_tokens` (the sampled ids of the step before, still on the device)."""
+        size = self.load_inputs(batch, previous_tokens)
+        self.graphs[size].replay()
+        return self.outputs[size][:batch.num_seqs]
+
+    def load_inputs(self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None
+                    ) -> int:
+        """Copy `batch` into the static inputs; returns the captured size that runs it."""
         b = batch.num_seqs
         size = next(s for s in self.sizes if s >= b)
         width = batch.block_tables.shape[1]
@@ -102,5 +109,4 @@ class DecodeGraphs:
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size].zero_()
-        self.graphs[size].replay()
-        return self.outputs[size][:b]
+        return size

@@ -102,11 +102,10 @@ class Engine(OverlapSteps):
             from freetoken.engine.offload_setup import attach_expert_cache
 
             self.expert_cache = attach_expert_cache(model, offload)
-        # NOTE: a decode step with expert misses learns them on the host mid-step, so an
-        # offloaded model decodes eagerly (no graphs); resident experts keep the graphs.
+        # An offloaded model learns each MoE layer's routing on the host mid-step: its decode
+        # graphs are segments replayed around that (engine/segment_graphs.py).
         self.graphs = None
-        if not self.arrays.device.is_cpu and self.config.cuda_graphs and \
-                self.expert_cache is None:
+        if not self.arrays.device.is_cpu and self.config.cuda_graphs:
             self.graphs = self.recapture_graphs()
         # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
         # Hybrid models snapshot recurrent states at publish time and an offloaded model learns
@@ -137,11 +136,13 @@ class Engine(OverlapSteps):
         return None if self._vision is None else self._vision.preprocess
 
     def recapture_graphs(self):
-        """Decode CUDA graphs over the current KV pool (again after a KV resize)."""
-        from freetoken.engine.cuda_graph import DecodeGraphs
+        """Decode CUDA graphs over the current KV pool and expert pool (again after a resize);
+        None when an offloaded model's capture fails (it then decodes eagerly)."""
+        from freetoken.engine.segment_graphs import capture_decode_graphs
 
         max_blocks = -(-self.max_request_tokens // self.config.block_size)
-        return DecodeGraphs(self.model, self.kv, self.config.max_num_seqs, max_blocks).capture()
+        return capture_decode_graphs(self.model, self.kv, self.config.max_num_seqs, max_blocks,
+                                     self.expert_cache)
 
     def resize_pools(self, kv_tokens: int | None = None, moe_rate: float | None = None,
                      wait: float = 0.0, states: int | None = None) -> dict[str, Any]:

@@ -12,6 +12,10 @@ Per MoE layer call (``run``):
   says so, computed on the CPU from host memory while the GPU runs), the map is uploaded, and
   the kernel waits for the copies' event. When the misses do not fit beside the layer's hits,
   they go through staging buffer 0 instead.
+- decode in CUDA graph segments (engine/segment_graphs.py): the same per layer, but the engine
+  calls ``prepare_segment`` between two replays (the ids arrive through a pinned buffer and an
+  event), the map is uploaded only when a routed entry changed, and misses are always copied
+  (the co-execution policy runs eager steps only).
 - prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts
   stream whole through the staging buffers, never entering the LRU (no thrashing): layer l
   reads buffer l % 2 while layer l + 1's experts are copied into the other (double buffering).
@@ -21,16 +25,20 @@ Indices: `layer` counts MoE layers only (0 .. moe_layers - 1), not decoder layer
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Any, Callable
 
 from freetoken.engine.expert_slots import OffloadStats, SlotLRU
-from freetoken.engine.offload_policy import CoExecPolicy
+from freetoken.engine.offload_policy import CoExecPolicy, cpu_experts
 
 
 class _NoEvent:
     """Stands in for a CUDA event on the CPU (tests), where every copy is synchronous."""
 
     def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
         pass
 
 
@@ -63,11 +71,13 @@ class ExpertCache:
         self._alloc(num_slots)
         e, i32 = self.num_experts, torch.int32
         pin = self.is_cuda
-        self.maps_host = [torch.full((e,), -1, dtype=i32, pin_memory=pin)
-                          for _ in range(self.num_layers)]
-        self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
-                         for _ in range(self.num_layers)]
+        with torch.inference_mode(False):             # see _alloc
+            self.maps_host = [torch.full((e,), -1, dtype=i32, pin_memory=pin)
+                              for _ in range(self.num_layers)]
+            self.maps_dev = [torch.full((e,), -1, dtype=i32, device=device)
+                             for _ in range(self.num_layers)]
         self._maps_np = [m.numpy() for m in self.maps_host]    # views: written in place
+        self._maps_list = [[-1] * e for _ in range(self.num_layers)]   # the same, to compare
         if self.is_cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self._ready = [torch.cuda.Event() for _ in range(2)]
@@ -82,6 +92,12 @@ class ExpertCache:
         # Set by the engine before each forward: True for steps with a prompt chunk (they
         # stream), False for decode-only steps; None: decide by T * K >= E.
         self.prefill: bool | None = None
+        # Set while decode graph segments are captured (engine/segment_graphs.py): called with
+        # (layer, topk_ids) where a segment ends, before the layer's experts kernel.
+        self.segment_hook: Callable[[int, Any], None] | None = None
+        self._ids_host = self._ids_np = None   # pinned int32: the routed ids of one layer
+        self._ids_views: dict = {}
+        self._ids_ready = torch.cuda.Event() if self.is_cuda else _NoEvent()
 
     # ---- pool --------------------------------------------------------------------------------
 
@@ -102,11 +118,15 @@ class ExpertCache:
 
     def _alloc(self, num_slots: int) -> None:
         """Fixed pool tensors for `num_slots` LRU slots; cached entries below the new size keep
-        their slot and data."""
+        their slot and data. NOTE: what the cache writes in place is made a normal tensor even
+        in inference mode (capture, a resize): an inference tensor refuses in-place updates
+        outside inference mode, and callers may step in either mode."""
         torch, total = self.torch, num_slots + 2 * self.num_experts
-        w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
-                          device=self.device)
-        w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype, device=self.device)
+        with torch.inference_mode(False):
+            w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
+                              device=self.device)
+            w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype,
+                             device=self.device)
         if self.w13 is not None:
             keep = min(num_slots, self.w13.shape[0] - 2 * self.num_experts)
             w13[:keep].copy_(self.w13[:keep])
@@ -130,7 +150,7 @@ class ExpertCache:
     def run(self, layer: int, out, x, topk_ids, topk_weights, workspace) -> None:
         """The routed experts of MoE layer `layer` into out (overwritten), as moe_experts."""
         tokens, top_k = topk_ids.shape
-        if layer == 0:
+        if layer == 0 and self.segment_hook is None:    # segments count in prepare_segment
             self.stats.tokens += tokens
         stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
         if stream:
@@ -177,43 +197,13 @@ class ExpertCache:
             self._stage_layer(layer + 1, 1 - buf)     # overlaps this layer's kernel
 
     def _decode(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
-        import numpy as np
-
+        if self.segment_hook is not None:             # capturing decode graph segments
+            self.segment_hook(layer, topk_ids)
+            self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self.maps_dev[layer],
+                        workspace)
+            return
         ids = topk_ids.to("cpu")                      # the one host sync of this layer
-        experts, counts = np.unique(ids.numpy(), return_counts=True)
-        lookup, hits, misses = self.lru.lookup, {}, {}
-        for e, c in zip(experts.tolist(), counts.tolist()):
-            slot = lookup((layer, e))
-            if slot is None:
-                misses[e] = c
-            else:
-                hits[e] = slot
-        self.stats.hits += len(hits)
-        self.stats.misses += len(misses)
-        copy, cpu = (self.policy.split(misses) if self.policy is not None
-                     else (sorted(misses), []))
-        # Experts not routed this step point at slot 0 (never read; the CPU kernel checks every
-        # entry); -1 only marks routed experts the CPU computes, which the GPU kernel skips.
-        # NOTE: this pinned buffer is rewritten only after the next step's sync on this layer's
-        # ids, by which time its last upload has long completed.
-        emap = self._maps_np[layer]
-        emap.fill(0)
-        emap[cpu] = -1
-        emap[list(hits)] = list(hits.values())
-        keep = {(layer, e) for e in hits}
-        with self._copy_ctx():
-            if self.lru.can_place(len(copy), keep):
-                for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
-                    self._copy_expert(layer, e, slot)
-                    emap[e] = slot
-            else:                                     # overflow: through staging buffer 0
-                base, self._staged[0] = self._staging_base(0), -1
-                for e in copy:
-                    self._copy_expert(layer, e, base + e)
-                    emap[e] = base + e
-            self._copied.record(self.copy_stream)
-        self._compute_wait(self._copied)
-        self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+        cpu = self._route(layer, ids.numpy(), eager=True)
         host_x = host_w = None
         if cpu:
             host_x, host_w = x.to("cpu"), topk_weights.to("cpu")
@@ -222,26 +212,91 @@ class ExpertCache:
         if cpu:                                       # runs while the GPU computes the rest
             part = cpu_experts(host_x, self.host_w13[layer], self.host_w2[layer], ids, host_w,
                                cpu)
-            out.add_(part.to(device=out.device, dtype=out.dtype, non_blocking=True))
+            # NOTE: a blocking copy. A non-blocking one from this pageable temporary (and the
+            # bf16 one torch converts it into) may still be reading it when it is freed and
+            # reused by the next layer where the driver maps pageable memory for the GPU
+            # (HMM); the wait costs only the rest of this layer's experts kernel.
+            out.add_(part.to(out.dtype).to(out.device))
             self.stats.cpu_experts += len(cpu)
+
+    def prepare_segment(self, layer: int, topk_ids) -> None:
+        """Between two decode graph segments: read MoE layer `layer`'s routed ids (topk_ids:
+        the real rows [B, K], still on the device) through a pinned buffer, place its misses
+        and make the map the next segment reads current. The segment before must have been
+        launched on the current stream; the next one is launched after this returns."""
+        shape = tuple(topk_ids.shape)
+        host = self._ids_views.get(shape)
+        if host is None:
+            host = self._ids_view(shape)
+        host.copy_(topk_ids, non_blocking=True)
+        if self.is_cuda:                              # the one host sync of this layer
+            self._ids_ready.record(self.torch.cuda.current_stream(self.device))
+            self._ids_ready.synchronize()
+        if layer == 0:
+            self.stats.tokens += shape[0]
+        self._route(layer, self._ids_np[:host.numel()], eager=False)
+
+    def _ids_view(self, shape: tuple[int, ...]):
+        """A pinned int32 view of `shape` (kept per shape: views cost a few us per step)."""
+        n = shape[0] * shape[1]
+        with self.torch.inference_mode(False):       # written in place by either mode: _alloc
+            if self._ids_host is None or self._ids_host.numel() < n:
+                self._ids_host = self.torch.empty(n, dtype=self.torch.int32,
+                                                  pin_memory=self.is_cuda)
+                self._ids_np, self._ids_views = self._ids_host.numpy(), {}
+            self._ids_views[shape] = view = self._ids_host[:n].view(shape)
+        return view
+
+    def _route(self, layer: int, ids, eager: bool) -> list[int]:
+        """Look up MoE layer `layer`'s routed experts (ids: numpy int, any shape), copy the
+        misses into slots on the copy stream, make the compute stream wait for them and upload
+        the layer's map when it changed. Returns the experts the CPU computes (eager only).
+
+        The map's entries of experts not routed this step are stale but always a slot in range
+        (or -1: skipped), so only routed entries are written; eager steps reset the map first,
+        as the CPU kernel checks every entry. NOTE: the pinned map is rewritten only after the
+        next step's sync on this layer's ids, by which time its last upload has completed."""
+        counts = Counter(ids.ravel().tolist())
+        hits, missed = self.lru.lookup_layer(layer, counts)
+        misses = {e: counts[e] for e in missed}
+        self.stats.hits += len(hits)
+        self.stats.misses += len(misses)
+        copy, cpu = (self.policy.split(misses) if self.policy is not None and eager
+                     else (sorted(misses), []))
+        want = dict.fromkeys(cpu, -1)
+        want.update(hits)
+        if copy:
+            want.update(self._copy_misses(layer, copy, hits))
+        emap, mirror = self._maps_np[layer], self._maps_list[layer]
+        if eager:
+            emap.fill(0)
+            mirror[:] = [0] * len(mirror)
+        changed = eager
+        for e, slot in want.items():
+            if mirror[e] != slot:
+                mirror[e] = emap[e] = slot
+                changed = True
+        if changed:                                   # else: all hits in their mapped slots
+            self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+        return cpu
+
+    def _copy_misses(self, layer: int, copy: list[int], hits: dict[int, int]) -> dict[int, int]:
+        """Copy `copy` into LRU slots (evicting none of the layer's hits) or, when they do not
+        fit, into staging buffer 0; the compute stream waits for them. Returns expert -> slot."""
+        keep, slots = {(layer, e) for e in hits}, {}
+        with self._copy_ctx():
+            if self.lru.can_place(len(copy), keep):
+                for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
+                    self._copy_expert(layer, e, slot)
+                    slots[e] = slot
+            else:                                     # overflow: through staging buffer 0
+                base, self._staged[0] = self._staging_base(0), -1
+                for e in copy:
+                    self._copy_expert(layer, e, base + e)
+                    slots[e] = base + e
+            self._copied.record(self.copy_stream)
+        self._compute_wait(self._copied)
+        return slots
 
     def check_integrity(self) -> None:
         self.lru.check_integrity()
-
-
-def cpu_experts(x, w13, w2, ids, weights, experts: list[int]):
-    """sum over the (t, k) routed to `experts` of weights[t, k] * expert(x[t]), in float32 on
-    the CPU through torch (bf16 host weights are multiplied as they are: no per-call
-    conversion copy). x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids int [T, K], weights [T, K]."""
-    import torch
-
-    inter = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for e in experts:
-        rows, ks = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows].to(w13.dtype)
-        gu = (xe @ w13[e].T).float()
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        y = (act.to(w2.dtype) @ w2[e].T).float()
-        out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
-    return out

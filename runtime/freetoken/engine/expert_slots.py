@@ -33,6 +33,20 @@ class SlotLRU:
             self._lru.move_to_end(key)
         return slot
 
+    def lookup_layer(self, layer: int, experts: Iterable[int]) -> tuple[dict[int, int],
+                                                                     list[int]]:
+        """`lookup` of each (layer, expert), in order: ({expert: slot} of the hits, the
+        misses). One call per MoE layer step keeps the per-expert cost to a dict probe."""
+        get, touch, hits, misses = self._lru.get, self._lru.move_to_end, {}, []
+        for e in experts:
+            slot = get((layer, e))
+            if slot is None:
+                misses.append(e)
+            else:
+                touch((layer, e))
+                hits[e] = slot
+        return hits, misses
+
     def can_place(self, count: int, keep: Iterable[Key]) -> bool:
         if count <= len(self._free):
             return True

@@ -105,7 +105,8 @@ def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None,
         _resize_states(engine, new_states)
     if "expert_cache" in pools:
         cache.resize(new_slots)
-    if ("kv" in pools or "states" in pools) and engine.graphs is not None:
+    # graphs hold the KV, state and expert pools' addresses
+    if pools and engine.graphs is not None:
         engine.graphs = engine.recapture_graphs()
     return pool_stats(engine)
 

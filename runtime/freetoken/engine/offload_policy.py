@@ -94,3 +94,21 @@ def measure_cpu(torch, hidden: int, inter: int, dtype, repeats: int = 3) -> tupl
     one, many = run(1), run(16)
     flops = 2 * 3 * hidden * inter
     return nbytes / one, max(15 * flops / max(many - one, 1e-9), flops / one)
+
+
+def cpu_experts(x, w13, w2, ids, weights, experts: list[int]):
+    """sum over the (t, k) routed to `experts` of weights[t, k] * expert(x[t]), in float32 on
+    the CPU through torch (bf16 host weights are multiplied as they are: no per-call
+    conversion copy). x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids int [T, K], weights [T, K]."""
+    import torch
+
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in experts:
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows].to(w13.dtype)
+        gu = (xe @ w13[e].T).float()
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (act.to(w2.dtype) @ w2[e].T).float()
+        out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
+    return out
