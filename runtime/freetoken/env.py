@@ -83,6 +83,7 @@ class Env:
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
     gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
+    tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
 
 
 VARIABLES = {
@@ -108,6 +109,8 @@ VARIABLES = {
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
     "FREETOKEN_GGUF_GPU_EXPERTS": "GGUF MoE experts stay in their blocks in VRAM (moe_experts_gguf)"
                                   " instead of bf16 (default off: not yet passing its GPU tests)",
+    "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
+                            "take before the server stops, naming the rank (default 60)",
 }
 
 
@@ -137,5 +140,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         gguf_gpu_experts=_bool("FREETOKEN_GGUF_GPU_EXPERTS", e.get("FREETOKEN_GGUF_GPU_EXPERTS"),
                                False),
+        tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
     )
 
