@@ -126,6 +126,8 @@ class Engine(OverlapSteps):
         from freetoken.engine.cuda_graph import DecodeGraphs
 
         max_blocks = -(-self.max_request_tokens // self.config.block_size)
+        if hasattr(self.model, "decode_graphs"):   # tensor parallelism: every rank captures
+            return self.model.decode_graphs(self.kv, self.config.max_num_seqs, max_blocks)
         return DecodeGraphs(self.model, self.kv, self.config.max_num_seqs, max_blocks).capture()
 
     def resize_pools(self, kv_tokens: int | None = None, moe_rate: float | None = None,
@@ -287,6 +289,8 @@ class Engine(OverlapSteps):
             **model_stats(self.model.config),
             cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None,
             **pool_stats(self))
+        stats.update(self.model.parallel_stats() if hasattr(self.model, "parallel_stats")
+                     else {"tensor_parallel_size": 1})
         return stats
 
     def _resolve_params(self, prompt: list[int], params: SamplingParams) -> SamplingParams:

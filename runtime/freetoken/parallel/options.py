@@ -80,8 +80,8 @@ def resolve_parallel(size_text: str | int, gpus_text: str | None, device: str,
                                   f"--tensor-parallel-size is {size}; give one GPU per rank")
     missing = [g for g in gpus if g >= present]
     if missing:
-        raise ParallelOptionError(f"--gpus: GPU {missing[0]} is not present (this machine has "
-                                  f"{present} GPU(s), ids 0..{max(present - 1, 0)})")
+        seen = f"ids 0..{present - 1}" if present else "torch sees no GPU"
+        raise ParallelOptionError(f"--gpus: GPU {missing[0]} is not present ({seen})")
     return ParallelConfig(size, tuple(f"cuda:{g}" for g in gpus))
 
 
@@ -97,3 +97,26 @@ def check_engine_options(config: ParallelConfig, explicit: dict[str, object]) ->
     if explicit.get("overlap"):
         raise ParallelOptionError("--overlap is not supported with --tensor-parallel-size > 1 "
                                   "(the other ranks never see rank 0's sampled tokens); drop it")
+
+
+def parallel_engine_config(ctx, engine_config, size_text: str, gpus_text: str | None):
+    """(engine config for rank 0, ParallelConfig) from `ft serve`'s options; a refusal is a
+    one-line ClickException."""
+    import dataclasses
+
+    import click
+    from click.core import ParameterSource
+
+    explicit = {name: ctx.params.get(name) for name in ("moe_cache_rate", "overlap")
+                if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+    try:
+        parallel = resolve_parallel(size_text, gpus_text, engine_config.device)
+        check_engine_options(parallel, explicit)
+    except ParallelOptionError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not parallel.is_parallel and gpus_text is None:
+        return engine_config, parallel
+    # NOTE: overlap scheduling fills a step's ids on rank 0's GPU, which the others never see
+    return dataclasses.replace(engine_config, device=parallel.devices[0],
+                               overlap=engine_config.overlap and not parallel.is_parallel), \
+        parallel

@@ -67,3 +67,20 @@ def _torch_device(name: str):
     import torch
 
     return torch.device(name)
+
+
+def no_offload(planner: Callable | None) -> Callable | None:
+    """The memory plan per rank (it sees the rank's shape), refusing expert offload."""
+    if planner is None:
+        return None
+
+    def plan(cfg, dtype: str) -> bool:
+        if planner(cfg, dtype):
+            from freetoken.models.errors import ModelOptionError
+
+            raise ModelOptionError("this rank's experts do not fit on its GPU and expert "
+                                   "offload is not supported with --tensor-parallel-size > 1; "
+                                   "use more GPUs (-tp) or serve with -tp 1")
+        return False
+
+    return plan
