@@ -117,4 +117,8 @@ class ShardedModel:
         return self.ranks.fault
 
     def close(self) -> None:
+        """Stop the other ranks and leave the group (idempotent)."""
+        from freetoken.parallel import group
+
         self.ranks.close()
+        group.leave()
