@@ -53,9 +53,13 @@ def join(spec: GroupSpec, rank: int, store=None, device: Any = None) -> Comm:
     kwargs = {}
     if spec.backend == "nccl" and device is not None:
         kwargs["device_id"] = device      # binds the communicator to this rank's GPU
+    # Joining waits as long as a spawned rank may take to import torch; the collectives run
+    # in a second group created right after, when every rank is there, with the short timeout.
     dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.size,
-                            timeout=timedelta(seconds=spec.timeout_s), **kwargs)
-    return Comm(rank, spec.size)
+                            timeout=timedelta(seconds=JOIN_TIMEOUT_S), **kwargs)
+    steps = dist.new_group(list(range(spec.size)), timeout=timedelta(seconds=spec.timeout_s),
+                           backend=spec.backend)
+    return Comm(rank, spec.size, steps)
 
 
 def leave() -> None:
@@ -68,11 +72,11 @@ def leave() -> None:
 class Comm:
     """All-reduce (sum) in place and all-gather of rows, on numpy (CPU) or torch arrays."""
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, process_group: Any = None):
         import torch
         import torch.distributed as dist
 
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.group = rank, size, process_group
         self._torch, self._dist = torch, dist
 
     def _tensor(self, array):
@@ -82,14 +86,14 @@ class Comm:
 
     def all_reduce(self, array) -> None:
         """array = sum of every rank's array, in place."""
-        self._dist.all_reduce(self._tensor(array))
+        self._dist.all_reduce(self._tensor(array), group=self.group)
 
     def all_gather_cols(self, array, width: int):
         """[B, size * cols] of every rank's [B, cols] side by side, cut to `width` columns;
         numpy in, numpy out."""
         local = self._tensor(array)
         parts = [self._torch.empty_like(local) for _ in range(self.size)]
-        self._dist.all_gather(parts, local)
+        self._dist.all_gather(parts, local, group=self.group)
         joined = self._torch.cat(parts, dim=1)[:, :width]
         if is_torch(array):
             return joined.contiguous()
