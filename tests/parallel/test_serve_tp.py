@@ -1,6 +1,7 @@
-"""`ft serve -tp 2` on the CPU, end to end: a request served by two processes gives TP=1's
-greedy tokens; a worker killed (or stopped) ends the server within the bound, with one line
-naming the rank and the cause, and no process is left behind."""
+"""`ft serve -tp 2` on the CPU, end to end, with no compiler on PATH and the JIT off (nothing is
+compiled for tensor parallelism): a request served by two processes gives TP=1's greedy
+tokens; a worker killed (or stopped) ends the server within the bound, with one line naming
+the rank and the cause, and no process is left behind."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import compiler_free_env
 from tests.models.helpers import tiny_hf_model
 
 PROMPT = [5, 17, 33, 8, 99, 120]
@@ -25,6 +27,11 @@ BOUND_S = TIMEOUT_S + 1 + 15 + 5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    from freetoken.arrays import parse_device
+    from freetoken.kernel.preload import load_kernels, plan_kernels
+
+    cpu = parse_device("cpu")     # every kernel ready (cache or JIT) before the compiler goes
+    load_kernels(cpu, plan_kernels(cpu), lambda message: None)
     folder = tmp_path_factory.mktemp("tp-serve-qwen3")
     tiny_hf_model("qwen3", folder, seed=9)
     return folder
@@ -32,7 +39,8 @@ def model_dir(tmp_path_factory):
 
 def _start(model_dir) -> tuple[subprocess.Popen, str, int, list[str]]:
     """A `ft serve -tp 2` process, its URL, rank 1's pid and the lines it printed so far."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FREETOKEN_TP_TIMEOUT": str(TIMEOUT_S)}
+    env = compiler_free_env({"PYTHONUNBUFFERED": "1", "FREETOKEN_TP_TIMEOUT": str(TIMEOUT_S),
+                             "FREETOKEN_DISABLE_JIT": "1"})
     command = [sys.executable, "-c", "from freetoken.cli.main import main; main()", "serve",
                "--model", str(model_dir), "--port", "0", "--device", "cpu", "-tp", "2",
                "--num-tokens", "512", "--log-level", "warning", "--sampling-defaults", "none",
