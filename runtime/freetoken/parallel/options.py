@@ -62,6 +62,8 @@ def resolve_parallel(size_text: str | int, gpus_text: str | None, device: str,
     the first N."""
     size = parse_size(size_text)
     gpus = parse_gpus(gpus_text) if gpus_text is not None else None
+    if size == 1 and gpus is None:      # not split: the device options work as before
+        return ParallelConfig(1, (device,))
     on_cpu = device == "cpu" or (device == "auto" and gpus is None and count() == 0)
     if on_cpu:
         if gpus is not None:
