@@ -56,6 +56,7 @@ class Ranks:
         self.conns, self.procs = [], []
         self.fault: str | None = None
         self.on_fault: Callable[[str], None] | None = None
+        self.exit_grace_s: float | None = EXIT_GRACE_S
         self._closing = False
         self._watchdog: threading.Thread | None = None
         for worker in workers:
@@ -70,6 +71,29 @@ class Ranks:
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def while_alive(self, run: Callable[[], Any]) -> Any:
+        """run() on a helper thread (it waits for the workers, e.g. joining the group),
+        raising RankFailed as soon as a worker dies instead of waiting for its timeout."""
+        result: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                result["value"] = run()
+            except BaseException as exc:   # noqa: BLE001 - re-raised on the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=target, name="freetoken-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(WATCH_S)
+            for rank, proc in enumerate(self.procs, 1):
+                if thread.is_alive() and proc.exitcode is not None:
+                    raise RankFailed(f"tensor-parallel rank {rank} {self._exit_cause(rank)} "
+                                     f"while starting")
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Each worker's ready report; RankFailed when one dies or reports an error first."""
@@ -149,10 +173,11 @@ class Ranks:
         sys.stderr.write(f"freetoken: {self.fault}\n")
         sys.stderr.flush()
         self._kill()
-        timer = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
-        timer.daemon = True
-        timer.start()
-        if self.on_fault is not None:
+        if self.on_fault is not None:    # serving: stop it, and exit at the latest a bit later
+            if self.exit_grace_s is not None:
+                timer = threading.Timer(self.exit_grace_s, os._exit, (1,))
+                timer.daemon = True
+                timer.start()
             self.on_fault(self.fault)
 
     # ---- stop ------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ def start_sharded(source: str | None, dtype: str, parallel: ParallelConfig,
             import torch
 
             torch.cuda.set_device(torch.device(device))
-        comm = group.join(spec, 0, store=store,
-                          device=None if device == "cpu" else _torch_device(device))
+        comm = ranks.while_alive(lambda: group.join(
+            spec, 0, store=store, device=None if device == "cpu" else _torch_device(device)))
         model, info = load_rank(source, device, dtype, comm, threads, plan, preload)
         infos = [info] + ranks.wait_ready()
     except BaseException:
