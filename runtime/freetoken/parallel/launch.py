@@ -162,8 +162,11 @@ class Ranks:
         time.sleep(2 * WATCH_S)      # let the watchdog name a rank that died
         if self.fault is None:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            self.report(0, f"saw a collective fail (a peer died, or did not answer within "
-                           f"{self.spec.timeout_s:.0f} s): {detail}")
+            if "Dist" in type(exc).__name__ or "gloo" in detail.lower():
+                self.report(0, f"saw a collective fail (a peer died, or did not answer within "
+                               f"{self.spec.timeout_s:.0f} s): {detail}")
+            else:   # the ranks are out of step now: the next collective could never meet
+                self.report(0, f"failed a step: {type(exc).__name__}: {detail}")
 
     def report(self, rank: int, cause: str) -> None:
         """Once: say which rank failed and why, stop every worker, stop the server."""
