@@ -13,8 +13,9 @@ sliced experts split every token's work evenly at any batch size, need no token 
 (all-to-all), keep the experts kernel as it is and cost the same single all-reduce as a dense
 MLP. Expert parallelism pays off only at large batches, where loads average out.
 
-Slicing happens on the checkpoint's tensors before they are placed: safetensors and GGUF are
-memory-mapped, so a rank reads the pages of its rows (row splits) and only copies its slice.
+Slicing happens on the checkpoint's tensors before they are placed, and a rank keeps only its
+slice: a memory-mapped GGUF is read only at a row split's rows; safetensors tensors come from
+their reader whole, one at a time.
 """
 
 from __future__ import annotations
