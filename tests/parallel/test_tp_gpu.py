@@ -15,6 +15,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA GPUs")]
 
+# head_dim 64: a size the CUDA attention kernel takes (64, 128 or 256)
+SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=512)
 PROMPTS = [[5, 17, 33, 8, 99, 120, 7, 64, 3, 250], [11, 12, 13], [200, 3, 9, 41, 77]]
 
 
@@ -25,7 +29,9 @@ def models(request, tmp_path_factory):
     from freetoken.parallel.start import start_sharded
 
     folder = tmp_path_factory.mktemp(f"tp-gpu-{request.param}")
-    tiny_hf_model(request.param, folder, seed=5)
+    shape = {k: v for k, v in SHAPE.items()
+             if request.param == "qwen3_moe" or k != "moe_intermediate_size"}
+    tiny_hf_model(request.param, folder, seed=5, **shape)
     one = load_model(str(folder), device="cuda:0", dtype="float32")
     two = start_sharded(str(folder), "float32", ParallelConfig(2, ("cuda:0", "cuda:1")))
     yield one, two
