@@ -134,3 +134,54 @@ def test_serve_refuses_before_loading(tmp_path):
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--device", "cpu",
                                        "-tp", "2", "--moe-cache-rate", "0.5"])
     assert result.exit_code != 0 and "--moe-cache-rate below 1" in result.output
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_safetensors_slices_read_alone_equal_slices_of_whole_tensors(arch, tmp_path):
+    from freetoken.models.checkpoint.hf import read_hf_dir
+
+    tiny_hf_model(arch, tmp_path, seed=4)
+    config, tensors, _, _ = read_hf_dir(tmp_path)
+    names = ["layers.0.q", "layers.1.o", "embed", "lm_head"]
+    names += (["layers.0.experts.gate", "layers.0.experts.up", "layers.1.experts.down"]
+              if arch == "qwen3_moe" else ["layers.0.up", "layers.1.down"])
+    for rank in range(2):
+        whole = ShardedSource(Source({n: tensors.get(n) for n in names}), config,
+                              Shard(rank, 2))
+        alone = ShardedSource(tensors, config, Shard(rank, 2))
+        for name in names:
+            np.testing.assert_array_equal(alone.get(name).numpy(), whole.get(name).numpy(),
+                                          err_msg=name)
+    for name in names[:2] + names[4:]:      # these were read as slices, not whole
+        ndim = 3 if ".experts." in name else 2
+        assert tensors.get_part(name, ndim - 1, 0, 16) is not None, name
+
+
+def test_fused_expert_layout_slices_equal_the_per_expert_ones(tmp_path):
+    """transformers 5 writes experts fused (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from freetoken.models.checkpoint.hf import read_hf_dir
+
+    per_expert, fused = tmp_path / "per-expert", tmp_path / "fused"
+    per_expert.mkdir()
+    tiny_hf_model("qwen3_moe", per_expert, seed=6)
+    shutil.copytree(per_expert, fused)
+    state = load_file(str(per_expert / "model.safetensors"))
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        stack = {proj: torch.stack([state.pop(f"{p}{e}.{proj}_proj.weight") for e in range(8)])
+                 for proj in ("gate", "up", "down")}
+        state[p + "gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        state[p + "down_proj"] = stack["down"]
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    (a_cfg, a, _, _), (_, b, _, _) = read_hf_dir(per_expert), read_hf_dir(fused)
+    for rank in range(2):
+        for name in ("layers.0.experts.gate", "layers.0.experts.up", "layers.1.experts.down"):
+            ours = ShardedSource(b, a_cfg, Shard(rank, 2)).get(name)
+            expected = ShardedSource(a, a_cfg, Shard(rank, 2)).get(name)
+            np.testing.assert_array_equal(ours.numpy(), expected.numpy(), err_msg=name)
+    assert b.get_part("layers.0.experts.up", 2, 0, 32) is not None

@@ -123,6 +123,11 @@ def _span(cfg: ModelConfig, shard: Shard, by: str) -> tuple[int, int]:
     return r * step, (r + 1) * step
 
 
+def _dim(axis: str, ndim: int) -> int:
+    """The dimension a rule splits: the last for columns (and vectors), else the rows."""
+    return ndim - 1 if axis == COLS or ndim == 1 else ndim - 2
+
+
 def _part(name: str) -> str:
     return name.split(".", 2)[2] if name.startswith("layers.") else name
 
@@ -152,18 +157,23 @@ class ShardedSource:
         return weight
 
     def _get(self, name: str):
-        weight = self.src.get(name)
         rule = RULES.get(_part(name))
+        if rule is not None and self.shard.size > 1 and hasattr(self.src, "get_part"):
+            axis, by = rule     # safetensors: read the slice alone
+            ndim = 3 if ".experts." in name else 1 if name.endswith("_bias") else 2
+            part = self.src.get_part(name, _dim(axis, ndim), *_span(self.cfg, self.shard, by))
+            if part is not None:
+                return part.contiguous()
+        weight = self.src.get(name)
         if weight is None or rule is None or self.shard.size == 1:
             return weight
         axis, by = rule
         start, end = _span(self.cfg, self.shard, by)
+        dim = _dim(axis, len(weight.shape))
         if isinstance(weight, ScaledWeight):
             raise UnsupportedModelError(
                 f"{self.source}: tensor {self.file_name(name)!r} is {weight.format}-scaled, "
                 f"which tensor parallelism does not split yet; serve it with -tp 1")
-        ndim = len(weight.shape)
-        dim = ndim - 1 if axis == COLS or ndim == 1 else ndim - 2
         if isinstance(weight, QuantWeight):
             return self._quant_slice(name, weight, dim, start, end)
         return slice_along(weight, dim, start, end)
