@@ -14,8 +14,8 @@ sliced experts split every token's work evenly at any batch size, need no token 
 MLP. Expert parallelism pays off only at large batches, where loads average out.
 
 Slicing happens on the checkpoint's tensors before they are placed, and a rank keeps only its
-slice: a memory-mapped GGUF is read only at a row split's rows; safetensors tensors come from
-their reader whole, one at a time.
+slice: safetensors sources read the slice alone (``get_part``); a memory-mapped GGUF is read
+only at a row split's rows.
 """
 
 from __future__ import annotations
