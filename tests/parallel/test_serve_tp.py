@@ -131,6 +131,15 @@ def test_served_request_matches_tp1_and_a_killed_worker_ends_the_server(model_di
             assert reply["choices"][0]["text"] == text
         else:
             assert tokenizer_ids == expected
+        # `ft ctl cache --kv`: every rank's pool is replaced, the same tokens come out
+        resized = httpx.post(url + "/v1/cache", json={"kv": 256}, timeout=60).json()
+        assert resized["kv_pool_tokens"] == 256, resized
+        again = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}).json()
+        assert again["choices"][0]["text"] == reply["choices"][0]["text"]
+        assert httpx.get(url + "/v1/stats").json()["ranks"][1]["kv_pool_bytes"] == \
+            stats["ranks"][1]["kv_pool_bytes"] // 2
         os.kill(worker, signal.SIGKILL)
         took = _ends_naming(proc, lines, "was killed by signal SIGKILL")
         assert took < BOUND_S
