@@ -164,3 +164,18 @@ def test_a_stopped_worker_ends_the_server_within_the_timeout(model_dir):
             os.kill(worker, signal.SIGKILL)
     time.sleep(0.5)
     assert _gone(worker)
+
+
+def test_stopping_the_server_stops_its_workers(model_dir):
+    proc, url, worker, lines = _start(model_dir)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker)

@@ -232,7 +232,7 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                    + (f"; ready {took:.1f} s after start" if took is not None else ""), nl=True)
 
     server = create_server(app, server_config.host, server_config.port, server_config.log_level,
-                           on_ready=on_ready)
+                           on_ready=on_ready, on_stop=lambda: stop_engine(engine))
     if hasattr(engine.model, "ranks"):   # a rank that fails stops the server (parallel/)
         engine.model.ranks.on_fault = lambda line: setattr(server, "should_exit", True)
     try:
