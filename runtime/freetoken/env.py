@@ -84,6 +84,7 @@ class Env:
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
     gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1/v2)
+    tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
 
 
 VARIABLES = {
@@ -111,6 +112,8 @@ VARIABLES = {
                                   " instead of bf16 (default off: not yet passing its GPU tests)",
     "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v1 (gguf_matmul / scaled_gemv,"
                             " default) or v2 (gguf_gemv / fp8_gemv, 16-byte streaming)",
+    "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
+                            "take before the server stops, naming the rank (default 60)",
 }
 
 QUANT_GEMV_VARIANTS = ("v1", "v2")
@@ -146,5 +149,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         gguf_gpu_experts=_bool("FREETOKEN_GGUF_GPU_EXPERTS", e.get("FREETOKEN_GGUF_GPU_EXPERTS"),
                                False),
         quant_gemv=quant_gemv,
+        tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
     )
 

@@ -78,11 +78,17 @@ from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
               type=click.IntRange(1),
               help="Largest area (width x height) an image is resized to before encoding "
                    "(default: the model's max_pixels); larger images are scaled down.")
+@click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", default="1",
+              show_default=True, metavar="N",
+              help="Split the model over N ranks (one process per GPU, or N CPU processes "
+                   "sharing the cores); collectives from torch.distributed.")
+@click.option("--gpus", default=None, metavar="IDS",
+              help="GPU ids of the ranks, one per rank (e.g. 0,1); default: the first N.")
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
                   prefix_cache, moe_cache_rate, moe_cpu, allow_image_urls,
-                  max_image_pixels) -> None:
+                  max_image_pixels, tensor_parallel_size, gpus) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     ctx = click.get_current_context()
@@ -99,7 +105,11 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  cuda_graphs=cuda_graphs, overlap=overlap, kv_dtype=kv_dtype,
                                  prefix_cache=prefix_cache)
     offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu)
-    run_server(model_path, dtype, engine_config, server_config, offload)
+    from freetoken.parallel.options import parallel_engine_config
+
+    engine_config, parallel = parallel_engine_config(ctx, engine_config, tensor_parallel_size,
+                                                     gpus)
+    run_server(model_path, dtype, engine_config, server_config, offload, parallel)
 
 
 def say(message: str) -> None:
@@ -127,7 +137,7 @@ def phase(name: str) -> None:
 
 
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
-                offload: OffloadConfig | None = None):
+                offload: OffloadConfig | None = None, parallel=None):
     """(loaded model, started and warmed-up engine); errors a user can fix become one-line
     ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
     from freetoken.cli.main import is_debug
@@ -138,6 +148,7 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
     from freetoken.models.errors import ModelError
     from freetoken.engine.offload_setup import OffloadPlanner
     from freetoken.models.loader import load_model, resolve_device
+    from freetoken.parallel.launch import RankFailed
 
     try:
         device = resolve_device(engine_config.device)
@@ -147,21 +158,27 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
         phase("kernels loaded")
         say(f"loading {model_path or 'the default model'} on {device} ...")
         planner = OffloadPlanner(engine_config, offload or OffloadConfig(), device)
-        loaded = load_model(model_path, device=str(device), dtype=dtype, plan=planner)
+        if parallel is not None and parallel.is_parallel:
+            from freetoken.parallel.start import no_offload, start_sharded
+
+            loaded = start_sharded(model_path, dtype, parallel, no_offload(planner), say)
+        else:
+            loaded = load_model(model_path, device=str(device), dtype=dtype, plan=planner)
         phase("model loaded")
         if planner.decision is not None:
             say(f"memory plan: {planner.decision.plan.describe()}"
                 + (f"; experts offloaded, cache rate {planner.decision.rate:.3f}"
                    if planner.decision.offloaded else ""))
         engine = Engine.from_loaded(loaded, engine_config, planner.decision).start()
-    except (ModelError, EngineConfigError, KernelUnavailable, KernelCacheError) as exc:
+    except (ModelError, EngineConfigError, KernelUnavailable, KernelCacheError,
+            RankFailed) as exc:
         if is_debug():
             raise
         raise click.ClickException(str(exc)) from None
     try:
         engine.warm_up()
     except RuntimeError as exc:
-        engine.shutdown()
+        stop_engine(engine)
         if is_debug():
             raise
         raise click.ClickException(str(exc)) from None
@@ -186,12 +203,20 @@ def _import_in_background(*modules: str) -> threading.Thread:
     return thread
 
 
+def stop_engine(engine) -> None:
+    """Stop the engine and, under tensor parallelism, the other ranks."""
+    engine.shutdown()
+    if hasattr(engine.model, "close"):
+        engine.model.close()
+
+
 def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
-               server_config: ServerConfig, offload: OffloadConfig | None = None) -> None:
+               server_config: ServerConfig, offload: OffloadConfig | None = None,
+               parallel=None) -> None:
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
     phase("imports done")
-    loaded, engine = load_engine(model_path, dtype, engine_config, offload)
+    loaded, engine = load_engine(model_path, dtype, engine_config, offload, parallel)
     importer.join()
     phase("web stack imported")
     from freetoken.server.app import create_app
@@ -201,7 +226,7 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
     stats = engine.stats()
     limit = engine.max_request_tokens
     if server_config.max_output_tokens is not None and server_config.max_output_tokens >= limit:
-        engine.shutdown()
+        stop_engine(engine)
         raise click.ClickException(f"--max-output-tokens {server_config.max_output_tokens} is "
                                    f"more than a request may hold ({limit} tokens)")
     from freetoken.server.images import image_flags_problem
@@ -225,10 +250,14 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                    + (f"; ready {took:.1f} s after start" if took is not None else ""), nl=True)
 
     server = create_server(app, server_config.host, server_config.port, server_config.log_level,
-                           on_ready=on_ready)
+                           on_ready=on_ready, on_stop=lambda: stop_engine(engine))
+    if hasattr(engine.model, "ranks"):   # a rank that fails stops the server (parallel/)
+        engine.model.ranks.on_fault = lambda line: setattr(server, "should_exit", True)
     try:
         server.run()
     finally:
-        engine.shutdown()
+        stop_engine(engine)
+    if getattr(engine.model, "fault", None):
+        raise SystemExit(1)     # the line naming the rank was printed when it failed
     if not server.started:
         raise click.ClickException(f"could not listen on {server_config.url}; is the port in use?")

@@ -110,10 +110,12 @@ class Engine(OverlapSteps):
         # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
         # Hybrid models snapshot recurrent states at publish time and an offloaded model learns
         # expert misses on the host mid-step, so both keep synchronous steps. Tests set it on
-        # the CPU, where it runs the same logic synchronously.
+        # the CPU, where it runs the same logic synchronously. Tensor parallelism neither: the
+        # other ranks never see the ids rank 0 samples on its GPU.
         self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
                         and self.states is None and self.expert_cache is None
-                        and vision is None)
+                        and vision is None
+                        and getattr(model, "tensor_parallel_size", 1) == 1)
         self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
@@ -141,6 +143,8 @@ class Engine(OverlapSteps):
         from freetoken.engine.segment_graphs import capture_decode_graphs
 
         max_blocks = -(-self.max_request_tokens // self.config.block_size)
+        if hasattr(self.model, "decode_graphs"):   # tensor parallelism: every rank captures
+            return self.model.decode_graphs(self.kv, self.config.max_num_seqs, max_blocks)
         return capture_decode_graphs(self.model, self.kv, self.config.max_num_seqs, max_blocks,
                                      self.expert_cache)
 
@@ -313,6 +317,8 @@ class Engine(OverlapSteps):
             **model_stats(self.model.config),
             cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None,
             **pool_stats(self))
+        stats.update(self.model.parallel_stats() if hasattr(self.model, "parallel_stats")
+                     else {"tensor_parallel_size": 1})
         return stats
 
     def _resolve_params(self, prompt: list[int], params: SamplingParams) -> SamplingParams:

@@ -72,7 +72,8 @@ def _is_gguf(path: Path) -> bool:
 
 
 def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
-               plan: Callable[[ModelConfig, str], bool] | None = None) -> LoadedModel:
+               plan: Callable[[ModelConfig, str], bool] | None = None,
+               shard: Callable | None = None) -> LoadedModel:
     """Load a model for serving.
 
     Args:
@@ -84,6 +85,9 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
         plan: called with the model's config and dtype once the checkpoint's header is read,
             before any weight is placed; it may raise (a memory plan that does not fit), and
             True puts the routed experts in host memory (expert offload) instead of on device.
+        shard: tensor parallelism: called with the config and tensor source once the header
+            is read, returns the rank's (config, source) of weight slices
+            (freetoken.parallel.shard); the forward is built for that shape, `plan` sees it.
     Raises:
         ModelFormatError, UnsupportedModelError, ModelOptionError, ModelDownloadError.
     """
@@ -94,13 +98,13 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
     path = default_model_path() if source is None else Path(source).expanduser()
     vision = None
     if path.is_dir():
-        config, model, tokenizer, defaults = _load_hf(path, placement, plan)
+        config, model, tokenizer, defaults = _load_hf(path, placement, plan, shard)
         name = path.resolve().name
         from freetoken.models.vision_model import load_vision
 
         vision = load_vision(path, where, placement.dtype, tokenizer)
     elif path.is_file() and _is_gguf(path):
-        config, model, tokenizer, defaults = _load_gguf(path, placement, plan)
+        config, model, tokenizer, defaults = _load_gguf(path, placement, plan, shard)
         name = DEFAULT_MODEL_NAME if source is None else path.stem
     elif path.is_file():
         raise ModelFormatError(f"{path}: not a GGUF file (no GGUF magic); pass a .gguf file "
@@ -113,14 +117,17 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
                        vision=vision)
 
 
-def _build_model(tensors, config: ModelConfig, placement: Placement, plan=None) -> Decoder:
+def _build_model(tensors, config: ModelConfig, placement: Placement, plan=None,
+                 shard=None) -> Decoder:
+    if shard is not None:
+        config, tensors = shard(config, tensors)
     if plan is not None and plan(config, placement.dtype) and not placement.arrays.device.is_cpu:
         placement = replace(placement, experts=TorchArrays(parse_device("cpu")))
     weights = build_decoder_weights(tensors, config, placement)
     return Decoder(config, weights, placement.arrays, placement.dtype)
 
 
-def _load_hf(path: Path, placement: Placement, plan=None):
+def _load_hf(path: Path, placement: Placement, plan=None, shard=None):
     try:
         from freetoken.models.checkpoint.hf import hf_generation_defaults, read_hf_dir
         from freetoken.models.tokenizer.hf import hf_tokenizer
@@ -132,11 +139,11 @@ def _load_hf(path: Path, placement: Placement, plan=None):
 
     config, tensors, raw_config, gen = read_hf_dir(path)
     tokenizer = hf_tokenizer(path, raw_config, gen)
-    model = _build_model(tensors, config, placement, plan)
+    model = _build_model(tensors, config, placement, plan, shard)
     return config, model, tokenizer, hf_generation_defaults(gen)
 
 
-def _load_gguf(path: Path, placement: Placement, plan=None):
+def _load_gguf(path: Path, placement: Placement, plan=None, shard=None):
     from freetoken.models.checkpoint.gguf import gguf_generation_defaults, read_gguf
     from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
 
@@ -145,5 +152,5 @@ def _load_gguf(path: Path, placement: Placement, plan=None):
     # their time outside the GIL, so this takes ~0.3 s off start-up.
     with ThreadPoolExecutor(1, thread_name_prefix="freetoken-tokenizer") as pool:
         tokenizer = pool.submit(tokenizer_from_gguf, meta, str(path))
-        model = _build_model(tensors, config, placement, plan)
+        model = _build_model(tensors, config, placement, plan, shard)
         return config, model, tokenizer.result(), gguf_generation_defaults(meta)

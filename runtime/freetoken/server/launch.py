@@ -7,8 +7,11 @@ from typing import Any, Callable
 
 
 def create_server(app: Any, host: str, port: int, log_level: str = "info",
-                  on_ready: Callable[[str], None] | None = None):
-    """A uvicorn server that calls on_ready(url) once it listens (port 0 = any free port)."""
+                  on_ready: Callable[[str], None] | None = None,
+                  on_stop: Callable[[], None] | None = None):
+    """A uvicorn server that calls on_ready(url) once it listens (port 0 = any free port) and
+    on_stop() once it has shut down (before uvicorn re-raises a SIGTERM or SIGINT it caught,
+    which ends the process)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -16,6 +19,11 @@ def create_server(app: Any, host: str, port: int, log_level: str = "info",
             await super().startup(sockets)
             if self.started and on_ready is not None:
                 on_ready(self.url)
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            if on_stop is not None:
+                on_stop()
 
         @property
         def url(self) -> str:

@@ -60,6 +60,9 @@ class Metrics:
         from freetoken.server.offload_metrics import OffloadCollector
 
         registry.register(OffloadCollector(engine_stats))
+        from freetoken.server.parallel_metrics import ParallelCollector
+
+        registry.register(ParallelCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -139,6 +139,43 @@ class HFTensors:
             tensor = tensor.float() + self._norm_offset
         return tensor
 
+    def get_part(self, name: str, dim: int, start: int, end: int) -> torch.Tensor | None:
+        """`name` cut to start:end along `dim`, reading only that part of the file (tensor
+        parallelism); None where a whole read is needed (scaled weights, offset norms, a range
+        past the end) or the tensor is missing: the caller falls back to ``get``."""
+        if self._scheme is not None or (self._norm_offset and name.endswith("norm")):
+            return None
+        if ".experts." not in name:
+            return self._part(self.file_name(name), {dim: (start, end)})
+        _, index, part = name.split(".", 2)
+        proj = part[8:]
+        whole = self._part(self._expert_names(index, proj, "stacked"), {dim: (start, end)})
+        if whole is not None:
+            return whole
+        fused = self._expert_names(index, proj, "fused")
+        if proj != "down" and fused in self._file_of:          # gate rows, then up rows, along dim 1
+            half = self._open(self._file_of[fused]).get_slice(fused).get_shape()[1] // 2
+            base = 0 if proj == "gate" else half
+            cuts = ({1: (base + start, base + end)} if dim == 1 else
+                    {1: (base, base + half), dim: (start, end)})
+            return self._part(fused, cuts)
+        parts = [self._part(self._expert_names(index, proj, str(e)), {dim - 1: (start, end)})
+                 for e in range(self._num_experts)]
+        return None if not parts or any(p is None for p in parts) else torch.stack(parts)
+
+    def _part(self, hf_name: str, cuts: dict[int, tuple[int, int]]) -> torch.Tensor | None:
+        file = self._file_of.get(hf_name)
+        if file is None or not file.is_file():
+            return None
+        view = self._open(file).get_slice(hf_name)
+        shape = view.get_shape()
+        index = [slice(None)] * len(shape)
+        for dim, (start, end) in cuts.items():
+            if end > shape[dim]:
+                return None
+            index[dim] = slice(start, end)
+        return view[tuple(index)]
+
     def _experts(self, index: str, proj: str) -> torch.Tensor | None:
         """[E, rows, cols] for one projection of every expert, from whichever layout exists."""
         fused = self._tensor(self._expert_names(index, proj, "fused"))
