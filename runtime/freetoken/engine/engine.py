@@ -196,7 +196,7 @@ class Engine(OverlapSteps):
         with self._cond:
             for request in list(self._requests.values()):
                 self._end(request, "abort", "", error="the engine shut down")
-            for job, _, _ in self._jobs:
+            for job, *_ in self._jobs:
                 job.set_exception(EngineDead("the engine shut down before the resize ran"))
             self._jobs = []
 
@@ -352,7 +352,7 @@ class Engine(OverlapSteps):
                 self._stopping = True
                 for request in list(self._requests.values()):
                     self._end(request, "error", "", error="the engine thread crashed")
-                for job, _, _ in self._jobs:
+                for job, *_ in self._jobs:
                     job.set_exception(EngineDead("the engine thread crashed"))
                 self._jobs = []
             raise
