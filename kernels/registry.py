@@ -200,6 +200,14 @@ KERNELS: tuple[Kernel, ...] = (
         doc="routed expert MLPs (SwiGLU) over GGUF blocks in VRAM, gate/up and down types "
             "independent",
     ),
+    Kernel(
+        name="moe_decode",
+        functions=("moe_decode_gate_up", "moe_decode_down"),
+        cuda=("cuda/moe_decode.cu",),
+        rocm=True,
+        doc="small-batch (T <= 8) MoE decode over bf16/f16 experts: gate/up + SwiGLU per routed "
+            "expert (each read once), down + weighted combine + shared expert + residual add",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}
