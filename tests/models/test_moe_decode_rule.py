@@ -1,0 +1,91 @@
+"""The small-step MoE decode path's host logic, no GPU needed: which layers the load-time rule
+admits (forward/moe_decode.py's module doc) and which steps take the path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from freetoken.models.forward import moe_decode
+from freetoken.models.forward.mlp import MoEMLP
+
+GPU = SimpleNamespace(is_cpu=False)
+H, E, INTER, K = 64, 8, 32, 2
+
+
+def _layer(dtype=torch.bfloat16, shared=0, top_k=K, experts=E, hidden=H, inter=INTER):
+    cfg = SimpleNamespace(hidden_size=hidden,
+                          moe=SimpleNamespace(top_k=top_k, num_experts=experts,
+                                              renormalize=True))
+    w = {"router": torch.zeros(experts, hidden, dtype=dtype)}
+    mlp = SimpleNamespace(scaled=None, qtypes=(), shared=None,
+                          w13=torch.zeros(experts, 2 * inter, hidden, dtype=dtype),
+                          w2=torch.zeros(experts, hidden, inter, dtype=dtype))
+    if shared:
+        mlp.shared = object()
+        w["shared.gate_up"] = [torch.zeros(2 * shared, hidden, dtype=dtype)]
+        w["shared.down"] = torch.zeros(hidden, shared, dtype=dtype)
+    return cfg, mlp, w
+
+
+def test_plain_bf16_and_f16_layers_qualify():
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        cfg, mlp, w = _layer(dtype, shared=16)
+        assert moe_decode.eligible(cfg, mlp, w, name, GPU)
+
+
+@pytest.mark.parametrize("change", ["cpu", "float32", "gguf", "scaled", "top_k", "experts",
+                                    "hidden", "inter", "strided", "dtype_mix", "split_shared",
+                                    "env"])
+def test_what_keeps_the_general_path(change, monkeypatch):
+    cfg, mlp, w = _layer(shared=16)
+    device, dtype = GPU, "bfloat16"
+    if change == "cpu":
+        device = SimpleNamespace(is_cpu=True)
+    elif change == "float32":
+        cfg, mlp, w = _layer(torch.float32)
+        dtype = "float32"
+    elif change == "gguf":
+        mlp.qtypes = (2, 2)
+    elif change == "scaled":
+        mlp.scaled = object()
+    elif change == "top_k":
+        cfg, mlp, w = _layer(top_k=moe_decode.MAX_TOP_K + 1)
+    elif change == "experts":
+        cfg.moe.num_experts = moe_decode.MAX_EXPERTS + 1
+    elif change == "hidden":
+        cfg, mlp, w = _layer(hidden=H + 4)
+    elif change == "inter":
+        cfg, mlp, w = _layer(inter=INTER + 4)
+    elif change == "strided":
+        mlp.w2 = mlp.w2.transpose(1, 2)
+    elif change == "dtype_mix":
+        w["router"] = w["router"].float()
+    elif change == "split_shared":      # fused rows the loader could not concatenate
+        w["shared.gate_up"] = [torch.zeros(16, H, dtype=torch.bfloat16)] * 2
+    elif change == "env":
+        monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "0")
+    assert not moe_decode.eligible(cfg, mlp, w, dtype, device)
+
+
+def test_steps_that_take_the_path():
+    mlp = MoEMLP.__new__(MoEMLP)
+    mlp.decode, mlp.offload = object(), None
+    assert mlp.decode_applies(1) and mlp.decode_applies(moe_decode.MAX_TOKENS)
+    assert not mlp.decode_applies(moe_decode.MAX_TOKENS + 1)
+    mlp.offload = object()           # the expert cache's slot bookkeeping runs on the host
+    assert not mlp.decode_applies(1)
+    mlp.decode, mlp.offload = None, None
+    assert not mlp.decode_applies(1)
+
+
+def test_host_arrays_get_no_decode_path():
+    """A GPU placement stood in by host tensors (as in the CPU tests) attaches nothing."""
+    cfg, mlp, w = _layer()
+    layer = SimpleNamespace(mlp=MoEMLP.__new__(MoEMLP))
+    layer.mlp.__dict__.update(vars(mlp), decode=None, offload=None)
+    arrays = SimpleNamespace(device=GPU, torch_device=torch.device("cpu"))
+    assert moe_decode.attach([layer], [w], cfg, "bfloat16", arrays) == 0
+    assert layer.mlp.decode is None
