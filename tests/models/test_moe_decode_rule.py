@@ -89,3 +89,35 @@ def test_host_arrays_get_no_decode_path():
     arrays = SimpleNamespace(device=GPU, torch_device=torch.device("cpu"))
     assert moe_decode.attach([layer], [w], cfg, "bfloat16", arrays) == 0
     assert layer.mlp.decode is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b"])
+def test_models_decode_through_the_path(name, tmp_path, monkeypatch):
+    """Real MoE shapes load with the path on every MoE layer (fused layers and unfused alike),
+    decode steps of 1 and 6 sequences run it, an 8+-token prefill does not."""
+    from freetoken.models.loader import load_model
+    from tests.models.helpers import PagedRunner, tiny_hf_model
+    from tests.models.test_gpu_vs_hf import SHAPES
+
+    arch, shape = SHAPES[name]
+    tiny_hf_model(arch, tmp_path, seed=5, **dict(shape, num_hidden_layers=2))
+    loaded = load_model(str(tmp_path), device="cuda")
+    mlps = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, MoEMLP)]
+    assert mlps and all(m.decode is not None for m in mlps)
+    calls = []
+    for m in mlps:
+        real = m.decode
+        monkeypatch.setattr(m, "decode", lambda *a, _real=real, **k: (calls.append(a[1].shape[0]),
+                                                                        _real(*a, **k)))
+    runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
+    prompts = [(s, list(range(3 + s, 23 + s))) for s in range(6)]
+    runner.step(prompts[:1])
+    assert calls == []                       # 20 prompt tokens: the general kernels
+    first = runner.step([(0, [7])])[0]
+    assert calls == [1] * len(mlps) and torch.isfinite(first).all()
+    runner.step(prompts[1:])
+    calls.clear()
+    runner.step([(s, [9]) for s in range(6)])
+    assert calls == [6] * len(mlps)

@@ -1,7 +1,8 @@
 """The GPU MoE decode step for small batches (T <= MAX_TOKENS): four launches per MoE layer
 after its normed input, against 5-7 on the general path (plus 5 for a shared expert):
 
-    decode_gemv          router logits (one warp per expert row, 16-byte loads)
+    decode_gemv          router logits (16-byte loads, rows split to fill the SMs; the layer's
+                         own linear when the expert count is not a multiple of 8)
     moe_topk_softmax     softmax, top-k, norm_topk_prob renormalisation (one warp per token)
     moe_decode_gate_up   SwiGLU of every routed expert, each read once, + the shared expert
                          and its sigmoid-gate logit
@@ -61,6 +62,8 @@ def eligible(cfg: ModelConfig, mlp: MoEMLP, w: LayerWeights, dtype: str, device)
     weights = [mlp.w13, mlp.w2, _matrix(w["router"])]
     if mlp.shared is not None:
         weights += [_matrix(w["shared.gate_up"]), w["shared.down"]]
+        if w.get("shared_gate") is not None:
+            weights.append(w["shared_gate"])
     if not all(x is not None and _plain(x) for x in weights):
         return False
     if any(str(x.dtype).replace("torch.", "") != dtype for x in weights):
@@ -86,6 +89,8 @@ class MoEDecode:
         self.router = _matrix(w["router"])
         self.renormalize = cfg.moe.renormalize
         self.group = router_group(self.router.shape[0], cfg.hidden_size, sms)
+        # decode_gemv writes 16-byte aligned rows: 60 experts (Qwen1.5-MoE) take the mm
+        self.gemv_router = self.router.shape[0] % 8 == 0
         self.shared_w13 = self.shared_w2 = self.gate_w = None
         if mlp.shared is not None:
             self.shared_w13, self.shared_w2 = _matrix(w["shared.gate_up"]), w["shared.down"]
@@ -96,7 +101,10 @@ class MoEDecode:
     def __call__(self, out: Array, x: Array, w: WorkViews, accumulate: bool) -> None:
         """out = the MoE MLP of the normed x (accumulate: out += it); T <= MAX_TOKENS."""
         m = self.mlp
-        self.gemv(w.router_logits, x, self.router, None, None, 0.0, self.group)
+        if self.gemv_router:
+            self.gemv(w.router_logits, x, self.router, None, None, 0.0, self.group)
+        else:
+            m.router(w.router_logits, x)
         self.topk(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
         shared = self.shared_w13 is not None
         act = w.shared_act if shared else None
