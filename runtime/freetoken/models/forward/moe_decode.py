@@ -1,5 +1,5 @@
 """The GPU MoE decode step for small batches (T <= MAX_TOKENS): four launches per MoE layer
-after its normed input, against 5-7 on the general path (plus 5 for a shared expert):
+after its normed input, against 5-6 on the general path (plus 6 for a shared expert):
 
     decode_gemv          router logits (16-byte loads, rows split to fill the SMs; the layer's
                          own linear when the expert count is not a multiple of 8)
