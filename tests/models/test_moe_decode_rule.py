@@ -102,7 +102,7 @@ def test_models_decode_through_the_path(name, tmp_path, monkeypatch):
     from tests.models.test_gpu_vs_hf import SHAPES
 
     arch, shape = SHAPES[name]
-    tiny_hf_model(arch, tmp_path, seed=5, **dict(shape, num_hidden_layers=2))
+    tiny_hf_model(arch, tmp_path, seed=5, **dict(shape, num_hidden_layers=1))
     loaded = load_model(str(tmp_path), device="cuda")
     mlps = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, MoEMLP)]
     assert mlps and all(m.decode is not None for m in mlps)
