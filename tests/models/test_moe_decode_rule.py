@@ -72,13 +72,20 @@ def test_what_keeps_the_general_path(change, monkeypatch):
 
 def test_steps_that_take_the_path():
     mlp = MoEMLP.__new__(MoEMLP)
-    mlp.decode, mlp.offload = object(), None
-    assert mlp.decode_applies(1) and mlp.decode_applies(moe_decode.MAX_TOKENS)
-    assert not mlp.decode_applies(moe_decode.MAX_TOKENS + 1)
+    mlp.decode, mlp.offload = SimpleNamespace(max_tokens=2), None
+    assert mlp.decode_applies(1) and mlp.decode_applies(2)
+    assert not mlp.decode_applies(3)
     mlp.offload = object()           # the expert cache's slot bookkeeping runs on the host
     assert not mlp.decode_applies(1)
     mlp.decode, mlp.offload = None, None
     assert not mlp.decode_applies(1)
+
+
+@pytest.mark.parametrize("inter,widest", [(512, 2), (640, 2), (768, 1), (1408, 1)])
+def test_widest_step_follows_the_expert_width(inter, widest):
+    """The H200 rule: one token always, two only for narrow experts (Qwen3.6's 512, not
+    Qwen3-30B's 768), never more (moe_experts wins from 4 tokens on)."""
+    assert moe_decode.max_tokens(inter) == widest <= moe_decode.MAX_TOKENS
 
 
 def test_host_arrays_get_no_decode_path():
@@ -96,7 +103,8 @@ def test_host_arrays_get_no_decode_path():
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b"])
 def test_models_decode_through_the_path(name, tmp_path, monkeypatch):
     """Real MoE shapes load with the path on every MoE layer (fused layers and unfused alike),
-    decode steps of 1 and 6 sequences run it, an 8+-token prefill does not."""
+    a decode step of 1 sequence runs it; one of 6 sequences and a 20-token prefill do not
+    (experts of these shapes are wider than NARROW_INTER: 1-token steps only)."""
     from freetoken.models.loader import load_model
     from tests.models.helpers import PagedRunner, tiny_hf_model
     from tests.models.test_gpu_vs_hf import SHAPES
@@ -119,5 +127,6 @@ def test_models_decode_through_the_path(name, tmp_path, monkeypatch):
     assert calls == [1] * len(mlps) and torch.isfinite(first).all()
     runner.step(prompts[1:])
     calls.clear()
+    assert all(m.decode.max_tokens == 1 for m in mlps)
     runner.step([(s, [9]) for s in range(6)])
-    assert calls == [6] * len(mlps)
+    assert calls == []

@@ -18,7 +18,6 @@ from freetoken.arrays import HostArrays, TorchArrays, array_view, is_torch
 from freetoken.models.batch import Array
 from freetoken.models.checkpoint.weights import LayerWeights, Weight
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.forward import moe_decode
 from freetoken.models.forward.linear import make_linear
 from freetoken.models.forward.workspace import WorkViews
 from freetoken.models.quant.scaled import ScaledWeight
@@ -106,7 +105,7 @@ class MoEMLP:
     def decode_applies(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens takes the small-step decode kernels."""
         return (self.decode is not None and self.offload is None
-                and tokens <= moe_decode.MAX_TOKENS)
+                and tokens <= self.decode.max_tokens)
 
 
 def _add_gated(out: Array, shared: Array, gate: Array) -> None:

@@ -12,9 +12,13 @@ after its normed input, against 5-6 on the general path (plus 6 for a shared exp
 The rule (decided once at load, per layer): a CUDA/ROCm device, bf16/f16 activations, the
 experts stored as plain float tensors (not GGUF blocks, not FP8/NVFP4, which keep their own
 kernels), H, I and Is multiples of 8, top_k <= 16, at most 1024 experts, and
-FREETOKEN_FUSED_DECODE on. Per step: T <= MAX_TOKENS and no expert offload cache attached
-(its host-side slot bookkeeping keeps the moe_experts path). Ids stay on the device: no host
-sync, graph-capturable.
+FREETOKEN_FUSED_DECODE on. Per step: no expert offload cache attached (its host-side slot
+bookkeeping keeps the moe_experts path) and T <= the layer's max_tokens, from the H200 per-layer
+times (benchmarks/moe_decode_kernels.py): 1 token always (Qwen3-30B-A3B 50.4 -> 44.9 us,
+Qwen3.6-35B-A3B 74.4 -> 39.2 us); 2 tokens only for experts of I <= NARROW_INTER (Qwen3.6's
+512: 84.4 -> 63.0 us; Qwen3-30B's 768 lost, 68.6 -> 80.4 us); from 4 tokens moe_experts' grouped
+GEMMs win (T = 8: 0.45-0.53x), so those steps keep it. The kernels take up to MAX_TOKENS.
+Ids stay on the device: no host sync, graph-capturable.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ if TYPE_CHECKING:
     from freetoken.models.config import ModelConfig
     from freetoken.models.forward.mlp import MoEMLP
 
-MAX_TOKENS = 8
+MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
+NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 
@@ -71,6 +76,11 @@ def eligible(cfg: ModelConfig, mlp: MoEMLP, w: LayerWeights, dtype: str, device)
     return cfg.hidden_size % 8 == 0 and mlp.w13.shape[1] % 16 == 0
 
 
+def max_tokens(inter: int) -> int:
+    """The widest step a layer with experts of width `inter` runs here (the doc's rule)."""
+    return 2 if inter <= NARROW_INTER else 1
+
+
 def router_group(experts: int, hidden: int, sms: int) -> int:
     """decode_gemv's threads per router row: fused_decode's rule (fill the SMs, split K)."""
     from freetoken.models.forward.fused_decode import gemv_group
@@ -86,6 +96,7 @@ class MoEDecode:
             ops.bind(name, device) for name in
             ("decode_gemv", "moe_topk_softmax", "moe_decode_gate_up", "moe_decode_down"))
         self.mlp = mlp
+        self.max_tokens = max_tokens(mlp.w2.shape[-1])
         self.router = _matrix(w["router"])
         self.renormalize = cfg.moe.renormalize
         self.group = router_group(self.router.shape[0], cfg.hidden_size, sms)
@@ -99,7 +110,7 @@ class MoEDecode:
                 self.gate_w = gate.reshape(1, -1) if gate.dim() == 1 else gate
 
     def __call__(self, out: Array, x: Array, w: WorkViews, accumulate: bool) -> None:
-        """out = the MoE MLP of the normed x (accumulate: out += it); T <= MAX_TOKENS."""
+        """out = the MoE MLP of the normed x (accumulate: out += it); T <= max_tokens."""
         m = self.mlp
         if self.gemv_router:
             self.gemv(w.router_logits, x, self.router, None, None, 0.0, self.group)
