@@ -5,6 +5,11 @@ the D2D copy bandwidth measured in the same run.
 
     python benchmarks/moe_decode_kernels.py [--tokens 1,2,4,8] [--layers 4] [--reps 30]
 
+Under each row of up to 2 tokens (the steps the path takes), the new path's kernels one by one
+(each alone in its graph): rms_norm, router GEMV, top-k, then gate/up and down for every launch
+shape (moe_decode_kernels.cuh kVariants), each variant first checked against the torch
+reference of tests/kernel/moe_decode_ref.py (a variant off it prints FAIL and no time).
+
 Both paths start from the post-attention residual and end with the MLP output added to it:
   old  rms_norm, router mm (cuBLAS), moe_topk_softmax, moe_experts (align, gate/up, down),
        [shared expert: mm, silu_and_mul, mm, gate mm, sigmoid * add], residual add
@@ -93,18 +98,52 @@ def old_step(ly: Layer, b: Buffers) -> None:
     b.residual.add_(b.out)
 
 
-def new_step(ly: Layer, b: Buffers) -> None:
+def norm(ly: Layer, b: Buffers) -> None:
     from freetoken.kernel import ops
 
     ops.rms_norm(b.hidden, b.residual, ly.norm, 1e-6)
+
+
+def router(ly: Layer, b: Buffers) -> None:
+    from freetoken.kernel import ops
+
     ops.decode_gemv(b.logits, b.hidden, ly.router, None, None, 0.0, ly.group)
+
+
+def topk(ly: Layer, b: Buffers) -> None:
+    from freetoken.kernel import ops
+
     ops.moe_topk_softmax(b.weights, b.ids, b.logits, True)
+
+
+def _shared(ly: Layer, b: Buffers):
     sw13, sw2, gw = ly.sh if ly.sh is not None else (None, None, None)
     act = b.sh_act if ly.sh is not None else None
-    gate = b.sh_gate if gw is not None else None
-    ops.moe_decode_gate_up(b.hidden, ly.w13, ly.w2, b.ids, ly.emap, b.ws, sw13, act, gw, gate)
-    ops.moe_decode_down(b.residual, ly.w13, ly.w2, b.ids, b.weights, ly.emap, b.ws, sw2, act,
-                        gate, True)
+    return sw13, sw2, gw, act, b.sh_gate if gw is not None else None
+
+
+def gate_up(ly: Layer, b: Buffers, variant: int = 0) -> None:
+    from freetoken.kernel import ops
+
+    sw13, _, gw, act, gate = _shared(ly, b)
+    ops.moe_decode_gate_up(b.hidden, ly.w13, ly.w2, b.ids, ly.emap, b.ws, sw13, act, gw, gate,
+                           variant)
+
+
+def down(ly: Layer, b: Buffers, variant: int = 0, out=None) -> None:
+    from freetoken.kernel import ops
+
+    _, sw2, _, act, gate = _shared(ly, b)
+    ops.moe_decode_down(b.residual if out is None else out, ly.w13, ly.w2, b.ids, b.weights,
+                        ly.emap, b.ws, sw2, act, gate, out is None, variant)
+
+
+def new_step(ly: Layer, b: Buffers, variant: int = 0) -> None:
+    norm(ly, b)
+    router(ly, b)
+    topk(ly, b)
+    gate_up(ly, b, variant)
+    down(ly, b, variant)
 
 
 def graph_ms(step, layers, bufs, reps: int) -> float:
@@ -130,6 +169,36 @@ def graph_ms(step, layers, bufs, reps: int) -> float:
     return sorted(times)[reps // 2] / len(layers)
 
 
+def variant_ok(ly: Layer, b: Buffers, variant: int) -> bool:
+    """The variant's MLP output for the routing in `b` against the torch reference."""
+    from tests.kernel.moe_decode_ref import reference_decode
+
+    out = torch.empty_like(b.out)
+    gate_up(ly, b, variant)
+    down(ly, b, variant, out)
+    ref, bound = reference_decode(b.hidden, ly.w13, ly.w2, b.ids, b.weights, ly.emap, ly.sh)
+    return bool(((out.float() - ref).abs() <= bound).all())
+
+
+def breakdown(layers, bufs, reps: int) -> str:
+    """Per-kernel GPU time of the new path (us per layer), every gate/up and down variant."""
+    from freetoken.models.forward.moe_decode import VARIANTS
+
+    new_step(layers[-1], bufs)          # the routing and activations the kernels read
+    parts = [f"{f.__name__} {graph_ms(f, layers, bufs, reps) * 1e3:.1f}"
+             for f in (norm, router, topk)]
+    for kernel in (gate_up, down):
+        times = []
+        for v in range(VARIANTS):
+            if not variant_ok(layers[-1], bufs, v):
+                times.append(f"v{v} FAIL")
+                continue
+            step = lambda ly, b, _v=v, _k=kernel: _k(ly, b, _v)  # noqa: E731
+            times.append(f"v{v} {graph_ms(step, layers, bufs, reps) * 1e3:.1f}")
+        parts.append(f"{kernel.__name__} " + " / ".join(times))
+    return "    us per layer: " + ", ".join(parts)
+
+
 def row(name, shape, t, args, sms, bw) -> str:
     layers = [Layer(shape, sms, seed) for seed in range(args.layers)]
     bufs = Buffers(shape, t)
@@ -138,10 +207,13 @@ def row(name, shape, t, args, sms, bw) -> str:
     new = graph_ms(new_step, layers, bufs, args.reps)
     step_bytes = layers[-1].bytes_read(bufs.ids)  # the last layer's routing of the last replay
     old_bw, new_bw = step_bytes / old / 1e6, step_bytes / new / 1e6
+    line = (f"{name:<16} {t:>2} {old * 1e3:>9.1f} {new * 1e3:>9.1f} {old / new:>6.2f}x "
+            f"{step_bytes / 1e6:>8.1f} {old_bw:>8.0f} {new_bw:>8.0f} {100 * new_bw / bw:>6.1f}%")
+    if t <= 2:
+        line += "\n" + breakdown(layers, bufs, args.reps)
     del layers
     torch.cuda.empty_cache()
-    return (f"{name:<16} {t:>2} {old * 1e3:>9.1f} {new * 1e3:>9.1f} {old / new:>6.2f}x "
-            f"{step_bytes / 1e6:>8.1f} {old_bw:>8.0f} {new_bw:>8.0f} {100 * new_bw / bw:>6.1f}%")
+    return line
 
 
 def main() -> None:

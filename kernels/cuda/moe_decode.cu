@@ -12,6 +12,7 @@
 //                      writes y = sum_k w_k * (down_s . act) [+ sigmoid(g) * shared], or adds
 //                      it to the residual stream.
 //
+// `variant` picks a launch shape (moe_decode_kernels.cuh kVariants; 0 the default).
 // Slots come from topk_ids through expert_map (offload slot pools; an unmapped expert is
 // skipped, as in moe_experts). No host sync: the launch shape depends on (T, K, I) alone.
 // Rounding follows the unfused chain: gate, up and the shared products are rounded to the
@@ -24,38 +25,67 @@ namespace {
 
 using moe_decode::DecodeArgs;
 using moe_decode::down_kernel;
+using moe_decode::gate_up_blocks;
 using moe_decode::gate_up_kernel;
 using moe_decode::kMaxExperts;
 using moe_decode::kMaxTokens;
 using moe_decode::kMaxTopK;
+using moe_decode::kNumVariants;
+using moe_decode::kVariants;
 using moe_decode::kRows;
 using moe_decode::kThreads;
 
 // ---------------------------------------------------------------- host side
 
+template <typename T, int NT, int V>
+void launch_gate_up_shape(const DecodeArgs& a, cudaStream_t stream) {
+  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll;
+  dim3 grid(static_cast<unsigned>(gate_up_blocks(a, R)));
+  gate_up_kernel<T, NT, R, U><<<grid, kThreads, 0, stream>>>(a);
+}
+
+// Variants 1 and 2 are built for the steps models/forward/moe_decode.py sends here (1-2 tokens,
+// which also keeps the JIT build short); wider steps run variant 0.
 template <typename T>
-void launch_gate_up(const DecodeArgs& a, cudaStream_t stream) {
-  int64_t blocks = a.tokens * a.top_k * ceil_div(a.inter, kRows);
-  if (a.sh_w13 != nullptr) blocks += ceil_div(a.sh_inter, kRows);
-  if (a.sh_gate_w != nullptr) blocks += 1;
-  dim3 grid(static_cast<unsigned>(blocks));
-  if (a.tokens <= 1) {
-    gate_up_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
+void launch_gate_up(const DecodeArgs& a, int variant, cudaStream_t stream) {
+  bool one = a.tokens <= 1;
+  if (a.tokens <= 2 && variant == 1) {
+    one ? launch_gate_up_shape<T, 1, 1>(a, stream) : launch_gate_up_shape<T, 2, 1>(a, stream);
+  } else if (a.tokens <= 2 && variant == 2) {
+    one ? launch_gate_up_shape<T, 1, 2>(a, stream) : launch_gate_up_shape<T, 2, 2>(a, stream);
   } else if (a.tokens <= 2) {
-    gate_up_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a);
+    one ? launch_gate_up_shape<T, 1, 0>(a, stream) : launch_gate_up_shape<T, 2, 0>(a, stream);
   } else if (a.tokens <= 4) {
-    gate_up_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
+    launch_gate_up_shape<T, 4, 0>(a, stream);
   } else {
-    gate_up_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
+    launch_gate_up_shape<T, 8, 0>(a, stream);
   }
   check_launch("moe_decode_gate_up");
 }
 
+template <typename T, int V>
+void launch_down_variant(const DecodeArgs& a, cudaStream_t stream) {
+  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll;
+  dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(ceil_div(a.hidden, kRows * R)));
+  down_kernel<T, R, U><<<grid, kThreads, 0, stream>>>(a);
+}
+
 template <typename T>
-void launch_down(const DecodeArgs& a, cudaStream_t stream) {
-  dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(ceil_div(a.hidden, kRows)));
-  down_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+void launch_down(const DecodeArgs& a, int variant, cudaStream_t stream) {
+  if (variant == 1) {
+    launch_down_variant<T, 1>(a, stream);
+  } else if (variant == 2) {
+    launch_down_variant<T, 2>(a, stream);
+  } else {
+    launch_down_variant<T, 0>(a, stream);
+  }
   check_launch("moe_decode_down");
+}
+
+int check_variant(int64_t variant) {
+  TVM_FFI_ICHECK(variant >= 0 && variant < kNumVariants)
+      << "variant must be in 0.." << kNumVariants - 1 << ", got " << variant;
+  return static_cast<int>(variant);
 }
 
 void check_rows(const TensorView& t, int dev, const TensorView& like, const char* name,
@@ -185,7 +215,8 @@ void moe_decode_gate_up(TensorView x, TensorView w13, TensorView w2, TensorView 
                         tvm::ffi::Optional<TensorView> shared_w13,
                         tvm::ffi::Optional<TensorView> shared_act,
                         tvm::ffi::Optional<TensorView> shared_gate_weight,
-                        tvm::ffi::Optional<TensorView> shared_gate) {
+                        tvm::ffi::Optional<TensorView> shared_gate, int64_t variant) {
+  int v = check_variant(variant);
   DecodeArgs a = routed_args(x, w13, w2, topk_ids, expert_map, workspace);
   int dev = x.device().device_id;
   check_rows(x, dev, x, "x", a.tokens, a.hidden, &a.x_stride);
@@ -194,9 +225,9 @@ void moe_decode_gate_up(TensorView x, TensorView w13, TensorView w2, TensorView 
   if (a.tokens == 0) return;
   DeviceGuard guard(dev);
   if (float_type(x, "x") == FloatType::kBF16) {
-    launch_gate_up<bf16>(a, stream_for(x));
+    launch_gate_up<bf16>(a, v, stream_for(x));
   } else {
-    launch_gate_up<f16>(a, stream_for(x));
+    launch_gate_up<f16>(a, v, stream_for(x));
   }
 }
 
@@ -205,7 +236,9 @@ void moe_decode_down(TensorView out, TensorView w13, TensorView w2, TensorView t
                      TensorView topk_weights, TensorView expert_map, TensorView workspace,
                      tvm::ffi::Optional<TensorView> shared_w2,
                      tvm::ffi::Optional<TensorView> shared_act,
-                     tvm::ffi::Optional<TensorView> shared_gate, bool accumulate) {
+                     tvm::ffi::Optional<TensorView> shared_gate, bool accumulate,
+                     int64_t variant) {
+  int v = check_variant(variant);
   DecodeArgs a = routed_args(out, w13, w2, topk_ids, expert_map, workspace);
   int dev = out.device().device_id;
   check_rows(out, dev, out, "out", a.tokens, a.hidden, &a.out_stride);
@@ -222,9 +255,9 @@ void moe_decode_down(TensorView out, TensorView w13, TensorView w2, TensorView t
   if (a.tokens == 0) return;
   DeviceGuard guard(dev);
   if (float_type(out, "out") == FloatType::kBF16) {
-    launch_down<bf16>(a, stream_for(out));
+    launch_down<bf16>(a, v, stream_for(out));
   } else {
-    launch_down<f16>(a, stream_for(out));
+    launch_down<f16>(a, v, stream_for(out));
   }
 }
 

@@ -47,14 +47,42 @@ void launch(unsigned gx, unsigned gy, unsigned threads, F body) {
   for (auto& th : pool) th.join();
 }
 
-template <int NT>
-void gate_up(const md::DecodeArgs& a, unsigned blocks) {
-  launch(blocks, 1, md::kThreads, [&] { md::gate_up_kernel<bf16, NT>(a); });
+template <int NT, int V>
+void gate_up(const md::DecodeArgs& a) {
+  constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
+  unsigned blocks = static_cast<unsigned>(md::gate_up_blocks(a, R));
+  launch(blocks, 1, md::kThreads, [&] { md::gate_up_kernel<bf16, NT, R, U>(a); });
+}
+
+template <int V>
+void down(const md::DecodeArgs& a) {
+  constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
+  launch(static_cast<unsigned>(a.tokens),
+         static_cast<unsigned>(freetoken::ceil_div(a.hidden, md::kRows * R)), md::kThreads,
+         [&] { md::down_kernel<bf16, R, U>(a); });
+}
+
+// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-2: up to 2 tokens).
+template <int V>
+void decode(const md::DecodeArgs& a) {
+  if (a.tokens <= 1) {
+    gate_up<1, V>(a);
+  } else if (a.tokens <= 2) {
+    gate_up<2, V>(a);
+  } else if (a.tokens <= 4) {
+    gate_up<4, 0>(a);
+  } else {
+    gate_up<8, 0>(a);
+  }
+  md::DecodeArgs d = a;
+  if (a.sh_gate_w != nullptr) d.sh_gate_w = a.sh_gate;  // as moe_decode.cu's down: "gated"
+  d.sh_w13 = nullptr;
+  down<V>(d);
 }
 
 }  // namespace
 
-// moe_decode.cu's two launches over bf16 bits. Shared expert when sh_w13 != null (sh_gate_w
+// moe_decode.cu's two launches (launch shape `variant`) over bf16 bits. Shared expert when sh_w13 != null (sh_gate_w
 // may be null); act_ws holds T*K*I activations; out is overwritten or added to (accumulate).
 extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16_t* w13,
                                   const uint16_t* w2, const int* ids, const float* weights,
@@ -62,7 +90,7 @@ extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16
                                   const uint16_t* sh_w13, const uint16_t* sh_w2,
                                   uint16_t* sh_act, const uint16_t* sh_gate_w,
                                   uint16_t* sh_gate, int T, int K, int E, int S, int H, int I,
-                                  int Is, int accumulate) {
+                                  int Is, int accumulate, int variant) {
   md::DecodeArgs a{};
   a.out = out;
   a.x = x;
@@ -89,22 +117,11 @@ extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16
   a.inter = I;
   a.sh_inter = Is;
   a.accumulate = accumulate != 0;
-  int64_t blocks = T * K * freetoken::ceil_div(I, md::kRows);
-  if (sh_w13 != nullptr) blocks += freetoken::ceil_div(Is, md::kRows);
-  if (sh_gate_w != nullptr) blocks += 1;
-  unsigned gb = static_cast<unsigned>(blocks);
-  if (T <= 1) {
-    gate_up<1>(a, gb);
-  } else if (T <= 2) {
-    gate_up<2>(a, gb);
-  } else if (T <= 4) {
-    gate_up<4>(a, gb);
+  if (variant == 1) {
+    decode<1>(a);
+  } else if (variant == 2) {
+    decode<2>(a);
   } else {
-    gate_up<8>(a, gb);
+    decode<0>(a);
   }
-  md::DecodeArgs d = a;
-  if (sh_gate_w != nullptr) d.sh_gate_w = sh_gate;  // as moe_decode.cu's down: "gated" marker
-  d.sh_w13 = nullptr;
-  launch(static_cast<unsigned>(T), static_cast<unsigned>(freetoken::ceil_div(H, md::kRows)),
-         md::kThreads, [&] { md::down_kernel<bf16>(d); });
 }

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from freetoken.kernel import ops
+from freetoken.models.forward.moe_decode import VARIANTS
 from tests.kernel.moe_decode_ref import assert_within, reference_decode
 from tests.tolerances import EPS
 
@@ -63,7 +64,7 @@ class Case:
                        _rnd(g, 1, h, scale=1 / math.sqrt(h)).to(dtype) if gated else None)
         self.ws = torch.empty(tokens * k * i * 2 + 256, dtype=torch.uint8, device=_dev())
 
-    def run(self, out, accumulate=False):
+    def run(self, out, accumulate=False, variant=0):
         t = self.x.shape[0]
         act = gate = sw13 = sw2 = gw = None
         if self.sh is not None:
@@ -71,9 +72,9 @@ class Case:
             act = torch.empty(t, sw2.shape[1], dtype=self.dtype, device=_dev())
             gate = torch.empty(t, 1, dtype=self.dtype, device=_dev()) if gw is not None else None
         ops.moe_decode_gate_up(self.x, self.w13, self.w2, self.ids, self.emap, self.ws, sw13,
-                               act, gw, gate)
+                               act, gw, gate, variant)
         ops.moe_decode_down(out, self.w13, self.w2, self.ids, self.weights, self.emap, self.ws,
-                            sw2, act, gate, accumulate)
+                            sw2, act, gate, accumulate, variant)
         return out
 
     def reference(self):
@@ -92,6 +93,20 @@ def test_matches_the_torch_reference(shape, tokens, dtype):
     out = case.run(torch.empty(tokens, case.h, dtype=dtype, device=_dev()))
     ref, bound = case.reference()
     _assert_within(out, ref, bound)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_launch_variants_match_the_torch_reference(shape, tokens, variant):
+    """The benchmark's other launch shapes; 3 tokens run variant 0 (built for 1-2 only)."""
+    case = Case(shape, tokens, torch.bfloat16, seed=40 + tokens, crowd=tokens == 2)
+    residual = torch.randn(tokens, case.h, device=_dev()).to(torch.bfloat16)
+    expect = residual.float().clone()
+    case.run(residual, accumulate=True, variant=variant)
+    ref, bound = case.reference()
+    _assert_within(residual, (expect + ref).to(torch.bfloat16).float(),
+                   bound + 2 * EPS["bfloat16"] * expect.abs())
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -162,3 +177,6 @@ def test_bad_arguments_raise():
         ops.moe_decode_gate_up(case.x, case.w13, case.w2, case.ids, case.emap, case.ws[:64])
     with pytest.raises(Exception, match="float32"):
         ops.moe_decode_gate_up(case.x.float(), case.w13, case.w2, case.ids, case.emap, case.ws)
+    with pytest.raises(Exception, match="variant"):
+        ops.moe_decode_gate_up(case.x, case.w13, case.w2, case.ids, case.emap, case.ws,
+                               variant=VARIANTS)

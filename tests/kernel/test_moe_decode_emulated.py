@@ -40,7 +40,7 @@ def emulated(tmp_path_factory):
                    check=True)
     fn = ctypes.CDLL(str(so)).ft_moe_decode_emu
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 8
+    fn.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 9
     return fn
 
 
@@ -69,7 +69,7 @@ def _case(T, seed, shared, gated, crowd=False, H=H_SMALL):
     return x, w13, w2, ids.to(torch.int32), (w / w.sum(-1, keepdim=True)).float(), emap, sh
 
 
-def _run(fn, case, residual=None):
+def _run(fn, case, residual=None, variant=0):
     x, w13, w2, ids, weights, emap, sh = case
     T, H = x.shape
     out = _bits(residual) if residual is not None else np.full((T, H), 0x7FC0, np.uint16)
@@ -86,7 +86,7 @@ def _run(fn, case, residual=None):
             keep += [_bits(sh[2]), np.zeros((T, 1), np.uint16)]
             sh_args[3:] = [keep[10].ctypes.data, keep[11].ctypes.data]
     fn(out.ctypes.data, *[a.ctypes.data for a in keep[:7]], *sh_args, T, K, E, w13.shape[0], H,
-       INTER, si, int(residual is not None))
+       INTER, si, int(residual is not None), variant)
     return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
 
 
@@ -123,3 +123,13 @@ def test_a_wrong_expert_map_fails_the_check(emulated):
     case[5] = torch.roll(case[5], 1)
     with pytest.raises(AssertionError):
         _check(out, case)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_launch_variants(emulated, variant):
+    """The other launch shapes (8 loads per row in flight; two rows per warp), built for steps
+    of up to 2 tokens: H = 1096 and I = 136 leave a partial unrolled pass and a last tile of
+    half-used warps; the tokens share experts, the gated shared expert and accumulate run too."""
+    case = _case(2, 30 + variant, shared=True, gated=True, crowd=True, H=H_TAILS)
+    residual = torch.randn(2, H_TAILS).to(torch.bfloat16)
+    _check(_run(emulated, case, residual, variant), case, add=residual)

@@ -13,7 +13,19 @@ constexpr int kRows = kThreads / kWarp;  // rows per block: one warp each
 constexpr int kMaxTokens = 8;
 constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 1024;
-constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row
+constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (variant 0)
+
+// Launch shapes the benchmark sweeps (benchmarks/moe_decode_kernels.py), picked per call:
+// `rows` output rows per warp (gate/up: rows of I, each a gate and an up row; down: rows of H,
+// sharing the act loads) and `unroll` 16-byte loads per lane and row issued before the FMAs.
+// Variant 0 is the default; 1 puts all of a lane's loads of a 2048-wide row in flight at
+// once; 2 gives a warp two rows (twice the loads in flight, half the blocks). moe_decode.cu
+// builds gate/up's variants 1-2 for steps of 1-2 tokens only (wider steps run variant 0).
+struct Variant {
+  int rows, unroll;
+};
+constexpr Variant kVariants[] = {{1, kUnroll}, {1, 2 * kUnroll}, {2, kUnroll}};
+constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
 struct DecodeArgs {
   void* out;               // [T, H] (down)
@@ -46,23 +58,23 @@ __device__ __forceinline__ float round_to(float v) {
 }
 
 // acc[r][i] += W_r[row] . x[tok[i]] over H, one warp, lanes striding 16-byte vectors.
-template <typename T, int NT, int NW>
+template <typename T, int NT, int NW, int U>
 __device__ __forceinline__ void warp_dots(const DecodeArgs& a, const T* const (&w)[NW],
                                           const int* tok, int ntok, float (&acc)[NW][NT]) {
   constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(a.x);
   int lane = threadIdx.x % kWarp, nvec = a.hidden / V;
-  for (int i0 = lane; i0 < nvec; i0 += kUnroll * kWarp) {
-    Vec<T, V> wv[kUnroll][NW];
+  for (int i0 = lane; i0 < nvec; i0 += U * kWarp) {
+    Vec<T, V> wv[U][NW];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       int i = i0 + u * kWarp;
 #pragma unroll
       for (int r = 0; r < NW; ++r)
         if (i < nvec) wv[u][r] = load_vec<T, V>(w[r] + static_cast<int64_t>(i) * V);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       int i = i0 + u * kWarp;
       if (i >= nvec) break;
 #pragma unroll
@@ -110,27 +122,38 @@ __device__ int owned_pairs(const DecodeArgs& a, int p, int* pairs, int* slot) {
   return count;
 }
 
-template <typename T, int NT>
+// Warp w of a tile owns rows j0 .. j0 + R - 1 of I (a row past I re-reads row I - 1 and is
+// not written).
+template <typename T, int NT, int R, int U>
 __device__ void routed_gate_up(const DecodeArgs& a, int p, int tile) {
   int pairs[NT], slot, tok[NT];
   int count = owned_pairs<NT>(a, p, pairs, &slot);
-  int64_t j = static_cast<int64_t>(tile) * kRows + threadIdx.x / kWarp;
-  if (count == 0 || j >= a.inter) return;
+  int64_t j0 = (static_cast<int64_t>(tile) * kRows + threadIdx.x / kWarp) * R;
+  if (count == 0 || j0 >= a.inter) return;
 #pragma unroll
   for (int n = 0; n < NT; ++n) tok[n] = n < count ? pairs[n] / a.top_k : 0;
   int64_t H = a.hidden, I = a.inter;
-  const T* g = static_cast<const T*>(a.w13) + (slot * 2 * I + j) * H;
-  const T* const w[2] = {g, g + I * H};
-  float acc[2][NT] = {};
-  warp_dots<T, NT, 2>(a, w, tok, count, acc);
+  const T* g = static_cast<const T*>(a.w13) + slot * 2 * I * H;
+  const T* w[2 * R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    int64_t j = j0 + r < I ? j0 + r : I - 1;
+    w[2 * r] = g + j * H;
+    w[2 * r + 1] = g + (I + j) * H;
+  }
+  float acc[2 * R][NT] = {};
+  warp_dots<T, NT, 2 * R, U>(a, w, tok, count, acc);
   if (threadIdx.x % kWarp != 0) return;
   T* act = static_cast<T*>(a.act);
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
-    if (n < count) act[pairs[n] * I + j] = swiglu<T>(acc[0][n], acc[1][n]);
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      if (n < count && j0 + r < I)
+        act[pairs[n] * I + j0 + r] = swiglu<T>(acc[2 * r][n], acc[2 * r + 1][n]);
 }
 
-template <typename T, int NT>
+template <typename T, int NT, int U>
 __device__ void shared_gate_up(const DecodeArgs& a, int tile) {
   int64_t j = static_cast<int64_t>(tile) * kRows + threadIdx.x / kWarp;
   if (j >= a.sh_inter) return;
@@ -141,7 +164,7 @@ __device__ void shared_gate_up(const DecodeArgs& a, int tile) {
   const T* g = static_cast<const T*>(a.sh_w13) + j * H;
   const T* const w[2] = {g, g + I * H};
   float acc[2][NT] = {};
-  warp_dots<T, NT, 2>(a, w, tok, a.tokens, acc);
+  warp_dots<T, NT, 2, U>(a, w, tok, a.tokens, acc);
   if (threadIdx.x % kWarp != 0) return;
   T* act = static_cast<T*>(a.sh_act);
 #pragma unroll
@@ -156,62 +179,77 @@ __device__ void shared_gate_logits(const DecodeArgs& a) {
   if (t >= a.tokens) return;
   const T* const w[1] = {static_cast<const T*>(a.sh_gate_w)};
   float acc[1][1] = {};
-  warp_dots<T, 1, 1>(a, w, &t, 1, acc);
+  warp_dots<T, 1, 1, kUnroll>(a, w, &t, 1, acc);
   if (threadIdx.x % kWarp == 0) static_cast<T*>(a.sh_gate)[t * a.sh_gate_stride] =
       from_float<T>(acc[0][0]);
 }
 
-// Flat grid: T * K * tiles(I) routed blocks, then tiles(Is) shared blocks, then one gate block.
-template <typename T, int NT>
+// Flat grid: T * K * tiles(I) routed blocks (tiles of kRows * R rows), then tiles(Is) shared
+// blocks (kRows rows), then one gate block.
+inline int64_t gate_up_blocks(const DecodeArgs& a, int rows) {
+  int64_t blocks = int64_t{a.tokens} * a.top_k * ((a.inter + kRows * rows - 1) / (kRows * rows));
+  if (a.sh_w13 != nullptr) blocks += (a.sh_inter + kRows - 1) / kRows;
+  return blocks + (a.sh_gate_w != nullptr ? 1 : 0);
+}
+
+template <typename T, int NT, int R, int U>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeArgs a) {
-  int tiles = (a.inter + kRows - 1) / kRows;
+  int tiles = (a.inter + kRows * R - 1) / (kRows * R);
   int b = blockIdx.x, routed = a.tokens * a.top_k * tiles;
   if (b < routed) {
-    routed_gate_up<T, NT>(a, b / tiles, b % tiles);
+    routed_gate_up<T, NT, R, U>(a, b / tiles, b % tiles);
     return;
   }
   b -= routed;
   int sh_tiles = a.sh_w13 != nullptr ? (a.sh_inter + kRows - 1) / kRows : 0;
   if (b < sh_tiles) {
-    shared_gate_up<T, NT>(a, b);
+    shared_gate_up<T, NT, U>(a, b);
   } else if (a.sh_gate_w != nullptr) {
     shared_gate_logits<T>(a);
   }
 }
 
-// One warp: sum over the token's k experts of w_k * (down_s[h] . act[t * K + k]), walking the
-// K * I/V vectors flat (fixed order) with kUnroll loads in flight; then the shared expert.
-template <typename T>
-__device__ float routed_down(const DecodeArgs& a, int64_t t, int64_t h, const int* s_slot,
-                             const float* s_w) {
+// One warp: ys[r] = sum over the token's k experts of w_k * (down_s[h0 + r] . act[t * K + k]),
+// walking the K * I/V vectors flat (fixed order) with U loads per row in flight; a row past H
+// re-reads row H - 1 (the caller skips it).
+template <typename T, int R, int U>
+__device__ void routed_down(const DecodeArgs& a, int64_t t, int64_t h0, const int* s_slot,
+                            const float* s_w, float (&ys)[R]) {
   constexpr int V = 16 / sizeof(T);
   const T* w2 = static_cast<const T*>(a.w2);
   const T* act = static_cast<const T*>(a.act) + t * a.top_k * a.inter;
-  int64_t H = a.hidden, I = a.inter;
-  int nvec = a.inter / V, total = a.top_k * nvec, lane = threadIdx.x % kWarp;
-  float acc = 0.f;
-  for (int f0 = lane; f0 < total; f0 += kUnroll * kWarp) {
-    Vec<T, V> wv[kUnroll], av[kUnroll];
+  int64_t H = a.hidden, I = a.inter, h[R];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+  for (int r = 0; r < R; ++r) h[r] = h0 + r < H ? h0 + r : H - 1;
+  int nvec = a.inter / V, total = a.top_k * nvec, lane = threadIdx.x % kWarp;
+  float acc[R] = {};
+  for (int f0 = lane; f0 < total; f0 += U * kWarp) {
+    Vec<T, V> wv[U][R], av[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
       int f = f0 + u * kWarp, k = f / nvec;
       int64_t i = static_cast<int64_t>(f - k * nvec) * V;
       if (f < total && s_slot[k] >= 0) {
-        wv[u] = load_vec<T, V>(w2 + (s_slot[k] * H + h) * I + i);
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[u][r] = load_vec<T, V>(w2 + (s_slot[k] * H + h[r]) * I + i);
         av[u] = load_vec<T, V>(act + k * I + i);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       int f = f0 + u * kWarp, k = f / nvec;
       if (f >= total || s_slot[k] < 0) continue;
-      float d = 0.f;
 #pragma unroll
-      for (int e = 0; e < V; ++e) d += to_float(wv[u].v[e]) * to_float(av[u].v[e]);
-      acc += s_w[k] * d;
+      for (int r = 0; r < R; ++r) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < V; ++e) d += to_float(wv[u][r].v[e]) * to_float(av[u].v[e]);
+        acc[r] += s_w[k] * d;
+      }
     }
   }
-  return warp_sum(acc);
+#pragma unroll
+  for (int r = 0; r < R; ++r) ys[r] = warp_sum(acc[r]);
 }
 
 template <typename T>
@@ -228,23 +266,10 @@ __device__ float shared_down(const DecodeArgs& a, int64_t t, int64_t h) {
   return warp_sum(acc);
 }
 
-// Grid (T, tiles of H): token fastest, so tokens that share an expert read it back to back
-// (from L2).
+// y for row h of token t from its routed sum: + the gated shared expert, then out (+)= y.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) down_kernel(DecodeArgs a) {
-  __shared__ int s_slot[kMaxTopK];
-  __shared__ float s_w[kMaxTopK];
-  int64_t t = blockIdx.x;
-  int tid = threadIdx.x;
-  if (tid < a.top_k) {
-    int64_t p = t * a.top_k + tid;
-    s_slot[tid] = slot_of(a, a.topk_ids[p]);
-    s_w[tid] = a.topk_w[p];
-  }
-  __syncthreads();
-  int64_t h = static_cast<int64_t>(blockIdx.y) * kRows + threadIdx.x / kWarp;
-  if (h >= a.hidden) return;
-  float y = round_to<T>(routed_down<T>(a, t, h, s_slot, s_w));
+__device__ void finish_down(const DecodeArgs& a, int64_t t, int64_t h, float routed) {
+  float y = round_to<T>(routed);
   if (a.sh_w2 != nullptr) {
     float s = round_to<T>(shared_down<T>(a, t, h));
     float g = 1.f;
@@ -257,6 +282,29 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeArgs a) {
   if (threadIdx.x % kWarp != 0) return;
   T* out = static_cast<T*>(a.out) + t * a.out_stride + h;
   *out = from_float<T>(a.accumulate ? to_float(*out) + y : y);
+}
+
+// Grid (T, tiles of kRows * R rows of H): token fastest, so tokens that share an expert read
+// it back to back (from L2).
+template <typename T, int R, int U>
+__global__ void __launch_bounds__(kThreads) down_kernel(DecodeArgs a) {
+  __shared__ int s_slot[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  int64_t t = blockIdx.x;
+  int tid = threadIdx.x;
+  if (tid < a.top_k) {
+    int64_t p = t * a.top_k + tid;
+    s_slot[tid] = slot_of(a, a.topk_ids[p]);
+    s_w[tid] = a.topk_w[p];
+  }
+  __syncthreads();
+  int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kRows + threadIdx.x / kWarp) * R;
+  if (h0 >= a.hidden) return;
+  float ys[R];
+  routed_down<T, R, U>(a, t, h0, s_slot, s_w, ys);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (h0 + r < a.hidden) finish_down<T>(a, t, h0 + r, ys[r]);
 }
 
 }  // namespace moe_decode

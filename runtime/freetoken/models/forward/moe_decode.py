@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
+VARIANTS = 3            # launch shapes the kernels take (moe_decode_kernels.cuh kVariants)
+VARIANT = 0             # the one decode runs; benchmarks/moe_decode_kernels.py times them all
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 
@@ -97,6 +99,7 @@ class MoEDecode:
             ("decode_gemv", "moe_topk_softmax", "moe_decode_gate_up", "moe_decode_down"))
         self.mlp = mlp
         self.max_tokens = max_tokens(mlp.w2.shape[-1])
+        self.variant = VARIANT
         self.router = _matrix(w["router"])
         self.renormalize = cfg.moe.renormalize
         self.group = router_group(self.router.shape[0], cfg.hidden_size, sms)
@@ -121,9 +124,9 @@ class MoEDecode:
         act = w.shared_act if shared else None
         gate = w.shared_gate if self.gate_w is not None else None
         self.gate_up(x, m.w13, m.w2, w.topk_ids, m.expert_map, w.moe_workspace, self.shared_w13,
-                     act, self.gate_w, gate)
+                     act, self.gate_w, gate, self.variant)
         self.down(out, m.w13, m.w2, w.topk_ids, w.topk_weights, m.expert_map, w.moe_workspace,
-                  self.shared_w2, act, gate, accumulate)
+                  self.shared_w2, act, gate, accumulate, self.variant)
 
 
 def attach(layers: list, weights: list, cfg: ModelConfig, dtype: str, arrays) -> int:
