@@ -39,12 +39,12 @@ using moe_decode::kThreads;
 
 template <typename T, int NT, int V>
 void launch_gate_up_shape(const DecodeArgs& a, cudaStream_t stream) {
-  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll;
+  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll, MB = kVariants[V].min_blocks;
   dim3 grid(static_cast<unsigned>(gate_up_blocks(a, R)));
-  gate_up_kernel<T, NT, R, U><<<grid, kThreads, 0, stream>>>(a);
+  gate_up_kernel<T, NT, R, U, MB><<<grid, kThreads, 0, stream>>>(a);
 }
 
-// Variants 1 and 2 are built for the steps models/forward/moe_decode.py sends here (1-2 tokens,
+// Variants 1-3 are built for the steps models/forward/moe_decode.py sends here (1-2 tokens,
 // which also keeps the JIT build short); wider steps run variant 0.
 template <typename T>
 void launch_gate_up(const DecodeArgs& a, int variant, cudaStream_t stream) {
@@ -53,6 +53,8 @@ void launch_gate_up(const DecodeArgs& a, int variant, cudaStream_t stream) {
     one ? launch_gate_up_shape<T, 1, 1>(a, stream) : launch_gate_up_shape<T, 2, 1>(a, stream);
   } else if (a.tokens <= 2 && variant == 2) {
     one ? launch_gate_up_shape<T, 1, 2>(a, stream) : launch_gate_up_shape<T, 2, 2>(a, stream);
+  } else if (a.tokens <= 2 && variant == 3) {
+    one ? launch_gate_up_shape<T, 1, 3>(a, stream) : launch_gate_up_shape<T, 2, 3>(a, stream);
   } else if (a.tokens <= 2) {
     one ? launch_gate_up_shape<T, 1, 0>(a, stream) : launch_gate_up_shape<T, 2, 0>(a, stream);
   } else if (a.tokens <= 4) {
@@ -65,9 +67,9 @@ void launch_gate_up(const DecodeArgs& a, int variant, cudaStream_t stream) {
 
 template <typename T, int V>
 void launch_down_variant(const DecodeArgs& a, cudaStream_t stream) {
-  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll;
+  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll, MB = kVariants[V].min_blocks;
   dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(ceil_div(a.hidden, kRows * R)));
-  down_kernel<T, R, U><<<grid, kThreads, 0, stream>>>(a);
+  down_kernel<T, R, U, MB><<<grid, kThreads, 0, stream>>>(a);
 }
 
 template <typename T>
@@ -76,6 +78,8 @@ void launch_down(const DecodeArgs& a, int variant, cudaStream_t stream) {
     launch_down_variant<T, 1>(a, stream);
   } else if (variant == 2) {
     launch_down_variant<T, 2>(a, stream);
+  } else if (variant == 3) {
+    launch_down_variant<T, 3>(a, stream);
   } else {
     launch_down_variant<T, 0>(a, stream);
   }

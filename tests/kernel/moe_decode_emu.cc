@@ -50,19 +50,21 @@ void launch(unsigned gx, unsigned gy, unsigned threads, F body) {
 template <int NT, int V>
 void gate_up(const md::DecodeArgs& a) {
   constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
+  constexpr int MB = md::kVariants[V].min_blocks;
   unsigned blocks = static_cast<unsigned>(md::gate_up_blocks(a, R));
-  launch(blocks, 1, md::kThreads, [&] { md::gate_up_kernel<bf16, NT, R, U>(a); });
+  launch(blocks, 1, md::kThreads, [&] { md::gate_up_kernel<bf16, NT, R, U, MB>(a); });
 }
 
 template <int V>
 void down(const md::DecodeArgs& a) {
   constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
+  constexpr int MB = md::kVariants[V].min_blocks;
   launch(static_cast<unsigned>(a.tokens),
          static_cast<unsigned>(freetoken::ceil_div(a.hidden, md::kRows * R)), md::kThreads,
-         [&] { md::down_kernel<bf16, R, U>(a); });
+         [&] { md::down_kernel<bf16, R, U, MB>(a); });
 }
 
-// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-2: up to 2 tokens).
+// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-3: up to 2 tokens).
 template <int V>
 void decode(const md::DecodeArgs& a) {
   if (a.tokens <= 1) {
@@ -121,6 +123,8 @@ extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16
     decode<1>(a);
   } else if (variant == 2) {
     decode<2>(a);
+  } else if (variant == 3) {
+    decode<3>(a);
   } else {
     decode<0>(a);
   }

@@ -87,7 +87,7 @@ _assert_within = assert_within
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("tokens", range(1, 9))
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])   # every NT the launch dispatches, partial
 def test_matches_the_torch_reference(shape, tokens, dtype):
     case = Case(shape, tokens, dtype, seed=tokens)
     out = case.run(torch.empty(tokens, case.h, dtype=dtype, device=_dev()))
@@ -95,7 +95,7 @@ def test_matches_the_torch_reference(shape, tokens, dtype):
     _assert_within(out, ref, bound)
 
 
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [1, 2, 3])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("tokens", [1, 2, 3])
 def test_launch_variants_match_the_torch_reference(shape, tokens, variant):

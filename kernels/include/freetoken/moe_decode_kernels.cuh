@@ -19,12 +19,15 @@ constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (
 // `rows` output rows per warp (gate/up: rows of I, each a gate and an up row; down: rows of H,
 // sharing the act loads) and `unroll` 16-byte loads per lane and row issued before the FMAs.
 // Variant 0 is the default; 1 puts all of a lane's loads of a 2048-wide row in flight at
-// once; 2 gives a warp two rows (twice the loads in flight, half the blocks). moe_decode.cu
-// builds gate/up's variants 1-2 for steps of 1-2 tokens only (wider steps run variant 0).
+// once; 2 gives a warp two rows (twice the loads in flight, half the blocks); 3 is 0 held to
+// 80 registers (`min_blocks` 3 resident per SM, 1.5x 0's warps: on sm_90a bf16 variant 0 takes
+// 87-106 registers at 1-2 tokens, 2 blocks per SM; held, it spills 6-112 bytes). moe_decode.cu
+// builds gate/up's variants 1-3 for steps of 1-2 tokens only (wider steps run variant 0).
 struct Variant {
-  int rows, unroll;
+  int rows, unroll, min_blocks;
 };
-constexpr Variant kVariants[] = {{1, kUnroll}, {1, 2 * kUnroll}, {2, kUnroll}};
+constexpr Variant kVariants[] = {
+    {1, kUnroll, 1}, {1, 2 * kUnroll, 1}, {2, kUnroll, 1}, {1, kUnroll, 3}};
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
 struct DecodeArgs {
@@ -192,8 +195,8 @@ inline int64_t gate_up_blocks(const DecodeArgs& a, int rows) {
   return blocks + (a.sh_gate_w != nullptr ? 1 : 0);
 }
 
-template <typename T, int NT, int R, int U>
-__global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeArgs a) {
+template <typename T, int NT, int R, int U, int MB>
+__global__ void __launch_bounds__(kThreads, MB) gate_up_kernel(DecodeArgs a) {
   int tiles = (a.inter + kRows * R - 1) / (kRows * R);
   int b = blockIdx.x, routed = a.tokens * a.top_k * tiles;
   if (b < routed) {
@@ -286,8 +289,8 @@ __device__ void finish_down(const DecodeArgs& a, int64_t t, int64_t h, float rou
 
 // Grid (T, tiles of kRows * R rows of H): token fastest, so tokens that share an expert read
 // it back to back (from L2).
-template <typename T, int R, int U>
-__global__ void __launch_bounds__(kThreads) down_kernel(DecodeArgs a) {
+template <typename T, int R, int U, int MB>
+__global__ void __launch_bounds__(kThreads, MB) down_kernel(DecodeArgs a) {
   __shared__ int s_slot[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
   int64_t t = blockIdx.x;

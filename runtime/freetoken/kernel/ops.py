@@ -367,7 +367,7 @@ def moe_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out [T*K, I] by pair t*K + k, reading expert slot expert_map[topk_ids[t, k]] of w13 [S, 2I, H]
     (w2 [S, H, I] only for its shape); with the shared expert, shared_act [T, Is] =
     SwiGLU(x @ shared_w13[2Is, H].T) and shared_gate [T, 1] = x @ shared_gate_weight[1, H].T.
-    `variant` (0..2) picks a launch shape, same results (moe_decode_kernels.cuh kVariants)."""
+    `variant` (0..3) picks a launch shape, same results (moe_decode_kernels.cuh kVariants)."""
     _fn("moe_decode_gate_up", x.device)(x, w13, w2, topk_ids, expert_map, workspace, shared_w13,
                                         shared_act, shared_gate_weight, shared_gate, variant)
 

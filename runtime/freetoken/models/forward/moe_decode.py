@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
-VARIANTS = 3            # launch shapes the kernels take (moe_decode_kernels.cuh kVariants)
+VARIANTS = 4            # launch shapes the kernels take (moe_decode_kernels.cuh kVariants)
 VARIANT = 0             # the one decode runs; benchmarks/moe_decode_kernels.py times them all
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
