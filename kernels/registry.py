@@ -225,6 +225,14 @@ KERNELS: tuple[Kernel, ...] = (
         doc="decode GEMV (T <= 8) streaming FP8 weights (block, channel, tensor scales) in "
             "16-byte coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
     ),
+    Kernel(
+        name="moe_decode",
+        functions=("moe_decode_gate_up", "moe_decode_down"),
+        cuda=("cuda/moe_decode.cu",),
+        rocm=True,
+        doc="small-batch (T <= 8) MoE decode over bf16/f16 experts: gate/up + SwiGLU per routed "
+            "expert (each read once), down + weighted combine + shared expert + residual add",
+    ),
 )
 
 KERNELS_BY_NAME = {k.name: k for k in KERNELS}

@@ -81,7 +81,7 @@ class Env:
     hip_clang: str | None       # FREETOKEN_HIP_CLANG: the clang that compiles HIP (path or name)
     log_level: str              # FREETOKEN_LOG_LEVEL
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
-    fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode kernels (T <= 4)
+    fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
     gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1/v2)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout

@@ -16,7 +16,7 @@ from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.forward import fused_decode
+from freetoken.models.forward import fused_decode, moe_decode
 from freetoken.models.forward.attention import AttentionBlock
 from freetoken.models.forward.gdn import GatedDeltaNetBlock
 from freetoken.models.forward.linear import make_linear
@@ -110,6 +110,7 @@ class Decoder:
         self._first_norm = kernels.arg(weights.layers[0]["input_norm"])
         self._final_norm = kernels.arg(weights.final_norm)
         self._fused = self._fused_layers(weights)
+        moe_decode.attach(self.layers, weights.layers, config, dtype, arrays)
         self._embed = weights.embed
         self._embed_arg = kernels.arg(weights.embed.data if quantized_embedding else weights.embed)
         self._kv_args: tuple = (None, [], [])

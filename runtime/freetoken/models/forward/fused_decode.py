@@ -209,6 +209,9 @@ class FusedLayer:
             self.gemv_add(w.residual, w.act, self.down, c.group, c.variant)
             return
         self.ops.rms_norm(w.hidden, w.residual, self.post_norm, eps)
+        if self.mlp.decode_applies(batch.num_tokens):   # moe_decode.py: adds into the residual
+            self.mlp.decode(w.residual, w.hidden, w, accumulate=True)
+            return
         y = self.mlp(w.hidden, w)
         w.residual.add_(y)  # rounded once to the dtype, as the unfused fused_add_rms_norm
 

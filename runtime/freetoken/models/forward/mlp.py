@@ -72,6 +72,8 @@ class MoEMLP:
         # Expert offload replaces the experts call: offload(out, x, topk_ids, topk_weights,
         # workspace) runs them through its slot pool (engine/expert_cache.py).
         self.offload = None
+        # Small-step GPU decode (moe_decode.py), attached by the decoder where its rule allows.
+        self.decode = None
         self.shared = None
         if moe.shared_intermediate_size:
             self.shared = DenseMLP(w["shared.gate_up"], w["shared.down"], kernels)
@@ -79,6 +81,9 @@ class MoEMLP:
 
     def __call__(self, x: Array, w: WorkViews) -> Array:
         ops, out = self.ops, w.other(x)
+        if self.decode_applies(x.shape[0]):
+            self.decode(out, x, w, accumulate=False)
+            return out
         self.router(w.router_logits, x)
         ops.moe_topk_softmax(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
         if self.offload is not None:
@@ -96,6 +101,11 @@ class MoEMLP:
             self.shared_gate(w.shared_gate, x)
             _add_gated(array_view(out), array_view(w.shared_out), array_view(w.shared_gate))
         return out
+
+    def decode_applies(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens takes the small-step decode kernels."""
+        return (self.decode is not None and self.offload is None
+                and tokens <= self.decode.max_tokens)
 
 
 def _add_gated(out: Array, shared: Array, gate: Array) -> None:

@@ -1,0 +1,314 @@
+// Device half of the small-step MoE decode (kernels/cuda/moe_decode.cu has the launches and
+// the argument checks): kept apart so tests/kernel/moe_decode_emu.cc runs these very bodies on
+// CPU threads through tests/kernel/emu/freetoken/cuda_common.cuh.
+#pragma once
+
+#include "freetoken/cuda_common.cuh"
+
+namespace freetoken {
+namespace moe_decode {
+
+constexpr int kThreads = 256;
+constexpr int kRows = kThreads / kWarp;  // rows per block: one warp each
+constexpr int kMaxTokens = 8;
+constexpr int kMaxTopK = 16;
+constexpr int kMaxExperts = 1024;
+constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (variant 0)
+
+// Launch shapes the benchmark sweeps (benchmarks/moe_decode_kernels.py), picked per call:
+// `rows` output rows per warp (gate/up: rows of I, each a gate and an up row; down: rows of H,
+// sharing the act loads) and `unroll` 16-byte loads per lane and row issued before the FMAs.
+// Variant 0 is the default; 1 puts all of a lane's loads of a 2048-wide row in flight at
+// once; 2 gives a warp two rows (twice the loads in flight, half the blocks); 3 is 0 held to
+// 80 registers (`min_blocks` 3 resident per SM, 1.5x 0's warps: on sm_90a bf16 variant 0 takes
+// 87-106 registers at 1-2 tokens, 2 blocks per SM; held, it spills 6-112 bytes). moe_decode.cu
+// builds gate/up's variants 1-3 for steps of 1-2 tokens only (wider steps run variant 0).
+struct Variant {
+  int rows, unroll, min_blocks;
+};
+constexpr Variant kVariants[] = {
+    {1, kUnroll, 1}, {1, 2 * kUnroll, 1}, {2, kUnroll, 1}, {1, kUnroll, 3}};
+constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+
+struct DecodeArgs {
+  void* out;               // [T, H] (down)
+  const void* x;           // [T, H] normed input (gate/up)
+  const void* w13;         // [S, 2I, H]
+  const void* w2;          // [S, H, I]
+  const int* topk_ids;     // [T, K]
+  const float* topk_w;     // [T, K]
+  const int* expert_map;   // [E] -> slot
+  void* act;               // [T * K, I] by pair
+  const void* sh_w13;      // [2Is, H] or null: shared expert
+  const void* sh_w2;       // [H, Is]
+  void* sh_act;            // [T, Is] (row stride sh_act_stride)
+  const void* sh_gate_w;   // [1, H] or null: the shared expert's sigmoid gate
+  void* sh_gate;           // [T, 1] gate logits (row stride sh_gate_stride)
+  int64_t x_stride, out_stride, sh_act_stride, sh_gate_stride;
+  int tokens, top_k, experts, slots, hidden, inter, sh_inter;
+  bool accumulate;
+};
+
+__device__ __forceinline__ int slot_of(const DecodeArgs& a, int e) {
+  if (e < 0 || e >= a.experts) return -1;
+  int s = a.expert_map[e];
+  return s >= 0 && s < a.slots ? s : -1;
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// acc[r][i] += W_r[row] . x[tok[i]] over H, one warp, lanes striding 16-byte vectors.
+template <typename T, int NT, int NW, int U>
+__device__ __forceinline__ void warp_dots(const DecodeArgs& a, const T* const (&w)[NW],
+                                          const int* tok, int ntok, float (&acc)[NW][NT]) {
+  constexpr int V = 16 / sizeof(T);
+  const T* x = static_cast<const T*>(a.x);
+  int lane = threadIdx.x % kWarp, nvec = a.hidden / V;
+  for (int i0 = lane; i0 < nvec; i0 += U * kWarp) {
+    Vec<T, V> wv[U][NW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int i = i0 + u * kWarp;
+#pragma unroll
+      for (int r = 0; r < NW; ++r)
+        if (i < nvec) wv[u][r] = load_vec<T, V>(w[r] + static_cast<int64_t>(i) * V);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int i = i0 + u * kWarp;
+      if (i >= nvec) break;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (n >= ntok) break;
+        Vec<T, V> xv = load_vec<T, V>(x + tok[n] * a.x_stride + static_cast<int64_t>(i) * V);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float xf = to_float(xv.v[e]);
+#pragma unroll
+          for (int r = 0; r < NW; ++r) acc[r][n] += to_float(wv[u][r].v[e]) * xf;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NW; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[r][n] = warp_sum(acc[r][n]);
+}
+
+template <typename T>
+__device__ __forceinline__ T swiglu(float g, float u) {
+  g = round_to<T>(g);
+  return from_float<T>(g / (1.f + __expf(-g)) * round_to<T>(u));
+}
+
+// The pairs whose activations this block computes: the block of pair p owns p's expert when p
+// is the first of every NT pairs routed to it (so at most NT tokens per owner, always true for
+// distinct ids per token). Fills pairs[] and returns how many, 0 when the block has no work.
+template <int NT>
+__device__ int owned_pairs(const DecodeArgs& a, int p, int* pairs, int* slot) {
+  __shared__ int s_ids[kMaxTokens * kMaxTopK];
+  int n = a.tokens * a.top_k;
+  for (int i = threadIdx.x; i < n; i += kThreads) s_ids[i] = a.topk_ids[i];
+  __syncthreads();
+  int e = s_ids[p];
+  *slot = slot_of(a, e);
+  int rank = 0;
+  for (int q = 0; q < p; ++q) rank += s_ids[q] == e;
+  if (*slot < 0 || rank % NT != 0) return 0;
+  int count = 0;
+  for (int q = p; q < n && count < NT; ++q)
+    if (s_ids[q] == e) pairs[count++] = q;
+  return count;
+}
+
+// Warp w of a tile owns rows j0 .. j0 + R - 1 of I (a row past I re-reads row I - 1 and is
+// not written).
+template <typename T, int NT, int R, int U>
+__device__ void routed_gate_up(const DecodeArgs& a, int p, int tile) {
+  int pairs[NT], slot, tok[NT];
+  int count = owned_pairs<NT>(a, p, pairs, &slot);
+  int64_t j0 = (static_cast<int64_t>(tile) * kRows + threadIdx.x / kWarp) * R;
+  if (count == 0 || j0 >= a.inter) return;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) tok[n] = n < count ? pairs[n] / a.top_k : 0;
+  int64_t H = a.hidden, I = a.inter;
+  const T* g = static_cast<const T*>(a.w13) + slot * 2 * I * H;
+  const T* w[2 * R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    int64_t j = j0 + r < I ? j0 + r : I - 1;
+    w[2 * r] = g + j * H;
+    w[2 * r + 1] = g + (I + j) * H;
+  }
+  float acc[2 * R][NT] = {};
+  warp_dots<T, NT, 2 * R, U>(a, w, tok, count, acc);
+  if (threadIdx.x % kWarp != 0) return;
+  T* act = static_cast<T*>(a.act);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      if (n < count && j0 + r < I)
+        act[pairs[n] * I + j0 + r] = swiglu<T>(acc[2 * r][n], acc[2 * r + 1][n]);
+}
+
+template <typename T, int NT, int U>
+__device__ void shared_gate_up(const DecodeArgs& a, int tile) {
+  int64_t j = static_cast<int64_t>(tile) * kRows + threadIdx.x / kWarp;
+  if (j >= a.sh_inter) return;
+  int tok[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) tok[n] = n < a.tokens ? n : 0;
+  int64_t H = a.hidden, I = a.sh_inter;
+  const T* g = static_cast<const T*>(a.sh_w13) + j * H;
+  const T* const w[2] = {g, g + I * H};
+  float acc[2][NT] = {};
+  warp_dots<T, NT, 2, U>(a, w, tok, a.tokens, acc);
+  if (threadIdx.x % kWarp != 0) return;
+  T* act = static_cast<T*>(a.sh_act);
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+    if (n < a.tokens) act[n * a.sh_act_stride + j] = swiglu<T>(acc[0][n], acc[1][n]);
+}
+
+// warp t: the shared-expert gate logit of token t, rounded like the unfused linear.
+template <typename T>
+__device__ void shared_gate_logits(const DecodeArgs& a) {
+  int t = threadIdx.x / kWarp;
+  if (t >= a.tokens) return;
+  const T* const w[1] = {static_cast<const T*>(a.sh_gate_w)};
+  float acc[1][1] = {};
+  warp_dots<T, 1, 1, kUnroll>(a, w, &t, 1, acc);
+  if (threadIdx.x % kWarp == 0) static_cast<T*>(a.sh_gate)[t * a.sh_gate_stride] =
+      from_float<T>(acc[0][0]);
+}
+
+// Flat grid: T * K * tiles(I) routed blocks (tiles of kRows * R rows), then tiles(Is) shared
+// blocks (kRows rows), then one gate block.
+inline int64_t gate_up_blocks(const DecodeArgs& a, int rows) {
+  int64_t blocks = int64_t{a.tokens} * a.top_k * ((a.inter + kRows * rows - 1) / (kRows * rows));
+  if (a.sh_w13 != nullptr) blocks += (a.sh_inter + kRows - 1) / kRows;
+  return blocks + (a.sh_gate_w != nullptr ? 1 : 0);
+}
+
+template <typename T, int NT, int R, int U, int MB>
+__global__ void __launch_bounds__(kThreads, MB) gate_up_kernel(DecodeArgs a) {
+  int tiles = (a.inter + kRows * R - 1) / (kRows * R);
+  int b = blockIdx.x, routed = a.tokens * a.top_k * tiles;
+  if (b < routed) {
+    routed_gate_up<T, NT, R, U>(a, b / tiles, b % tiles);
+    return;
+  }
+  b -= routed;
+  int sh_tiles = a.sh_w13 != nullptr ? (a.sh_inter + kRows - 1) / kRows : 0;
+  if (b < sh_tiles) {
+    shared_gate_up<T, NT, U>(a, b);
+  } else if (a.sh_gate_w != nullptr) {
+    shared_gate_logits<T>(a);
+  }
+}
+
+// One warp: ys[r] = sum over the token's k experts of w_k * (down_s[h0 + r] . act[t * K + k]),
+// walking the K * I/V vectors flat (fixed order) with U loads per row in flight; a row past H
+// re-reads row H - 1 (the caller skips it).
+template <typename T, int R, int U>
+__device__ void routed_down(const DecodeArgs& a, int64_t t, int64_t h0, const int* s_slot,
+                            const float* s_w, float (&ys)[R]) {
+  constexpr int V = 16 / sizeof(T);
+  const T* w2 = static_cast<const T*>(a.w2);
+  const T* act = static_cast<const T*>(a.act) + t * a.top_k * a.inter;
+  int64_t H = a.hidden, I = a.inter, h[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) h[r] = h0 + r < H ? h0 + r : H - 1;
+  int nvec = a.inter / V, total = a.top_k * nvec, lane = threadIdx.x % kWarp;
+  float acc[R] = {};
+  for (int f0 = lane; f0 < total; f0 += U * kWarp) {
+    Vec<T, V> wv[U][R], av[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int f = f0 + u * kWarp, k = f / nvec;
+      int64_t i = static_cast<int64_t>(f - k * nvec) * V;
+      if (f < total && s_slot[k] >= 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[u][r] = load_vec<T, V>(w2 + (s_slot[k] * H + h[r]) * I + i);
+        av[u] = load_vec<T, V>(act + k * I + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int f = f0 + u * kWarp, k = f / nvec;
+      if (f >= total || s_slot[k] < 0) continue;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < V; ++e) d += to_float(wv[u][r].v[e]) * to_float(av[u].v[e]);
+        acc[r] += s_w[k] * d;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) ys[r] = warp_sum(acc[r]);
+}
+
+template <typename T>
+__device__ float shared_down(const DecodeArgs& a, int64_t t, int64_t h) {
+  constexpr int V = 16 / sizeof(T);
+  const T* w = static_cast<const T*>(a.sh_w2) + h * a.sh_inter;
+  const T* act = static_cast<const T*>(a.sh_act) + t * a.sh_act_stride;
+  float acc = 0.f;
+  for (int i = threadIdx.x % kWarp; i < a.sh_inter / V; i += kWarp) {
+    Vec<T, V> wv = load_vec<T, V>(w + i * V), av = load_vec<T, V>(act + i * V);
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc += to_float(wv.v[e]) * to_float(av.v[e]);
+  }
+  return warp_sum(acc);
+}
+
+// y for row h of token t from its routed sum: + the gated shared expert, then out (+)= y.
+template <typename T>
+__device__ void finish_down(const DecodeArgs& a, int64_t t, int64_t h, float routed) {
+  float y = round_to<T>(routed);
+  if (a.sh_w2 != nullptr) {
+    float s = round_to<T>(shared_down<T>(a, t, h));
+    float g = 1.f;
+    if (a.sh_gate_w != nullptr) {
+      float logit = to_float(static_cast<const T*>(a.sh_gate)[t * a.sh_gate_stride]);
+      g = round_to<T>(1.f / (1.f + __expf(-logit)));
+    }
+    y = round_to<T>(y + g * s);
+  }
+  if (threadIdx.x % kWarp != 0) return;
+  T* out = static_cast<T*>(a.out) + t * a.out_stride + h;
+  *out = from_float<T>(a.accumulate ? to_float(*out) + y : y);
+}
+
+// Grid (T, tiles of kRows * R rows of H): token fastest, so tokens that share an expert read
+// it back to back (from L2).
+template <typename T, int R, int U, int MB>
+__global__ void __launch_bounds__(kThreads, MB) down_kernel(DecodeArgs a) {
+  __shared__ int s_slot[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  int64_t t = blockIdx.x;
+  int tid = threadIdx.x;
+  if (tid < a.top_k) {
+    int64_t p = t * a.top_k + tid;
+    s_slot[tid] = slot_of(a, a.topk_ids[p]);
+    s_w[tid] = a.topk_w[p];
+  }
+  __syncthreads();
+  int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kRows + threadIdx.x / kWarp) * R;
+  if (h0 >= a.hidden) return;
+  float ys[R];
+  routed_down<T, R, U>(a, t, h0, s_slot, s_w, ys);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (h0 + r < a.hidden) finish_down<T>(a, t, h0 + r, ys[r]);
+}
+
+}  // namespace moe_decode
+}  // namespace freetoken

@@ -1,0 +1,131 @@
+// Host run of the small-step MoE decode kernels (kernels/include/freetoken/moe_decode_kernels.cuh)
+// on CPU threads through the stand-in tests/kernel/emu/freetoken/cuda_common.cuh, launched as
+// moe_decode.cu launches them; checked by tests/kernel/test_moe_decode_emulated.py.
+#include <thread>
+
+#include "freetoken/cuda_common.cuh"  // the host stand-in (tests/kernel/emu first on the path)
+#include "freetoken/moe_decode_kernels.cuh"
+
+namespace fe = freetoken::emu;
+namespace md = freetoken::moe_decode;
+using freetoken::bf16;
+
+namespace {
+
+// Runs body() as gx * gy blocks of `threads` threads, one block at a time (as moe_gguf_emu.cc).
+template <typename F>
+void launch(unsigned gx, unsigned gy, unsigned threads, F body) {
+  std::unique_ptr<std::barrier<>> all;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<float> lanes(threads);
+  fe::BlockState state{nullptr, &warps, lanes.data()};
+  auto fresh = [&]() noexcept {
+    all = std::make_unique<std::barrier<>>(threads);
+    warps.clear();
+    for (unsigned w = 0; w * 32 < threads; ++w)
+      warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w * 32)));
+    state.all = all.get();
+  };
+  fresh();
+  std::barrier next(threads, fresh);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      fe::thread_idx = {t, 0, 0};
+      fe::block_dim = {threads, 1, 1};
+      fe::grid_dim = {gx, gy, 1};
+      fe::block = &state;
+      for (unsigned b = 0; b < gx * gy; ++b) {
+        fe::block_idx = {b % gx, b / gx, 0};
+        body();
+        warps[t / 32]->arrive_and_drop();
+        all->arrive_and_drop();
+        next.arrive_and_wait();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+template <int NT, int V>
+void gate_up(const md::DecodeArgs& a) {
+  constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
+  constexpr int MB = md::kVariants[V].min_blocks;
+  unsigned blocks = static_cast<unsigned>(md::gate_up_blocks(a, R));
+  launch(blocks, 1, md::kThreads, [&] { md::gate_up_kernel<bf16, NT, R, U, MB>(a); });
+}
+
+template <int V>
+void down(const md::DecodeArgs& a) {
+  constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
+  constexpr int MB = md::kVariants[V].min_blocks;
+  launch(static_cast<unsigned>(a.tokens),
+         static_cast<unsigned>(freetoken::ceil_div(a.hidden, md::kRows * R)), md::kThreads,
+         [&] { md::down_kernel<bf16, R, U, MB>(a); });
+}
+
+// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-3: up to 2 tokens).
+template <int V>
+void decode(const md::DecodeArgs& a) {
+  if (a.tokens <= 1) {
+    gate_up<1, V>(a);
+  } else if (a.tokens <= 2) {
+    gate_up<2, V>(a);
+  } else if (a.tokens <= 4) {
+    gate_up<4, 0>(a);
+  } else {
+    gate_up<8, 0>(a);
+  }
+  md::DecodeArgs d = a;
+  if (a.sh_gate_w != nullptr) d.sh_gate_w = a.sh_gate;  // as moe_decode.cu's down: "gated"
+  d.sh_w13 = nullptr;
+  down<V>(d);
+}
+
+}  // namespace
+
+// moe_decode.cu's two launches (launch shape `variant`) over bf16 bits. Shared expert when sh_w13 != null (sh_gate_w
+// may be null); act_ws holds T*K*I activations; out is overwritten or added to (accumulate).
+extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16_t* w13,
+                                  const uint16_t* w2, const int* ids, const float* weights,
+                                  const int* expert_map, uint16_t* act_ws,
+                                  const uint16_t* sh_w13, const uint16_t* sh_w2,
+                                  uint16_t* sh_act, const uint16_t* sh_gate_w,
+                                  uint16_t* sh_gate, int T, int K, int E, int S, int H, int I,
+                                  int Is, int accumulate, int variant) {
+  md::DecodeArgs a{};
+  a.out = out;
+  a.x = x;
+  a.w13 = w13;
+  a.w2 = w2;
+  a.topk_ids = ids;
+  a.topk_w = weights;
+  a.expert_map = expert_map;
+  a.act = act_ws;
+  a.sh_w13 = sh_w13;
+  a.sh_w2 = sh_w2;
+  a.sh_act = sh_act;
+  a.sh_gate_w = sh_gate_w;
+  a.sh_gate = sh_gate;
+  a.x_stride = H;
+  a.out_stride = H;
+  a.sh_act_stride = Is;
+  a.sh_gate_stride = 1;
+  a.tokens = T;
+  a.top_k = K;
+  a.experts = E;
+  a.slots = S;
+  a.hidden = H;
+  a.inter = I;
+  a.sh_inter = Is;
+  a.accumulate = accumulate != 0;
+  if (variant == 1) {
+    decode<1>(a);
+  } else if (variant == 2) {
+    decode<2>(a);
+  } else if (variant == 3) {
+    decode<3>(a);
+  } else {
+    decode<0>(a);
+  }
+}
