@@ -10,36 +10,15 @@ from pathlib import Path
 import torch
 
 from freetoken.vision.inputs import VisionPreprocess
+from tests.models.vl_tokenizer import IMAGE_SPECIALS, write_vl_tokenizer
 
-IMAGE_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", *IMAGE_SPECIALS, "<|im_end|>"]
-# Content items as Qwen3.5's template reads them: a string, or text and image items (in tool
-# results too); tool calls as Hermes writes them, so the served dialect renders tool turns.
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for item in m['content'] %}{% if item.type == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in item %}{{ item.text }}"
-    "{% else %}{{ raise_exception('Unexpected item type in content.') }}{% endif %}"
-    "{% endfor %}{% endif %}{% for call in m.tool_calls or [] %}"
-    "<tool_call>{{ call.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONTEXT = 1024
 
 
 def write_tiny_vl(directory: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
-    vocab = tok.get_vocab_size()
+    vocab = max(write_vl_tokenizer(directory).values()) + 1
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
