@@ -182,3 +182,23 @@ def test_a_repeated_image_is_cached_and_another_is_not(served, reference, moe_op
     assert other.usage.input_tokens == len(prompt)
     assert other.content[0].text == reference.text(expected)
     assert engine.stats()["vision_images_encoded"] == encoded + 1   # blue only
+
+
+def test_completions_refuse_image_placeholders_without_images(served, moe_ops):
+    import httpx
+
+    url, engine, name = served
+    pad = engine.vision.image_token_id
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+    for prompt in (text, [5, 6, engine.vision.vision_start_token_id, pad, pad,
+                          engine.vision.vision_end_token_id]):
+        reply = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": name, "prompt": prompt, "max_tokens": 2})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "prompt" and "<|image_pad|>" in error["message"]
+        assert f"token {pad}" in error["message"]
+    # the frame tokens alone are text; the engine keeps serving
+    fine = oai_client(url).completions.create(model=name, max_tokens=2, temperature=0,
+                                              prompt="<|vision_start|>Hi<|vision_end|>")
+    assert fine.usage.completion_tokens == 2

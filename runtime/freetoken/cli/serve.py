@@ -186,8 +186,26 @@ def _import_in_background(*modules: str) -> threading.Thread:
     return thread
 
 
+def refuse_image_flags_early(model_path: str | None, server_config: ServerConfig) -> None:
+    """Image flags on a model that config.json already shows is text-only are refused before
+    any weight is read (the rest is checked against the loaded model's settings)."""
+    if not server_config.allow_image_urls and server_config.max_image_pixels is None:
+        return
+    from freetoken.models.checkpoint.vision_config import source_has_vision
+
+    if source_has_vision(model_path) is False:
+        from freetoken.server.images import image_flags_problem
+
+        label = os.path.basename(os.path.normpath(model_path)) if model_path else \
+            "the default model"
+        problem = image_flags_problem(None, server_config, label)
+        if problem is not None:
+            raise click.ClickException(problem)
+
+
 def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                server_config: ServerConfig, offload: OffloadConfig | None = None) -> None:
+    refuse_image_flags_early(model_path, server_config)
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
     phase("imports done")

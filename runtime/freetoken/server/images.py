@@ -133,6 +133,17 @@ async def count_prompt_tokens(ctx: ServerContext, request: AgentRequest) -> int:
     return len(expand_image_tokens(ids, images, vision))
 
 
+def refuse_placeholders(ctx: ServerContext, ids: list[int], param: str) -> None:
+    """A prompt that comes without images (a raw /v1/completions prompt) holding the image
+    placeholder is a 400: the engine would have no image for it."""
+    vision = getattr(ctx.engine, "vision", None)
+    if vision is not None and vision.image_token_id in ids:
+        raise APIError(400, f"{param} holds the image placeholder {vision.image_token!r} "
+                            f"(token {vision.image_token_id}), but /v1/completions takes no "
+                            "images; send images as image parts to /v1/chat/completions or "
+                            "/v1/messages", param)
+
+
 def image_flags_problem(vision: VisionPreprocess | None, config, model_name: str) -> str | None:
     """What is wrong with `ft serve`'s image flags for the loaded model, or None."""
     given = [flag for flag, on in (("--allow-image-urls", config.allow_image_urls),

@@ -122,6 +122,22 @@ def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | No
     return config
 
 
+def source_has_vision(source: str | None) -> bool | None:
+    """Whether a model source has a vision tower, from config.json alone (no weights read):
+    False for a GGUF file or the default model, None when it cannot be told here (a missing or
+    unreadable folder; loading it reports why)."""
+    if source is None:
+        return False
+    path = Path(source).expanduser()
+    if path.is_file():
+        return False
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return isinstance(raw, dict) and raw.get("vision_config") is not None
+
+
 def _read_preprocessor(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
