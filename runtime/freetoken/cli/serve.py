@@ -127,9 +127,10 @@ def phase(name: str) -> None:
 
 
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
-                offload: OffloadConfig | None = None):
+                offload: OffloadConfig | None = None, max_image_pixels: int | None = None):
     """(loaded model, started and warmed-up engine); errors a user can fix become one-line
-    ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
+    ClickExceptions. Kernels load (or compile, announced one by one) before the model.
+    max_image_pixels: --max-image-pixels (the memory plan sizes image encoding by it)."""
     from freetoken.cli.main import is_debug
     from freetoken.engine.config import EngineConfigError
     from freetoken.engine.engine import Engine
@@ -146,7 +147,8 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
         load_kernels(device, plan, say)
         phase("kernels loaded")
         say(f"loading {model_path or 'the default model'} on {device} ...")
-        planner = OffloadPlanner(engine_config, offload or OffloadConfig(), device)
+        planner = OffloadPlanner(engine_config, offload or OffloadConfig(), device,
+                                 vision_budget(model_path, max_image_pixels))
         loaded = load_model(model_path, device=str(device), dtype=dtype, plan=planner)
         phase("model loaded")
         if planner.decision is not None:
@@ -167,6 +169,18 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
         raise click.ClickException(str(exc)) from None
     phase("warmed up")
     return loaded, engine
+
+
+def vision_budget(model_path: str | None, max_image_pixels: int | None):
+    """The memory plan's view of a folder's vision tower (None for a text-only model)."""
+    from freetoken.engine.vision_memory import VisionBudget
+    from freetoken.models.checkpoint.vision_config import vision_settings
+
+    settings = vision_settings(model_path)
+    if settings is None:
+        return None
+    config, preprocess = settings
+    return VisionBudget(config, max_image_pixels or preprocess.max_pixels)
 
 
 def _import_in_background(*modules: str) -> threading.Thread:
@@ -209,7 +223,8 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
     phase("imports done")
-    loaded, engine = load_engine(model_path, dtype, engine_config, offload)
+    loaded, engine = load_engine(model_path, dtype, engine_config, offload,
+                                 server_config.max_image_pixels)
     importer.join()
     phase("web stack imported")
     from freetoken.server.app import create_app

@@ -54,6 +54,18 @@ class VisionConfig:
         """Values per patch row of pixel_values: channels x temporal x patch x patch."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
+    @property
+    def num_params(self) -> int:
+        """Every weight of the tower (model.visual.*): patch embedding, position table, the
+        blocks and the patch merger."""
+        h, i = self.hidden_size, self.intermediate_size
+        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+        merged = h * self.spatial_merge_size ** 2
+        merger = 2 * h + (merged * merged + merged) + (merged * self.out_hidden_size
+                                                      + self.out_hidden_size)
+        return (h * self.patch_dim + h + self.num_position_embeddings * h
+                + self.depth * block + merger)
+
 
 def _int(section: dict, key: str, where: str, default: Any = None) -> int:
     value = section.get(key, default)
@@ -120,6 +132,17 @@ def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | No
     if round(config.num_position_embeddings ** 0.5) ** 2 != config.num_position_embeddings:
         raise ModelFormatError(f"{where}: num_position_embeddings must be a square")
     return config
+
+
+def vision_settings(source: str | None) -> tuple[VisionConfig, VisionPreprocess] | None:
+    """The tower's shape and preprocessing of a model folder, from its JSON files alone (the
+    start-up memory plan counts the tower before any weight is read); None without one."""
+    if not source_has_vision(source):
+        return None
+    directory = Path(source).expanduser()
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    config = vision_config_from_hf(raw, str(directory / "config.json"))
+    return config, read_vision_preprocess(directory, config, None)
 
 
 def source_has_vision(source: str | None) -> bool | None:
