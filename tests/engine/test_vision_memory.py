@@ -15,7 +15,8 @@ from freetoken.engine.vision_memory import (VisionBudget, bytes_per_patch, step_
                                             vision_pools)
 from freetoken.engine.vision_setup import MIN_ENCODER_CACHE_ROWS
 from freetoken.models.checkpoint.vision_config import vision_config_from_hf
-from tests.models.vision_checkpoint import (QWEN35_PREPROCESSOR, VISION, build_vision_model)
+from tests.models.vision_checkpoint import VISION, build_vision_model
+from tests.vision.images import QWEN35_PREPROCESSOR
 
 # Qwen3.5/3.6's released vision_config (transformers' Qwen3_5MoeVisionConfig defaults but the
 # output width, which is the text model's hidden size: 2048 for Qwen3.6-35B-A3B)
@@ -152,13 +153,13 @@ def test_encoding_the_largest_image_stays_within_the_workspace_estimate(tmp_path
     from freetoken.arrays import parse_device
     from freetoken.models.vision_model import load_vision
     from tests.models.test_vision_gpu import REAL_VISION
-    from tests.models.vision_checkpoint import make_image, random_image, image_processor
+    from tests.models.vision_checkpoint import image_processor, make_image, random_pixels
 
     build_vision_model(tmp_path, seed=2, vision=REAL_VISION)
     vision = load_vision(tmp_path, parse_device("cuda"), "bfloat16")
     limit = 2048 * 2048
-    images = [make_image(random_image(2048, 2048, 0), image_processor(max_pixels=limit))]
-    images += [make_image(random_image(64, 64, 1 + i)) for i in range(8)]
+    images = [make_image(random_pixels(2048, 2048, 0), image_processor(max_pixels=limit))]
+    images += [make_image(random_pixels(64, 64, 1 + i)) for i in range(8)]
     step_tokens = sum(im.num_tokens(2) for im in images[1:])
     budget = VisionBudget(vision.config, limit)
     estimate = step_patches(budget, step_tokens) * bytes_per_patch(vision.config, 2)

@@ -14,6 +14,7 @@ import torch
 from freetoken.vision.inputs import ImageInput
 from tests.models.helpers import _perturb, write_byte_bpe
 from tests.models.vl_tokenizer import SPECIALS, printable_ascii, write_vl_tokenizer
+from tests.vision.images import QWEN35_PREPROCESSOR
 
 TEXT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-3,
@@ -36,11 +37,6 @@ IDS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=288,
            vision_end_token_id=289)
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 256 * 256
 SERVED_SPECIALS = [*SPECIALS, "<|video_pad|>"]
-# preprocessor_config.json of the released Qwen3.5/3.6 folders
-QWEN35_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
-                       "temporal_patch_size": 2, "merge_size": 2,
-                       "size": {"shortest_edge": 65536, "longest_edge": 16777216},
-                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 def build_vision_model(directory, seed: int = 0, text=None, vision=None):
@@ -97,7 +93,7 @@ def image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
                                  size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
 
 
-def random_image(height: int, width: int, seed: int) -> np.ndarray:
+def random_pixels(height: int, width: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
 
 

@@ -5,12 +5,14 @@ the server hands it: the server side of image inputs, tested without a vision to
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from freetoken.vision.inputs import VisionPreprocess
 from tests.models.vl_tokenizer import IMAGE_SPECIALS, write_vl_tokenizer
+from tests.vision.images import QWEN35
 
 CONTEXT = 1024
 
@@ -32,11 +34,8 @@ def write_tiny_vl(directory: Path) -> None:
 def qwen35_vision(tokenizer) -> VisionPreprocess:
     """Qwen3.5/3.6's preprocessing settings with this tokenizer's placeholder ids."""
     start, end, pad = (tokenizer.token_id(t) for t in IMAGE_SPECIALS)
-    return VisionPreprocess(patch_size=16, temporal_patch_size=2, merge_size=2,
-                            min_pixels=65536, max_pixels=16777216,
-                            image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                            image_token="<|image_pad|>", image_token_id=pad,
-                            vision_start_token_id=start, vision_end_token_id=end)
+    return replace(QWEN35, image_token_id=pad, vision_start_token_id=start,
+                   vision_end_token_id=end)
 
 
 class RecordingVisionEngine:

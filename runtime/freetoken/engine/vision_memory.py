@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from freetoken.engine.memory_plan import _ITEM
 from freetoken.engine.vision_setup import encoder_cache_rows
 from freetoken.models.checkpoint.vision_config import VisionConfig
 
-_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 FLOAT32 = 4
 
 

@@ -27,7 +27,8 @@ class BadImageData(ImageError):
     """The base64 text does not decode."""
 
 
-def check_images(ctx: ServerContext, refs: tuple[ImageRef, ...]) -> VisionPreprocess | None:
+def check_image_refs(ctx: ServerContext, refs: tuple[ImageRef, ...]
+                     ) -> VisionPreprocess | None:
     """The served model's vision settings (None: text-only). The checks that need no
     decoding: images on a text-only model, URLs the server may not fetch."""
     vision = getattr(ctx.engine, "vision", None)
@@ -113,7 +114,7 @@ def expand_image_tokens(ids: list[int], images: tuple[ImageInput, ...],
 async def prepare_chat(ctx: ServerContext, request: AgentRequest,
                        max_tokens: int | None) -> tuple[PreparedChat, tuple[ImageInput, ...]]:
     """The request's prompt (image tokens expanded), parser and guide, and its images."""
-    vision = check_images(ctx, request.images)
+    vision = check_image_refs(ctx, request.images)
     with agent_errors():
         prepared = ctx.agent.prepare(request, max_tokens)
     images = await load_images(ctx, request.images, vision) if request.images else ()
@@ -124,7 +125,7 @@ async def prepare_chat(ctx: ServerContext, request: AgentRequest,
 
 async def count_prompt_tokens(ctx: ServerContext, request: AgentRequest) -> int:
     """Prompt tokens of a request, each image counted as the tokens it occupies."""
-    vision = check_images(ctx, request.images)
+    vision = check_image_refs(ctx, request.images)
     with agent_errors():
         _, ids = ctx.agent.render(request)
     if vision is None:
