@@ -202,3 +202,34 @@ def test_completions_refuse_image_placeholders_without_images(served, moe_ops):
     fine = oai_client(url).completions.create(model=name, max_tokens=2, temperature=0,
                                               prompt="<|vision_start|>Hi<|vision_end|>")
     assert fine.usage.completion_tokens == 2
+
+
+def test_ft_serve_answers_the_deployment_check(folder, reference):
+    """The same through `ft serve` itself: the start-up memory plan with the tower, the
+    image flags, the official client."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", "from freetoken.cli.main import main; main()", "serve",
+               "--model", str(folder), "--port", "0", "--device", "cpu", "--num-tokens",
+               "2048", "--kv-dtype", "float32", "--max-image-pixels", str(512 * 512),
+               "--log-level", "warning"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "FreeToken serving" in line:
+                break
+        match = re.search(r"at (http://\S+)", lines[-1])
+        assert match, "".join(lines)
+        prompt, expected = reference.generate(RED)
+        reply = ask_openai(match.group(1), folder.name, RED)
+        assert reply.choices[0].message.content == reference.text(expected)
+        assert reply.usage.prompt_tokens == len(prompt)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -260,6 +260,8 @@ def test_image_flags_on_a_text_only_folder_are_refused_before_loading(monkeypatc
         assert result.exit_code == 1, result.output
         assert flags[0] in result.output and "text-only" in result.output
         assert vl_dir.name in result.output
+    default = CliRunner().invoke(main, ["serve", "--allow-image-urls"])   # nothing fetched
+    assert default.exit_code == 1 and "SmolLM2-135M-Instruct" in default.output
     vision = tmp_path / "vision"
     vision.mkdir()
     (vision / "config.json").write_text(json.dumps({"vision_config": {}}))
