@@ -208,10 +208,11 @@ def refuse_image_flags_early(model_path: str | None, server_config: ServerConfig
     from freetoken.models.checkpoint.vision_config import source_has_vision
 
     if source_has_vision(model_path) is False:
+        from freetoken.models.checkpoint.default import DEFAULT_MODEL_NAME
         from freetoken.server.images import image_flags_problem
 
         label = os.path.basename(os.path.normpath(model_path)) if model_path else \
-            "the default model"
+            DEFAULT_MODEL_NAME
         problem = image_flags_problem(None, server_config, label)
         if problem is not None:
             raise click.ClickException(problem)
