@@ -23,7 +23,7 @@ from freetoken.engine.request import RequestRejected, SamplingParams
 from freetoken.models.batch import KVCache
 from freetoken.models.loader import load_model
 from tests.models.vision_checkpoint import (IDS, build_vision_model, expand_prompt, hf_inputs,
-                                            make_image, random_image)
+                                            make_image, random_pixels)
 
 NEW_TOKENS = 5
 BLOCK = 8
@@ -44,7 +44,7 @@ def loaded(checkpoint):
 
 
 def images_for(sizes, seed=0):
-    return [make_image(random_image(h, w, seed + i)) for i, (h, w) in enumerate(sizes)]
+    return [make_image(random_pixels(h, w, seed + i)) for i, (h, w) in enumerate(sizes)]
 
 
 def prompt_with(images, seed=0):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.models.vision_checkpoint import (build_vision_model, hf_inputs, make_image,
-                                            random_image)
+                                            random_pixels)
 from tests.tolerances import eps
 
 REAL_VISION = dict(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
@@ -45,7 +45,7 @@ def test_tower_bf16_matches_transformers(real_checkpoint, sizes):
     from freetoken.models.vision_model import load_vision
 
     directory, hf = real_checkpoint
-    images = [make_image(random_image(h, w, i)) for i, (h, w) in enumerate(sizes)]
+    images = [make_image(random_pixels(h, w, i)) for i, (h, w) in enumerate(sizes)]
     vision = load_vision(directory, parse_device("cuda"), "bfloat16")
     ours = vision.tower.encode(images)
     pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in images])).cuda()
@@ -64,7 +64,7 @@ def test_engine_prefill_logits_bf16(real_checkpoint, moe_ops):
 
     directory, hf = real_checkpoint
     loaded = load_model(str(directory), device="cuda", dtype="bfloat16")
-    images = [make_image(random_image(320, 256, 5))]
+    images = [make_image(random_pixels(320, 256, 5))]
     prompt = prompt_with(images)
     ours = prefill_last_logits(loaded, prompt, images, 16).float()
     inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
@@ -88,7 +88,7 @@ def test_engine_greedy_with_graphs_matches_eager(real_checkpoint, moe_ops):
     from tests.engine.test_vision_engine import prompt_with
 
     directory, hf = real_checkpoint
-    images = [make_image(random_image(256, 320, 9))]
+    images = [make_image(random_pixels(256, 320, 9))]
     prompt = prompt_with(images)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     runs = []

@@ -14,7 +14,7 @@ from freetoken.models.checkpoint.vision_config import (DEFAULT_MAX_PIXELS, DEFAU
                                                        read_vision_preprocess,
                                                        vision_config_from_hf)
 from freetoken.models.errors import ModelFormatError
-from tests.models.vision_checkpoint import (IDS, build_vision_model, make_image, random_image)
+from tests.models.vision_checkpoint import (IDS, build_vision_model, make_image, random_pixels)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def assert_close(ours, ref):
 @pytest.mark.parametrize("sizes", [[(64, 96)], [(64, 64), (96, 128)]])
 def test_tower_matches_transformers(vision_checkpoint, sizes):
     directory, hf = vision_checkpoint
-    images = [make_image(random_image(h, w, seed=i)) for i, (h, w) in enumerate(sizes)]
+    images = [make_image(random_pixels(h, w, seed=i)) for i, (h, w) in enumerate(sizes)]
     vision = load_tower(directory)
     ours = vision.tower.encode(images)
     reference = hf_embeddings(hf.double(), images)

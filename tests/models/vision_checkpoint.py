@@ -1,16 +1,20 @@
 """A tiny random Qwen3_5MoeForConditionalGeneration (small text part, two vision blocks of
-width 64, but the real patch 16 / temporal patch 2 / merge 2) saved with save_pretrained, and
-ImageInputs made by transformers' own image processor from random pixels."""
+width 64, but the real patch 16 / temporal patch 2 / merge 2) saved with save_pretrained, also
+as a folder to serve (Qwen's special tokens, an image-aware chat template, Qwen3.5's
+preprocessor_config.json), and ImageInputs made by transformers' own image processor."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import torch
 
 from freetoken.vision.inputs import ImageInput
 from tests.models.helpers import _perturb, write_byte_bpe
+from tests.models.vl_tokenizer import SPECIALS, printable_ascii, write_vl_tokenizer
+from tests.vision.images import QWEN35_PREPROCESSOR
 
 TEXT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-3,
@@ -32,17 +36,40 @@ VISION = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=96, out_hi
 IDS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=288,
            vision_end_token_id=289)
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 256 * 256
+SERVED_SPECIALS = [*SPECIALS, "<|video_pad|>"]
 
 
 def build_vision_model(directory, seed: int = 0, text=None, vision=None):
     """Save a random float32 vision-language model with a tokenizer; return the HF model."""
+    return _save_model(directory, write_byte_bpe(directory), IDS, seed, text, vision)
+
+
+def build_served_vision_model(directory, seed: int = 0):
+    """The tiny model as a folder to serve: a tokenizer with Qwen's chat and image specials
+    (the config's placeholder ids are theirs) whose every token is printable ASCII, a chat
+    template that renders image items, Qwen3.5's preprocessor_config.json and greedy-neutral
+    generation settings ending at <|im_end|>. Returns the special tokens' ids."""
+    specials = write_vl_tokenizer(directory, printable_ascii(), SERVED_SPECIALS)
+    vocab = max(specials.values()) + 1
+    ids = dict(image_token_id=specials["<|image_pad|>"],
+               video_token_id=specials["<|video_pad|>"],
+               vision_start_token_id=specials["<|vision_start|>"],
+               vision_end_token_id=specials["<|vision_end|>"])
+    eos = specials["<|im_end|>"]
+    _save_model(directory, vocab, ids, seed, dict(eos_token_id=eos, max_position_embeddings=1024),
+                None)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN35_PREPROCESSOR))
+    return specials
+
+
+def _save_model(directory, vocab: int, ids: dict, seed: int, text, vision):
     import transformers
 
-    vocab = write_byte_bpe(directory)
     torch.manual_seed(seed)
     config = transformers.Qwen3_5MoeConfig(
         text_config={**TEXT, "vocab_size": vocab, **(text or {})},
-        vision_config={**VISION, **(vision or {})}, tie_word_embeddings=False, **IDS)
+        vision_config={**VISION, **(vision or {})}, tie_word_embeddings=False, **ids)
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
@@ -66,7 +93,7 @@ def image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
                                  size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
 
 
-def random_image(height: int, width: int, seed: int) -> np.ndarray:
+def random_pixels(height: int, width: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
 
 

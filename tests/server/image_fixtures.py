@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.tiny_vl import CONTEXT, RecordingVisionEngine, qwen35_vision, write_tiny_vl
+from tests.vision.images import QWEN35_PREPROCESSOR
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +73,9 @@ def hf_expected(vl_dir, messages: list[dict], images: list[bytes], max_pixels=16
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
-    processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 65536, "longest_edge": max_pixels}, patch_size=16,
-        temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    settings = {k: v for k, v in QWEN35_PREPROCESSOR.items() if k != "image_processor_type"}
+    processor = Qwen2VLImageProcessorPil(**{**settings, "size": {
+        "shortest_edge": settings["size"]["shortest_edge"], "longest_edge": max_pixels}})
     processed = []
     for data in images:
         out = processor(images=[ImageOps.exif_transpose(Image.open(io.BytesIO(data)))],

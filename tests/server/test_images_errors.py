@@ -241,3 +241,30 @@ def test_serve_image_flags_parse(monkeypatch, tmp_path):
     assert seen[-1].allow_image_urls is True and seen[-1].max_image_pixels == 1_000_000
     bad = CliRunner().invoke(main, ["serve", "--max-image-pixels", "0"])
     assert bad.exit_code == 2 and "--max-image-pixels" in bad.output
+
+
+def test_image_flags_on_a_text_only_folder_are_refused_before_loading(monkeypatch, tmp_path,
+                                                                      vl_dir):
+    import json
+
+    import freetoken.cli.serve as serve
+    from freetoken.cli.main import main
+    from freetoken.models.checkpoint.vision_config import source_has_vision
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve, "load_engine", no_load)
+    for flags in (["--allow-image-urls"], ["--max-image-pixels", "1000000"]):
+        result = CliRunner().invoke(main, ["serve", "--model", str(vl_dir), *flags])
+        assert result.exit_code == 1, result.output
+        assert flags[0] in result.output and "text-only" in result.output
+        assert vl_dir.name in result.output
+    default = CliRunner().invoke(main, ["serve", "--allow-image-urls"])   # nothing fetched
+    assert default.exit_code == 1 and "SmolLM2-135M-Instruct" in default.output
+    vision = tmp_path / "vision"
+    vision.mkdir()
+    (vision / "config.json").write_text(json.dumps({"vision_config": {}}))
+    assert source_has_vision(str(vl_dir)) is False and source_has_vision(None) is False
+    assert source_has_vision(str(vision)) is True
+    assert source_has_vision(str(tmp_path / "missing")) is None   # the load reports it

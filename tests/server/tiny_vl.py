@@ -5,41 +5,22 @@ the server hands it: the server side of image inputs, tested without a vision to
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from freetoken.vision.inputs import VisionPreprocess
+from tests.models.vl_tokenizer import IMAGE_SPECIALS, write_vl_tokenizer
+from tests.vision.images import QWEN35
 
-IMAGE_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", *IMAGE_SPECIALS, "<|im_end|>"]
-# Content items as Qwen3.5's template reads them: a string, or text and image items (in tool
-# results too); tool calls as Hermes writes them, so the served dialect renders tool turns.
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for item in m['content'] %}{% if item.type == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in item %}{{ item.text }}"
-    "{% else %}{{ raise_exception('Unexpected item type in content.') }}{% endif %}"
-    "{% endfor %}{% endif %}{% for call in m.tool_calls or [] %}"
-    "<tool_call>{{ call.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONTEXT = 1024
 
 
 def write_tiny_vl(directory: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
-    vocab = tok.get_vocab_size()
+    vocab = max(write_vl_tokenizer(directory).values()) + 1
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -53,11 +34,8 @@ def write_tiny_vl(directory: Path) -> None:
 def qwen35_vision(tokenizer) -> VisionPreprocess:
     """Qwen3.5/3.6's preprocessing settings with this tokenizer's placeholder ids."""
     start, end, pad = (tokenizer.token_id(t) for t in IMAGE_SPECIALS)
-    return VisionPreprocess(patch_size=16, temporal_patch_size=2, merge_size=2,
-                            min_pixels=65536, max_pixels=16777216,
-                            image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                            image_token="<|image_pad|>", image_token_id=pad,
-                            vision_start_token_id=start, vision_end_token_id=end)
+    return replace(QWEN35, image_token_id=pad, vision_start_token_id=start,
+                   vision_end_token_id=end)
 
 
 class RecordingVisionEngine:

@@ -9,12 +9,19 @@ import numpy as np
 
 from freetoken.vision.inputs import VisionPreprocess
 
-# Qwen3.5/3.6: size {shortest_edge: 65536, longest_edge: 16777216}, patch 16, temporal 2,
-# merge 2, mean = std = 0.5. The token ids are stand-ins: preprocessing does not use them.
-QWEN35 = VisionPreprocess(patch_size=16, temporal_patch_size=2, merge_size=2,
-                          min_pixels=65536, max_pixels=16777216, image_mean=(0.5, 0.5, 0.5),
-                          image_std=(0.5, 0.5, 0.5), image_token="<|image_pad|>",
-                          image_token_id=3, vision_start_token_id=1, vision_end_token_id=2)
+# preprocessor_config.json of the released Qwen3.5/3.6 folders
+QWEN35_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+                       "temporal_patch_size": 2, "merge_size": 2,
+                       "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                       "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+# The same as the engine reads it. The token ids are stand-ins: preprocessing does not use them.
+QWEN35 = VisionPreprocess(
+    patch_size=16, temporal_patch_size=2, merge_size=2,
+    min_pixels=QWEN35_PREPROCESSOR["size"]["shortest_edge"],
+    max_pixels=QWEN35_PREPROCESSOR["size"]["longest_edge"],
+    image_mean=tuple(QWEN35_PREPROCESSOR["image_mean"]),
+    image_std=tuple(QWEN35_PREPROCESSOR["image_std"]), image_token="<|image_pad|>",
+    image_token_id=3, vision_start_token_id=1, vision_end_token_id=2)
 
 
 def random_image(width: int, height: int, mode: str, seed: int = 0):

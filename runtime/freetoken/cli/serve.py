@@ -137,9 +137,11 @@ def phase(name: str) -> None:
 
 
 def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
-                offload: OffloadConfig | None = None, parallel=None):
+                offload: OffloadConfig | None = None, parallel=None,
+                max_image_pixels: int | None = None):
     """(loaded model, started and warmed-up engine); errors a user can fix become one-line
-    ClickExceptions. Kernels load (or compile, announced one by one) before the model."""
+    ClickExceptions. Kernels load (or compile, announced one by one) before the model.
+    max_image_pixels: --max-image-pixels (the memory plan sizes image encoding by it)."""
     from freetoken.cli.main import is_debug
     from freetoken.engine.config import EngineConfigError
     from freetoken.engine.engine import Engine
@@ -157,7 +159,8 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
         load_kernels(device, plan, say)
         phase("kernels loaded")
         say(f"loading {model_path or 'the default model'} on {device} ...")
-        planner = OffloadPlanner(engine_config, offload or OffloadConfig(), device)
+        planner = OffloadPlanner(engine_config, offload or OffloadConfig(), device,
+                                 vision_budget(model_path, max_image_pixels))
         if parallel is not None and parallel.is_parallel:
             from freetoken.parallel.start import no_offload, start_sharded
 
@@ -186,6 +189,18 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
     return loaded, engine
 
 
+def vision_budget(model_path: str | None, max_image_pixels: int | None):
+    """The memory plan's view of a folder's vision tower (None for a text-only model)."""
+    from freetoken.engine.vision_memory import VisionBudget
+    from freetoken.models.checkpoint.vision_config import vision_settings
+
+    settings = vision_settings(model_path)
+    if settings is None:
+        return None
+    config, preprocess = settings
+    return VisionBudget(config, max_image_pixels or preprocess.max_pixels)
+
+
 def _import_in_background(*modules: str) -> threading.Thread:
     """Import modules on a helper thread (an ImportError resurfaces at the real import).
 
@@ -210,13 +225,33 @@ def stop_engine(engine) -> None:
         engine.model.close()
 
 
+def refuse_image_flags_early(model_path: str | None, server_config: ServerConfig) -> None:
+    """Image flags on a model that config.json already shows is text-only are refused before
+    any weight is read (the rest is checked against the loaded model's settings)."""
+    if not server_config.allow_image_urls and server_config.max_image_pixels is None:
+        return
+    from freetoken.models.checkpoint.vision_config import source_has_vision
+
+    if source_has_vision(model_path) is False:
+        from freetoken.models.checkpoint.default import DEFAULT_MODEL_NAME
+        from freetoken.server.images import image_flags_problem
+
+        label = os.path.basename(os.path.normpath(model_path)) if model_path else \
+            DEFAULT_MODEL_NAME
+        problem = image_flags_problem(None, server_config, label)
+        if problem is not None:
+            raise click.ClickException(problem)
+
+
 def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                server_config: ServerConfig, offload: OffloadConfig | None = None,
                parallel=None) -> None:
+    refuse_image_flags_early(model_path, server_config)
     importer = _import_in_background("uvicorn", "freetoken.server.app",
                                      "freetoken.server.launch")
     phase("imports done")
-    loaded, engine = load_engine(model_path, dtype, engine_config, offload, parallel)
+    loaded, engine = load_engine(model_path, dtype, engine_config, offload, parallel,
+                                 server_config.max_image_pixels)
     importer.join()
     phase("web stack imported")
     from freetoken.server.app import create_app

@@ -125,20 +125,23 @@ def staging_slots(sizes: ModelSizes) -> int:
 
 def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, free: int,
              total: int, workspace: int, min_tokens: int, state_slots: int = 0,
-             snapshots: int = 0) -> tuple[MemoryPlan, float, int]:
+             snapshots: int = 0, extra: tuple[dict[str, int], dict[str, str]] = ({}, {})
+             ) -> tuple[MemoryPlan, float, int]:
     """(plan, cache rate, KV tokens) for a GPU with `free` of `total` bytes free now.
 
     rate: 0 < R <= 1, or "auto": 1.0 when every expert fits beside the rest and a KV pool of
     `min_tokens`, else the largest rate that leaves room for that pool. num_tokens: an int,
     or "auto": every byte the other pools and the margin leave (at least `min_tokens`).
     state_slots / snapshots: a hybrid model's recurrent-state slots (--max-num-seqs) and
-    snapshot rows, a pool of their own taken before the KV pool.
+    snapshot rows, a pool of their own taken before the KV pool. extra: more fixed pools and
+    their notes (a vision tower's, engine/vision_memory.py), also taken before the KV pool.
     Raises MemoryPlanError (with the per-pool numbers) when even that does not fit.
     """
     margin = gpu_margin(total)
     states, notes = sizes.state_pools(state_slots, snapshots)
     fixed = {"weights": sizes.other_weight_bytes, "graphs": GRAPH_BYTES, "workspace": workspace,
-             **states}
+             **states, **extra[0]}
+    notes = {**notes, **extra[1]}
     offloaded = sizes.total_experts > 0
     if rate == "auto":
         want_kv = (min_tokens if num_tokens == "auto" else int(num_tokens))
@@ -160,16 +163,19 @@ def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, fre
     plan = MemoryPlan("the GPU", pools, margin, free, notes)
     plan.check("lower --num-tokens, or lower --moe-cache-rate (experts then live in pinned "
                "host memory)" + (", or lower --max-num-seqs (a recurrent-state slot per "
-                                 "sequence)" if states else ""))
+                                 "sequence)" if states else "")
+               + (", or lower --max-image-pixels" if "vision_workspace" in extra[0] else ""))
     return plan, rate, int(num_tokens)
 
 
 def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int,
               available: int | None, on_cpu: bool, state_slots: int = 0,
-              snapshots: int = 0) -> MemoryPlan:
-    """The host RAM plan: on the CPU path every weight and the KV pool; with offload the
-    pinned copy of every expert. `sizes` of the CPU path should count weights at the bytes per
-    parameter they keep in memory (GGUF blocks stay quantized there)."""
+              snapshots: int = 0, extra: tuple[dict[str, int], dict[str, str]] = ({}, {})
+              ) -> MemoryPlan:
+    """The host RAM plan: on the CPU path every weight, the KV pool and the `extra` pools (as
+    plan_gpu's); with offload the pinned copy of every expert. `sizes` of the CPU path should
+    count weights at the bytes per parameter they keep in memory (GGUF blocks stay quantized
+    there)."""
     pools: dict[str, int] = {}
     notes: dict[str, str] = {}
     if on_cpu:
@@ -177,6 +183,8 @@ def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int,
         pools["kv"] = num_tokens * sizes.kv_bytes_per_token
         states, notes = sizes.state_pools(state_slots, snapshots)
         pools.update(states)
+        pools.update(extra[0])
+        notes = {**notes, **extra[1]}
     elif pinned_experts:
         pools["pinned_experts"] = sizes.total_experts * sizes.expert_bytes
     plan = MemoryPlan("the host", pools, HOST_MARGIN, available or 0, notes)

@@ -90,15 +90,27 @@ def state_rows(cfg, engine_config) -> dict[str, int]:
 
 class OffloadPlanner:
     """The load_model `plan` hook: checks memory before any weight is placed and decides where
-    the experts go. `decision` holds the result (None on the CPU path)."""
+    the experts go. `decision` holds the result (None on the CPU path). `vision` (a
+    VisionBudget, engine/vision_memory.py) counts a vision tower, its encoder cache and its
+    work buffers beside the text model."""
 
-    def __init__(self, engine_config, offload: OffloadConfig, device: Any):
+    def __init__(self, engine_config, offload: OffloadConfig, device: Any, vision: Any = None):
         self.config, self.offload, self.device = engine_config, offload, device
+        self.vision = vision
         self.decision: OffloadDecision | None = None
+
+    def _vision_pools(self, dtype: str) -> tuple[dict[str, int], dict[str, str]]:
+        if self.vision is None:
+            return {}, {}
+        from freetoken.engine.vision_memory import vision_pools
+
+        return vision_pools(self.vision, dtype,
+                            self.config.max_prefill_tokens + self.config.max_num_seqs)
 
     def __call__(self, cfg, dtype: str) -> bool:
         c = self.config
         min_tokens = default_num_tokens(cfg.max_position)
+        extra = self._vision_pools(dtype)
         if self.device.is_cpu:
             # NOTE: GGUF weights stay quantized on the CPU (down to ~0.56 bytes a parameter for
             # Q4_0), so the check counts them at that floor: it refuses only what cannot fit.
@@ -106,7 +118,8 @@ class OffloadPlanner:
             floor = int(cfg.num_params * 0.5625)
             sizes = replace(sizes, other_weight_bytes=floor, expert_bytes=0)
             plan_host(sizes, pinned_experts=False, num_tokens=c.num_tokens or min_tokens,
-                      available=host_available_bytes(), on_cpu=True, **state_rows(cfg, c))
+                      available=host_available_bytes(), on_cpu=True, extra=extra,
+                      **state_rows(cfg, c))
             return False
         import torch
 
@@ -118,7 +131,7 @@ class OffloadPlanner:
             sizes, rate="auto" if rate is None else rate, num_tokens=tokens, free=free,
             total=total, workspace=workspace_bytes(cfg, dtype, c.max_prefill_tokens
                                                    + c.max_num_seqs),
-            min_tokens=min_tokens, **state_rows(cfg, c))
+            min_tokens=min_tokens, extra=extra, **state_rows(cfg, c))
         if tokens == "auto":   # more KV than max_num_seqs full contexts is never used at once
             num_tokens = min(num_tokens, max(min_tokens, c.max_num_seqs * cfg.max_position))
         host = None

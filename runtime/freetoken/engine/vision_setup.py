@@ -20,8 +20,12 @@ def attach_vision(model: Any, vision: Any, max_step_tokens: int) -> tuple[int, E
     keep the rotary table they saw."""
     spare = model.enable_mrope(vision.config.mrope_section, vision.config.mrope_interleaved,
                                max_step_tokens)
-    rows = max(MIN_ENCODER_CACHE_ROWS, 2 * max_step_tokens)
-    return spare, EncoderCache(vision.tower, rows)
+    return spare, EncoderCache(vision.tower, encoder_cache_rows(max_step_tokens))
+
+
+def encoder_cache_rows(max_step_tokens: int) -> int:
+    """The encoder cache's capacity in embedding rows (the memory plan counts it full)."""
+    return max(MIN_ENCODER_CACHE_ROWS, 2 * max_step_tokens)
 
 
 def check_images(prompt: list[int], images: Sequence[Any], vision: Any,

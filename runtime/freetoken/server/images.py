@@ -27,7 +27,8 @@ class BadImageData(ImageError):
     """The base64 text does not decode."""
 
 
-def check_images(ctx: ServerContext, refs: tuple[ImageRef, ...]) -> VisionPreprocess | None:
+def check_image_refs(ctx: ServerContext, refs: tuple[ImageRef, ...]
+                     ) -> VisionPreprocess | None:
     """The served model's vision settings (None: text-only). The checks that need no
     decoding: images on a text-only model, URLs the server may not fetch."""
     vision = getattr(ctx.engine, "vision", None)
@@ -113,7 +114,7 @@ def expand_image_tokens(ids: list[int], images: tuple[ImageInput, ...],
 async def prepare_chat(ctx: ServerContext, request: AgentRequest,
                        max_tokens: int | None) -> tuple[PreparedChat, tuple[ImageInput, ...]]:
     """The request's prompt (image tokens expanded), parser and guide, and its images."""
-    vision = check_images(ctx, request.images)
+    vision = check_image_refs(ctx, request.images)
     with agent_errors():
         prepared = ctx.agent.prepare(request, max_tokens)
     images = await load_images(ctx, request.images, vision) if request.images else ()
@@ -124,13 +125,24 @@ async def prepare_chat(ctx: ServerContext, request: AgentRequest,
 
 async def count_prompt_tokens(ctx: ServerContext, request: AgentRequest) -> int:
     """Prompt tokens of a request, each image counted as the tokens it occupies."""
-    vision = check_images(ctx, request.images)
+    vision = check_image_refs(ctx, request.images)
     with agent_errors():
         _, ids = ctx.agent.render(request)
     if vision is None:
         return len(ids)
     images = await load_images(ctx, request.images, vision) if request.images else ()
     return len(expand_image_tokens(ids, images, vision))
+
+
+def refuse_placeholders(ctx: ServerContext, ids: list[int], param: str) -> None:
+    """A prompt that comes without images (a raw /v1/completions prompt) holding the image
+    placeholder is a 400: the engine would have no image for it."""
+    vision = getattr(ctx.engine, "vision", None)
+    if vision is not None and vision.image_token_id in ids:
+        raise APIError(400, f"{param} holds the image placeholder {vision.image_token!r} "
+                            f"(token {vision.image_token_id}), but /v1/completions takes no "
+                            "images; send images as image parts to /v1/chat/completions or "
+                            "/v1/messages", param)
 
 
 def image_flags_problem(vision: VisionPreprocess | None, config, model_name: str) -> str | None:

@@ -15,7 +15,7 @@ from freetoken.server.adapters import openai_agent_request
 from freetoken.server.chat_output import ChatShaper
 from freetoken.server.context import ServerContext, agent_errors, collect
 from freetoken.server.errors import APIError
-from freetoken.server.images import prepare_chat
+from freetoken.server.images import prepare_chat, refuse_placeholders
 from freetoken.server.metrics import RequestTimer
 from freetoken.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling,
                                        parse_body)
@@ -73,8 +73,9 @@ async def completions(request: Request):
     ctx.check_model(body.model)
     body.check_supported()
     params = body.sampling_params(ctx.output_limit(body.max_tokens, "max_tokens"))
-    return await respond(request, ctx, body, completion_prompt_ids(ctx, body.prompt), params,
-                         new_id("cmpl-"), chat=False)
+    prompt = completion_prompt_ids(ctx, body.prompt)
+    refuse_placeholders(ctx, prompt, "prompt")
+    return await respond(request, ctx, body, prompt, params, new_id("cmpl-"), chat=False)
 
 
 def completion_prompt_ids(ctx: ServerContext, prompt) -> list[int]:

@@ -4,6 +4,7 @@ how images are preprocessed (preprocessor_config.json). Text-only folders have n
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,18 @@ class VisionConfig:
     def patch_dim(self) -> int:
         """Values per patch row of pixel_values: channels x temporal x patch x patch."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def num_params(self) -> int:
+        """Every weight of the tower (model.visual.*): patch embedding, position table, the
+        blocks and the patch merger."""
+        h, i = self.hidden_size, self.intermediate_size
+        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+        merged = h * self.spatial_merge_size ** 2
+        merger = 2 * h + (merged * merged + merged) + (merged * self.out_hidden_size
+                                                      + self.out_hidden_size)
+        return (h * self.patch_dim + h + self.num_position_embeddings * h
+                + self.depth * block + merger)
 
 
 def _int(section: dict, key: str, where: str, default: Any = None) -> int:
@@ -120,6 +133,33 @@ def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | No
     if round(config.num_position_embeddings ** 0.5) ** 2 != config.num_position_embeddings:
         raise ModelFormatError(f"{where}: num_position_embeddings must be a square")
     return config
+
+
+def vision_settings(source: str | None) -> tuple[VisionConfig, VisionPreprocess] | None:
+    """The tower's shape and preprocessing of a model folder, from its JSON files alone (the
+    start-up memory plan counts the tower before any weight is read); None without one."""
+    if not source_has_vision(source):
+        return None
+    directory = Path(source).expanduser()
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    config = vision_config_from_hf(raw, str(directory / "config.json"))
+    return config, read_vision_preprocess(directory, config, None)
+
+
+def source_has_vision(source: str | None) -> bool | None:
+    """Whether a model source has a vision tower, from config.json alone (no weights read):
+    False for a GGUF file or the default model, None when it cannot be told here (a missing or
+    unreadable folder; loading it reports why)."""
+    if source is None:
+        return False
+    path = Path(source).expanduser()
+    if path.is_file():
+        return False
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return isinstance(raw, dict) and raw.get("vision_config") is not None
 
 
 def _triple(pre: dict, key: str, default: tuple, where: Path) -> tuple[float, float, float]:
