@@ -110,8 +110,8 @@ VARIABLES = {
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
     "FREETOKEN_GGUF_GPU_EXPERTS": "GGUF MoE experts stay in their blocks in VRAM (moe_experts_gguf)"
                                   " instead of bf16 (default off: not yet passing its GPU tests)",
-    "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v1 (gguf_matmul / scaled_gemv,"
-                            " default) or v2 (gguf_gemv / fp8_gemv, 16-byte streaming)",
+    "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v2 (gguf_gemv / fp8_gemv, "
+                            "16-byte streaming, default) or v1 (gguf_matmul / scaled_gemv)",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
 }
@@ -125,7 +125,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
     level = e.get("FREETOKEN_LOG_LEVEL", "info").strip().lower() or "info"
     if level not in ("debug", "info", "warning", "error"):
         raise EnvError(f"FREETOKEN_LOG_LEVEL={level!r}; use debug, info, warning or error")
-    quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v1").strip().lower() or "v1"
+    quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v2").strip().lower() or "v2"
     if quant_gemv not in QUANT_GEMV_VARIANTS:
         raise EnvError(f"FREETOKEN_QUANT_GEMV={quant_gemv!r}; use v1 or v2")
     return Env(

@@ -70,7 +70,8 @@ def test_fp8_gemv_reads_power_of_two_or_whole_row_blocks():
 
 
 def test_variant_is_read_and_checked(monkeypatch):
-    assert env.read({}).quant_gemv == "v1"
+    assert env.read({}).quant_gemv == "v2"
+    assert env.read({"FREETOKEN_QUANT_GEMV": " V1 "}).quant_gemv == "v1"
     assert env.read({"FREETOKEN_QUANT_GEMV": " V2 "}).quant_gemv == "v2"
     with pytest.raises(env.EnvError, match="FREETOKEN_QUANT_GEMV='v3'; use v1 or v2"):
         env.read({"FREETOKEN_QUANT_GEMV": "v3"})
@@ -79,7 +80,7 @@ def test_variant_is_read_and_checked(monkeypatch):
 
 
 def test_v1_binds_no_new_kernel(monkeypatch):
-    """Under v1 (the default) the projections keep gguf_matmul / scaled_gemv: nothing is bound,
+    """Under v1 the projections keep gguf_matmul / scaled_gemv: nothing is bound,
     so no build of quant_gemv is needed."""
     monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v1")
     weight = torch.zeros(4, 144, dtype=torch.uint8)
@@ -111,3 +112,12 @@ def test_sweep_picks_the_fastest_variant_that_passed():
     (b,) = best(rows)
     assert b["best"] == "v2/r1" and b["speedup_over_v1"] == pytest.approx(2.5)
     assert b["layer_us"] == {"v1": 40.0, "v2/r1": 16.0, "v2/r2": 4.0}
+
+
+def test_rows_per_warp_follow_the_measured_table():
+    """One-token steps take the sweep's rows per warp; wider steps leave it to the kernel."""
+    from freetoken.models.forward import quant_gemv
+
+    assert [quant_gemv.gguf_rows(t, 1) for t in (2, 8, 12, 14)] == [4, 4, 1, 4]
+    assert quant_gemv.gguf_rows(12, 4) == 0 and quant_gemv.gguf_rows(99, 1) == 0
+    assert quant_gemv.fp8_rows(1) == 2 and quant_gemv.fp8_rows(3) == 0

@@ -11,12 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.vision_checkpoint import (build_vision_model, hf_inputs, make_image,
+from tests.models.vision_checkpoint import (TEXT, build_vision_model, hf_inputs, make_image,
                                             random_pixels)
 from tests.tolerances import eps
 
 REAL_VISION = dict(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
                    num_position_embeddings=2304, out_hidden_size=64)
+
+# The small text part at head sizes the GPU kernels take (attention and Gated DeltaNet heads of
+# 64); rotary over 16 of the 64 dims keeps TEXT's [3, 3, 2] multimodal sections.
+GPU_TEXT = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                rope_parameters=dict(TEXT["rope_parameters"], partial_rotary_factor=0.25))
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -25,7 +30,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def real_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3_5-vl-real-vision")
-    hf = build_vision_model(directory, seed=2, vision=REAL_VISION)
+    hf = build_vision_model(directory, seed=2, vision=REAL_VISION, text=GPU_TEXT)
     with torch.no_grad():    # the default init's scale (0.08 noise over width 1152 explodes)
         for name, p in hf.model.visual.named_parameters():
             if name.endswith("weight") and p.dim() >= 2:

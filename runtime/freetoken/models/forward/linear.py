@@ -62,7 +62,7 @@ class QuantLinear:
 
     def __call__(self, out: Array, x: Array) -> None:
         if self._gemv is not None and x.shape[0] <= 8:     # quant_gemv.GEMV_MAX_TOKENS
-            self._gemv(out, x, self.data, self.qtype, 0)
+            self._gemv(out, x, self.data, self.qtype, quant_gemv.gguf_rows(self.qtype, x.shape[0]))
         else:
             self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:

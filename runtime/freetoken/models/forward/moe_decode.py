@@ -38,6 +38,7 @@ MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMax
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
 VARIANTS = 4            # launch shapes the kernels take (moe_decode_kernels.cuh kVariants)
 VARIANT = 0             # the one decode runs; benchmarks/moe_decode_kernels.py times them all
+ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
 
@@ -116,7 +117,8 @@ class MoEDecode:
         """out = the MoE MLP of the normed x (accumulate: out += it); T <= max_tokens."""
         m = self.mlp
         if self.gemv_router:
-            self.gemv(w.router_logits, x, self.router, None, None, 0.0, self.group)
+            self.gemv(w.router_logits, x, self.router, None, None, 0.0, self.group,
+                      ROUTER_GEMV_VARIANT)
         else:
             m.router(w.router_logits, x)
         self.topk(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)

@@ -14,6 +14,20 @@ from freetoken import env
 GEMV_MAX_TOKENS = 8                 # kernels/cuda/quant_gemv.cu kMaxTokens
 GGUF_TYPES = (2, 8, 12, 14)         # Q4_0, Q8_0, Q4_K, Q6_K: the types gguf_gemv reads
 FP8 = 0                             # scaled_gemv's format id for FP8 e4m3
+# Weight rows per warp at a 1-token step (0: the kernel's own rule, 1 at one token, 2 above),
+# the fastest summed over the Qwen3-8B projections in benchmarks/quant_gemv_sweep.py on an H200.
+GGUF_ROWS_ONE_TOKEN = {2: 4, 8: 4, 12: 1, 14: 4}   # Q4_0, Q8_0, Q4_K, Q6_K
+FP8_ROWS_ONE_TOKEN = 2
+
+
+def gguf_rows(qtype: int, tokens: int) -> int:
+    """gguf_gemv's rows-per-warp argument for a step of `tokens` rows."""
+    return GGUF_ROWS_ONE_TOKEN.get(qtype, 0) if tokens == 1 else 0
+
+
+def fp8_rows(tokens: int) -> int:
+    """fp8_gemv's rows-per-warp argument for a step of `tokens` rows."""
+    return FP8_ROWS_ONE_TOKEN if tokens == 1 else 0
 
 
 def gguf_reads(qtype: int, row_bytes: int) -> bool:

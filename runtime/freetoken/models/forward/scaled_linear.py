@@ -61,7 +61,8 @@ class ScaledLinear:
         import torch
 
         if x.shape[0] <= GEMV_MAX_TOKENS and self._fp8 is not None and x.dtype != torch.float32:
-            self._fp8(out, x, self.data, self.scales, self.row_scale, *self.block, 0)
+            self._fp8(out, x, self.data, self.scales, self.row_scale, *self.block,
+                      quant_gemv.fp8_rows(x.shape[0]))
         elif x.shape[0] <= GEMV_MAX_TOKENS:
             self._gemv(out, x, self.data, self.scales, self.row_scale, self.format, *self.block)
         else:
