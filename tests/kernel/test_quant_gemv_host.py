@@ -89,13 +89,19 @@ def test_v1_binds_no_new_kernel(monkeypatch):
 
 
 def test_v2_binds_only_weights_it_reads(monkeypatch):
+    from types import SimpleNamespace
+
+    def on_gpu(rows, cols):   # a weight's shape and device as the selection reads them
+        return SimpleNamespace(shape=(rows, cols), device=torch.device("cuda"))
+
     bound = []
     monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v2")
     monkeypatch.setattr("freetoken.kernel.ops.bind", lambda name, dev: bound.append(name) or name)
-    assert quant_gemv.gguf_decode(12, torch.zeros(4, 144, dtype=torch.uint8)) == "gguf_gemv"
-    assert quant_gemv.gguf_decode(13, torch.zeros(4, 176, dtype=torch.uint8)) is None
-    assert quant_gemv.fp8_decode(0, (128, 128), torch.zeros(4, 128, dtype=torch.uint8)) == \
-        "fp8_gemv"
+    assert quant_gemv.gguf_decode(12, on_gpu(4, 144)) == "gguf_gemv"
+    assert quant_gemv.gguf_decode(13, on_gpu(4, 176)) is None
+    assert quant_gemv.fp8_decode(0, (128, 128), on_gpu(4, 128)) == "fp8_gemv"
+    # host tensors (the CPU path, or a test's stand-in for a GPU placement) keep v1
+    assert quant_gemv.gguf_decode(12, torch.zeros(4, 144, dtype=torch.uint8)) is None
     assert bound == ["gguf_gemv", "fp8_gemv"]
 
 

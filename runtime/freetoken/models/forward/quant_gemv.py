@@ -44,7 +44,8 @@ def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:
 
 
 def _bind(name: str, device: Any) -> Callable | None:
-    if env.read().quant_gemv != "v2":
+    # GPU kernels only: a host tensor standing in for a GPU placement keeps v1
+    if env.read().quant_gemv != "v2" or getattr(device, "type", None) != "cuda":
         return None
     from freetoken.kernel import ops
 
