@@ -132,13 +132,13 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "benchmarks/results/gpu-vision.json"))
     args = p.parse_args()
     from tests.models.vision_checkpoint import (expand_prompt, image_processor, make_image,
-                                                random_image)
+                                                random_pixels)
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         hf = build(directory, args.depth)
         processor = image_processor(PIXELS["shortest_edge"], PIXELS["longest_edge"])
-        image = make_image(random_image(args.size, args.size, 0), processor)
+        image = make_image(random_pixels(args.size, args.size, 0), processor)
         prompt = expand_prompt([[10, 11, 12, 13], [20, 21, 22, 23, 24, 25]], [image])
         ours = freetoken_ttft(directory, prompt, image, args.reps)
         theirs = transformers_ttft(hf, prompt, image, args.reps)

@@ -80,6 +80,26 @@ def test_engine_prefill_logits_bf16(real_checkpoint, moe_ops):
     assert err <= _bound(ref, layers), f"max logit error {err}"
 
 
+def test_engine_prefill_logits_float32(real_checkpoint, moe_ops):
+    """The same prompt in float32: the GPU path (tower, image embeddings, multimodal rotary,
+    chunked prefill) against transformers without bfloat16's rounding in the way."""
+    from freetoken.models.loader import load_model
+    from tests.engine.test_vision_engine import prefill_last_logits, prompt_with
+
+    directory, hf = real_checkpoint
+    loaded = load_model(str(directory), device="cuda", dtype="float32")
+    images = [make_image(random_pixels(320, 256, 5))]
+    prompt = prompt_with(images)
+    ours = prefill_last_logits(loaded, prompt, images, 16).float()
+    inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
+    with torch.no_grad():
+        ref = hf(**inputs).logits[0, -1].float().cpu()
+    err = (ours - ref).abs().max().item()
+    # float32 sums in another order (and TF32-free GEMMs): far under one bf16 rounding
+    assert err <= 1e-3 * ref.abs().max().item() * math.sqrt(REAL_VISION["depth"] + 6), \
+        f"max logit error {err}"
+
+
 def test_engine_greedy_with_graphs_matches_eager(real_checkpoint, moe_ops):
     """Decode of an image request on CUDA graphs and the fused decode kernels (positions with
     the request's rope delta) gives the tokens of eager decode; the first token is

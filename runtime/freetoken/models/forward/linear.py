@@ -8,6 +8,7 @@ import numpy as np
 
 from freetoken.arrays import HostArrays, array_view, is_torch
 from freetoken.models.config import QuantWeight
+from freetoken.models.forward import quant_gemv
 from freetoken.models.quant.scaled import ScaledWeight
 from freetoken.models.checkpoint.weights import Array, Weight
 
@@ -49,8 +50,6 @@ class QuantLinear:
         self.strided_out = is_torch(weight.data)
         self._gemv = None
         if self.strided_out:
-            from freetoken.models.forward import quant_gemv
-
             self._matmul = ops.bind("gguf_matmul", weight.data.device)
             self._gemv = quant_gemv.gguf_decode(weight.qtype, weight.data)
             self.data = weight.data
