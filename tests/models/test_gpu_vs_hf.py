@@ -127,7 +127,12 @@ def test_gpu_logits_match_transformers(name, tmp_path, moe_ops):
     assert ours_mean < max(2.0 * hf16_mean, 2 * EPS["bfloat16"]), (name, errors)
 
 
-def test_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops):
+@pytest.mark.parametrize("moe_decode", [
+    "0", pytest.param("1", marks=pytest.mark.xfail(strict=False, reason=(
+        "H200, 476534e: with the small-step moe_decode kernels the graph tokens part from "
+        "eager at step 4 (FREETOKEN_MOE_DECODE is off by default until this passes)")))])
+def test_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops, moe_decode,
+                                                         monkeypatch):
     """The engine's decode graphs (routing, expert sort and workspace captured at a fixed
     batch size) pick the same greedy tokens as eager steps of the same model."""
     import asyncio
@@ -137,6 +142,7 @@ def test_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, moe_ops):
     from freetoken.engine.request import SamplingParams
     from freetoken.models.loader import load_model
 
+    monkeypatch.setenv("FREETOKEN_MOE_DECODE", moe_decode)
     arch, shape = SHAPES["qwen3-30b-a3b"]
     tiny_hf_model(arch, tmp_path, seed=4, **shape)
     loaded = load_model(str(tmp_path), device="cuda")

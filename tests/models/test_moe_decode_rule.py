@@ -30,6 +30,19 @@ def _layer(dtype=torch.bfloat16, shared=0, top_k=K, experts=E, hidden=H, inter=I
     return cfg, mlp, w
 
 
+@pytest.fixture(autouse=True)
+def moe_decode_on(monkeypatch):
+    """The path is opt-in (FREETOKEN_MOE_DECODE); these tests are about its rule."""
+    monkeypatch.setenv("FREETOKEN_MOE_DECODE", "1")
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("FREETOKEN_MOE_DECODE")
+    from freetoken import env
+
+    assert env.read().moe_decode is False
+
+
 def test_plain_bf16_and_f16_layers_qualify():
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
         cfg, mlp, w = _layer(dtype, shared=16)

@@ -60,7 +60,9 @@ def eligible(cfg: ModelConfig, mlp: MoEMLP, w: LayerWeights, dtype: str, device)
     """The load-time rule of the module doc, for one MoE layer."""
     from freetoken import env
 
-    if device.is_cpu or dtype not in ("bfloat16", "float16") or not env.read().fused_decode:
+    settings = env.read()
+    if (device.is_cpu or dtype not in ("bfloat16", "float16") or not settings.fused_decode
+            or not settings.moe_decode):
         return False
     moe = cfg.moe
     if mlp.scaled is not None or mlp.qtypes or moe.top_k > MAX_TOP_K:
