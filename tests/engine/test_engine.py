@@ -177,41 +177,6 @@ def test_shutdown_aborts_in_flight_requests(make_engine):
     assert asyncio.run(main())[-1].finish_reason == "abort"
 
 
-def test_shutdown_answers_a_resize_still_queued(make_engine):
-    """A resize queued behind a step still in flight when the engine stops: its caller gets
-    an answer (the resize ran, or EngineDead), shutdown itself does not fail."""
-    from freetoken.engine.engine import EngineDead
-
-    engine = make_engine()
-    engine.model.gate.clear()
-    outcome: dict = {}
-
-    def resize():
-        try:
-            outcome["result"] = engine.resize_pools(kv_tokens=engine.kv.num_tokens)
-        except EngineDead as exc:
-            outcome["result"] = exc
-
-    async def main():
-        stream = engine.submit(TOK.encode("x"), SamplingParams(max_tokens=100))
-        resizer = threading.Thread(target=resize)
-        resizer.start()
-        # queued behind the step the gate holds, or already run if it beat that step
-        while not engine._jobs and "result" not in outcome:
-            time.sleep(0.001)
-        stopper = threading.Thread(target=lambda: outcome.setdefault("stop", engine.shutdown()))
-        stopper.start()
-        while engine.is_alive:
-            time.sleep(0.001)
-        engine.model.gate.set()
-        stopper.join(10)
-        resizer.join(10)
-        return [o async for o in stream]
-
-    asyncio.run(main())
-    assert "stop" in outcome and "result" in outcome
-
-
 def test_kv_dtype_resolution():
     from freetoken.engine.config import EngineConfigError, resolve_kv_dtype
 
