@@ -191,12 +191,13 @@ def load_engine(model_path: str | None, dtype: str, engine_config: EngineConfig,
 
 def vision_budget(model_path: str | None, max_image_pixels: int | None):
     """The memory plan's view of a folder's vision tower (None for a text-only model)."""
-    from freetoken.engine.vision_memory import VisionBudget
     from freetoken.models.checkpoint.vision_config import vision_settings
 
     settings = vision_settings(model_path)
     if settings is None:
         return None
+    from freetoken.engine.vision_memory import VisionBudget
+
     config, preprocess = settings
     return VisionBudget(config, max_image_pixels or preprocess.max_pixels)
 

@@ -29,7 +29,7 @@ def load_vision(directory: Path, device: Any, dtype: str, tokenizer: Any = None,
     UnsupportedModelError naming the file and the field."""
     import torch
 
-    from freetoken.models.checkpoint.hf import read_json
+    from freetoken.models.checkpoint.json_file import read_json
     from freetoken.models.checkpoint.vision_weights import read_vision_weights
 
     directory = Path(directory)

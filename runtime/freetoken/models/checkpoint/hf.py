@@ -7,13 +7,13 @@ and handed on stacked: ``experts.gate``/``experts.up`` [E, I, H], ``experts.down
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from freetoken.models.checkpoint.hf_config import config_from_hf
+from freetoken.models.checkpoint.json_file import read_json
 from freetoken.models.checkpoint.hf_quant import (QuantScheme, parse_scheme,
                                                   read_modelopt_config, read_scaled)
 from freetoken.models.config import GenerationDefaults, ModelConfig
@@ -22,22 +22,6 @@ from freetoken.models.quant import scaled
 from freetoken.models.registry import (HF_EXPERTS_FUSED, HF_EXPERTS_PER_EXPERT,
                                        HF_EXPERTS_STACKED, HF_GLOBAL, HF_LAYER,
                                        HF_TEXT_PREFIXES, ArchSpec, spec_for_hf)
-
-
-def read_json(path: Path, required: bool = True) -> dict[str, Any]:
-    """A JSON object from `path` ({} when optional and absent)."""
-    if not path.is_file():
-        if required:
-            raise ModelFormatError(f"{path}: missing; an HF model directory needs config.json, "
-                                   f"*.safetensors and tokenizer.json")
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFormatError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{path}: expected a JSON object")
-    return value
 
 
 class HFTensors:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from freetoken.models.checkpoint.hf import read_json
+from freetoken.models.checkpoint.json_file import read_json
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.vision.inputs import VisionPreprocess
 

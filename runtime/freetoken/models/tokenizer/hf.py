@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from freetoken.models.checkpoint.hf import read_json
+from freetoken.models.checkpoint.json_file import read_json
 from freetoken.models.errors import ModelFormatError
 from freetoken.models.tokenizer.core import Tokenizer
 
