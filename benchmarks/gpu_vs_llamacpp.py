@@ -2,7 +2,7 @@
 with the batch-1 bandwidth ceiling measured in the same run.
 
     python benchmarks/gpu_vs_llamacpp.py [--shapes smollm2,qwen3-8b,qwen3-30b-a3b,...]
-        [--peer DIR] [--work DIR] [--gen 128]
+        [--peer DIR] [--work DIR] [--engines freetoken,llama.cpp] [--results FILE] [--gen 128]
 
 Per shape (SmolLM2-135M; Qwen3-8B at 8 layers; Qwen3-30B-A3B at 12 layers in bf16 and Q4_K_M;
 Qwen3.6-35B-A3B at 8 layers, 6 Gated DeltaNet + 2 full attention): the random-weight
@@ -14,7 +14,9 @@ llama-batched-bench), the scripts of ../shared/peers/llama-cpp-cuda staged by it
 peer needs a finished llama.cpp build in $LCPP_HOME (default /root/llama.cpp-peer, made by
 DIR/build.sh, ~7 min): without one, its columns say so and FreeToken's still run. The Q4_K_M
 row needs that build for FreeToken too: both engines load the file `llama-quantize` wrote, and its
-ceiling is llama.cpp's own (bandwidth / bytes of that file one step reads).
+ceiling is llama.cpp's own (bandwidth / bytes of that file one step reads). With --work and
+--results the engines can run in separate calls of one GPU session (FreeToken while llama.cpp
+builds, then llama.cpp): folders are reused and the report pairs the figures.
 """
 
 from __future__ import annotations
@@ -176,37 +178,69 @@ def report(name: str, ours: dict, peer: dict, ceiling: float) -> None:
               f"{_cell(ours.get(f'wall_ms_bs{b}'), '{:.3f}')} ms")
 
 
+def measure(name: str, folder: Path, work: Path, args, bandwidth: float, entry: dict) -> None:
+    """Fill `entry` with this shape's ceiling and each asked engine's figures. A folder (and a
+    quantized file) already in `work` is reused, so the engines may run in separate calls."""
+    if not (folder / "config.json").is_file() or "ceiling_tok_s" not in entry:
+        folder.mkdir(parents=True, exist_ok=True)
+        entry["ceiling_tok_s"] = bandwidth / build_shape(name, folder, 128 + args.gen // 2)
+    quant = QUANTIZED.get(name)
+    gguf: Path | str = work / f"{folder.name}-{quant.lower()}.gguf" if quant else ""
+    if "llama.cpp" in args.engines or (quant and not Path(gguf).is_file()):
+        gguf = peer_gguf(folder, work, args.peer, quant)
+        if "llama.cpp" in args.engines:
+            entry["llama.cpp"] = (llamacpp(gguf, args.peer) if isinstance(gguf, Path)
+                                  else {"skipped": gguf})
+            if isinstance(gguf, Path) and not quant:
+                gguf.unlink(missing_ok=True)
+    if quant and "ceiling" in entry.get("llama.cpp", {}):
+        entry["ceiling_tok_s"] = entry["llama.cpp"]["ceiling"]   # the file's own step bytes
+    if "freetoken" in args.engines:
+        if quant and not Path(gguf).is_file():
+            entry["freetoken"] = {"skipped": f"FreeToken loads llama-quantize's file: {gguf}"}
+        else:
+            entry["freetoken"] = freetoken(str(gguf if quant else folder), args.gen)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
     p.add_argument("--peer", type=Path, default=None,
                    help="folder with llama.cpp-cuda's to_gguf.py and bench.py (prepare.sh DEST)")
-    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="folder for the models, kept and reused (default: a temp dir)")
+    p.add_argument("--engines", default="freetoken,llama.cpp",
+                   help="which engines to measure this call (freetoken, llama.cpp or both)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="JSON file of figures, read first and updated: run the engines in two "
+                        "calls of one session and the report puts them side by side")
     p.add_argument("--gen", type=int, default=128)
     args = p.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     if bad := [s for s in shapes if s not in SHAPES]:
         raise SystemExit(f"--shapes: unknown {', '.join(bad)}; known: {', '.join(SHAPES)}")
-    bandwidth, start, results = gpu_decode.d2d_bandwidth(), time.perf_counter(), {}
+    args.engines = {e for e in args.engines.split(",") if e}
+    if not args.engines or args.engines - {"freetoken", "llama.cpp"}:
+        raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
+    results = (json.loads(args.results.read_text())
+               if args.results is not None and args.results.is_file() else {})
+    bandwidth, start = gpu_decode.d2d_bandwidth(), time.perf_counter()
     print(f"D2D bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        work = args.work or Path(tmp)
         for name in shapes:
-            folder = Path(tmp) / name
-            folder.mkdir()
-            ceiling = bandwidth / build_shape(name, folder, 128 + args.gen // 2)
-            gguf = peer_gguf(folder, Path(tmp), args.peer, QUANTIZED.get(name))
-            peer = llamacpp(gguf, args.peer) if isinstance(gguf, Path) else {"skipped": gguf}
-            if name in QUANTIZED:
-                if not isinstance(gguf, Path):
-                    print(f"\n== {name} == skipped: FreeToken loads llama-quantize's file: {gguf}")
-                    continue
-                ceiling = peer.get("ceiling", ceiling)
-            ours = freetoken(str(gguf if name in QUANTIZED else folder), args.gen)
-            report(name, ours, peer, ceiling)
-            if isinstance(gguf, Path):
-                gguf.unlink(missing_ok=True)
-            results[name] = {"freetoken": ours, "llama.cpp": peer, "ceiling_tok_s": ceiling}
-            subprocess.run(["rm", "-rf", str(folder)], check=False)
+            entry = results.setdefault(name, {})
+            measure(name, work / name, work, args, bandwidth, entry)
+            ours = entry.get("freetoken", {"skipped": "not measured"})
+            if "skipped" in ours:
+                print(f"\n== {name} == FreeToken skipped: {ours['skipped']}")
+            else:
+                report(name, ours, entry.get("llama.cpp", {"skipped": "not measured"}),
+                       entry["ceiling_tok_s"])
+            if args.results is not None:
+                args.results.write_text(json.dumps(results, default=str))
+            if args.work is None:
+                subprocess.run(["rm", "-rf", str(work / name)], check=False)
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
     print(json.dumps(results, default=str))
 

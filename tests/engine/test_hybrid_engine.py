@@ -95,10 +95,20 @@ def replay_conversation(engine, turns, tokens=NEW_TOKENS) -> list[list[int]]:
     return outputs
 
 
-def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
+def start_engine(loaded, config, overlap: bool):
+    """An engine, with overlap scheduling forced (on the CPU it runs synchronously: the next
+    step's forward runs before the previous step is published, as on a GPU)."""
+    engine = Engine.from_loaded(loaded, config)
+    engine.overlap = overlap
+    return engine.start()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops, overlap):
     """With the prefix cache on, each turn resumes from the snapshot at the last full page its
     predecessor's prompt and answer reached; the output equals the cache-off engine's (which
-    recomputes every turn) and transformers'."""
+    recomputes every turn) and transformers'. With overlap scheduling, a step whose publishing
+    snapshots waits for it, so every snapshot holds its own page's states."""
     hf = build_hybrid("qwen3_next", tmp_path)
     loaded = load_model(str(tmp_path))
     gen = torch.Generator().manual_seed(5)
@@ -109,7 +119,7 @@ def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
         config = EngineConfig(num_tokens=256, block_size=8, max_num_seqs=2,
                               max_prefill_tokens=64, prefix_cache=cache,
                               kv_dtype="float32")   # float32 KV: exact greedy vs float64
-        engine = Engine.from_loaded(loaded, config).start()
+        engine = start_engine(loaded, config, overlap)
         try:
             results[cache] = replay_conversation(engine, turns)
             stats[cache] = engine.stats()
@@ -132,8 +142,10 @@ def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops):
         history = history + out
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_long_answers_move_the_turn_snapshot_and_the_next_turn_resumes_after_them(tmp_path,
-                                                                                   moe_ops):
+                                                                                   moe_ops,
+                                                                                   overlap):
     """Answers of 20 tokens cross two or three pages: each request's end-of-turn snapshot
     moves forward page by page, and the next turn resumes at the last one, not at the prompt's
     snapshot; outputs equal the cache-off engine's."""
@@ -146,7 +158,7 @@ def test_long_answers_move_the_turn_snapshot_and_the_next_turn_resumes_after_the
     for cache in (False, True):
         config = EngineConfig(num_tokens=512, block_size=8, max_num_seqs=2,
                               max_prefill_tokens=64, prefix_cache=cache, kv_dtype="float32")
-        engine = Engine.from_loaded(loaded, config).start()
+        engine = start_engine(loaded, config, overlap)
         try:
             results[cache] = replay_conversation(engine, turns, tokens=20)
             stats[cache] = engine.stats()

@@ -76,3 +76,38 @@ def test_gpu_overlap_seeded_sampling_matches_sync(tmp_path, monkeypatch):
     sync, _ = serve(loaded, jobs, False, monkeypatch)
     assert overlapped == sync
     assert lookaheads > 10
+
+
+def test_gpu_hybrid_overlap_keeps_snapshots_exact(tmp_path, monkeypatch, moe_ops):
+    """A hybrid (Gated DeltaNet) model overlaps its decode steps too, except a step whose
+    publishing snapshots the recurrent states: a three-turn conversation with the prefix cache
+    (each turn resumes from a snapshot) gives the synchronous engine's tokens."""
+    from freetoken.models.loader import load_model
+    from tests.engine.test_hybrid_engine import replay_conversation
+    from tests.models.test_hybrid_hf import build_hybrid
+
+    build_hybrid("qwen3_5_moe", tmp_path, seed=2, max_position_embeddings=256)
+    loaded = load_model(str(tmp_path), device="cuda")
+    gen = torch.Generator().manual_seed(8)
+    turns = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()
+             for n in (19, 7, 11)]
+    results, counts = {}, {}
+    original = DecodeGraphs.run
+
+    def counting(self, batch, previous_tokens=None):
+        counts[overlap] = counts.get(overlap, 0) + (previous_tokens is not None)
+        return original(self, batch, previous_tokens)
+    monkeypatch.setattr(DecodeGraphs, "run", counting)
+    for overlap in (True, False):
+        config = EngineConfig(num_tokens=512, block_size=16, max_num_seqs=2,
+                              max_prefill_tokens=64, device="cuda", overlap=overlap)
+        engine = Engine.from_loaded(loaded, config).start()
+        assert engine.overlap == overlap and engine.graphs is not None
+        try:
+            results[overlap] = replay_conversation(engine, turns, tokens=40)
+            saved = engine.stats()["state_snapshots_saved"]
+        finally:
+            engine.shutdown()
+        assert saved > 3
+    assert results[True] == results[False]
+    assert counts.get(True, 0) > 20 and counts.get(False, 0) == 0

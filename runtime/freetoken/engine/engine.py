@@ -108,12 +108,13 @@ class Engine(OverlapSteps):
         if not self.arrays.device.is_cpu and self.config.cuda_graphs:
             self.graphs = self.recapture_graphs()
         # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
-        # Hybrid models snapshot recurrent states at publish time and an offloaded model learns
-        # expert misses on the host mid-step, so both keep synchronous steps. Tests set it on
-        # the CPU, where it runs the same logic synchronously. Tensor parallelism neither: the
-        # other ranks never see the ids rank 0 samples on its GPU.
+        # An offloaded model learns expert misses on the host mid-step, so it keeps
+        # synchronous steps (a hybrid model's state snapshots wait for their step: see
+        # Scheduler.schedule_decodes). Tests set it on the CPU, where it runs the same logic
+        # synchronously. Tensor parallelism neither: the other ranks never see the ids rank 0
+        # samples on its GPU.
         self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
-                        and self.states is None and self.expert_cache is None
+                        and self.expert_cache is None
                         and vision is None
                         and getattr(model, "tensor_parallel_size", 1) == 1)
         self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps

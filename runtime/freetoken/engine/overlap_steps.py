@@ -34,7 +34,8 @@ class OverlapSteps:
             if not self._stopping and not self._jobs:
                 plan = self.scheduler.schedule_decodes()
                 if plan and self._overlaps(plan):
-                    work = plan, prepare_forward_batch(plan, self.pool.block_size, self.arrays)
+                    work = plan, prepare_forward_batch(plan, self.pool.block_size, self.arrays,
+                                                       self.states is not None)
         launched = None
         if work is not None:
             # a step that sampled nothing (prefill chunks only) left no placeholders

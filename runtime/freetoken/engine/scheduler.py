@@ -100,10 +100,13 @@ class Scheduler:
         """The next step while the current one is still running (overlap scheduling): every
         running sequence decodes one token. None when that step would do anything else: admit
         a waiting request, continue a prefill or preempt (the caller then waits for the
-        current step and calls schedule())."""
+        current step and calls schedule()). None too when publishing the running step will
+        snapshot a hybrid request's states: the snapshot must see them before the next step."""
         if not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return None
         if any(request.num_pending != 1 for request in self.running):
+            return None
+        if any(self._snapshot_due(request, request.num_computed) for request in self.running):
             return None
         for request in self.running:
             if not self.pool.extend(request.pages, request.num_computed + 1):
@@ -123,17 +126,25 @@ class Scheduler:
         for j in range(request.num_published, full):
             self.pool.publish(request.pages[j], keys[j])
         request.num_published = max(request.num_published, full)
-        if self.snapshots is None:
+        if not self._snapshot_due(request, done):
             return
-        point = self._snapshot_point(request)
-        if point and done == point:
-            self.snapshots.save(keys[point // self.pool.block_size - 1], request.state_slot)
-        elif done > point and done % self.pool.block_size == 0:
+        key = keys[done // self.pool.block_size - 1]
+        if done == self._snapshot_point(request):
+            self.snapshots.save(key, request.state_slot)
+        else:
             # past the prompt's snapshot: the turn's end, moved forward page by page (the
             # request may stop at any token, so each full page replaces the previous one)
-            key = keys[done // self.pool.block_size - 1]
             self.snapshots.save(key, request.state_slot, replaces=request.turn_snapshot)
             request.turn_snapshot = key
+
+    def _snapshot_due(self, request: Request, done: int) -> bool:
+        """Whether publishing `done` computed tokens snapshots the request's states: at the
+        prompt's snapshot point, then at each full page after it."""
+        if self.snapshots is None:
+            return False
+        point = self._snapshot_point(request)
+        return bool(point and done == point) or (done > point
+                                                 and done % self.pool.block_size == 0)
 
     def _snapshot_point(self, request: Request) -> int:
         """Tokens after which a hybrid request's states are snapshotted: the prompt's last
