@@ -140,8 +140,12 @@ class PagedRunner:
     """Drives a model over a KV pool with scattered pages, like the engine does."""
 
     def __init__(self, model, num_blocks: int = 32, block_size: int = 16, seed: int = 0,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, table_width: int = 0):
         self.model, self.block_size = model, block_size
+        # Block tables at least this wide, zero-padded as the engine's decode graphs pad them:
+        # a decode step's attention splits its KV range by the table width (attention.cu
+        # choose_splits), so eager steps match a graph bitwise only at the graph's width.
+        self.table_width = table_width
         # hybrid models: sequence id s keeps its recurrent state in slot s
         self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype or model.dtype,
                           model.arrays, num_state_slots=8)
@@ -172,7 +176,7 @@ class PagedRunner:
             ids += tokens
             starts.append(len(ids))
             last.append(len(ids) - 1)
-        width = max(len(self.pages[s]) for s, _ in chunks)
+        width = max([len(self.pages[s]) for s, _ in chunks] + [self.table_width])
         tables = [self.pages[s] + [0] * (width - len(self.pages[s])) for s, _ in chunks]
         on_device = self.model.arrays.index
 
