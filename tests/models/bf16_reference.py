@@ -23,9 +23,16 @@ from tests.tolerances import eps
 
 
 def bf16_twins(hf: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the model in bfloat16, the model in float32 holding the bf16-rounded weights)."""
+    """(the model in bfloat16, the model in float32 holding the bf16-rounded weights).
+
+    Only the parameters are rounded: ``.to(bfloat16)`` would also round the rotary
+    frequencies (buffers), which a bf16 server keeps in float32."""
     low = copy.deepcopy(hf).to(torch.bfloat16).eval()
-    return low, copy.deepcopy(low).float().eval()
+    rounded = copy.deepcopy(hf).eval()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return low, rounded
 
 
 @dataclass
