@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.models.bf16_reference import Bf16Errors, bf16_twins
 from tests.models.vision_checkpoint import (TEXT, build_vision_model, hf_inputs, make_image,
                                             random_pixels)
 from tests.tolerances import eps
@@ -63,25 +64,34 @@ def test_tower_bf16_matches_transformers(real_checkpoint, sizes):
         assert err <= _bound(b, REAL_VISION["depth"]), f"max error {err}"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "H200, 32693cf: max logit error 2.35 against a bound of 0.35 in bfloat16 while the float32 "
-    "run of the same prompt passes its bound: the random hybrid text part amplifies bfloat16 "
-    "rounding past this bound; not yet separated from a bf16-only fault"))
-def test_engine_prefill_logits_bf16(real_checkpoint, moe_ops):
+@pytest.fixture(scope="module")
+def bf16_references(real_checkpoint):
+    """transformers in bfloat16, and in float32 over the same bf16-rounded weights."""
+    return bf16_twins(real_checkpoint[1])
+
+
+def test_engine_prefill_logits_bf16(real_checkpoint, bf16_references, moe_ops):
+    """The engine's bf16 prefill of an image prompt against transformers in float32 over the
+    bf16-rounded weights, within twice transformers' own bf16 error (bf16_reference.py).
+    Against the float32 weights the error is 2.35 at logits of magnitude 4, but so is
+    transformers' own bf16 error (2.30 on the CPU; 2.20 from rounding the weights alone):
+    this random hybrid text part flips near-tied expert choices under any bf16 rounding."""
     from freetoken.models.loader import load_model
     from tests.engine.test_vision_engine import prefill_last_logits, prompt_with
 
-    directory, hf = real_checkpoint
+    directory, _ = real_checkpoint
+    hf16, hf_rounded = bf16_references
     loaded = load_model(str(directory), device="cuda", dtype="bfloat16")
     images = [make_image(random_pixels(320, 256, 5))]
-    prompt = prompt_with(images)
-    ours = prefill_last_logits(loaded, prompt, images, 16).float()
-    inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
-    with torch.no_grad():
-        ref = hf(**inputs).logits[0, -1].float().cpu()
-    layers = REAL_VISION["depth"] + loaded.config.num_layers
-    err = (ours - ref).abs().max().item()
-    assert err <= _bound(ref, layers), f"max logit error {err}"
+    errors = Bf16Errors()
+    for seed in range(3):
+        prompt = prompt_with(images, seed=seed)
+        ours = prefill_last_logits(loaded, prompt, images, 16)
+        inputs = {k: v.cuda() for k, v in hf_inputs(prompt, images).items()}
+        with torch.no_grad():
+            theirs, ref = (m(**inputs).logits[0, -1] for m in (hf16, hf_rounded))
+        errors.add(ours, theirs, ref)
+    errors.check()
 
 
 def test_engine_prefill_logits_float32(real_checkpoint, moe_ops):
