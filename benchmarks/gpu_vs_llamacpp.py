@@ -222,8 +222,13 @@ def main() -> None:
     args.engines = {e for e in args.engines.split(",") if e}
     if not args.engines or args.engines - {"freetoken", "llama.cpp"}:
         raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
-    results = (json.loads(args.results.read_text())
-               if args.results is not None and args.results.is_file() else {})
+    results = {}
+    if args.results is not None and args.results.is_file():
+        try:
+            results = json.loads(args.results.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--results {args.results}: not this script's JSON ({exc}); "
+                             f"pass a new file") from None
     bandwidth, start = gpu_decode.d2d_bandwidth(), time.perf_counter()
     print(f"D2D bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:

@@ -4,7 +4,6 @@ how images are preprocessed (preprocessor_config.json). Text-only folders have n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,8 +140,8 @@ def vision_settings(source: str | None) -> tuple[VisionConfig, VisionPreprocess]
     if not source_has_vision(source):
         return None
     directory = Path(source).expanduser()
-    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    config = vision_config_from_hf(raw, str(directory / "config.json"))
+    config = vision_config_from_hf(read_json(directory / "config.json"),
+                                   str(directory / "config.json"))
     return config, read_vision_preprocess(directory, config, None)
 
 
@@ -156,10 +155,10 @@ def source_has_vision(source: str | None) -> bool | None:
     if path.is_file():
         return False
     try:
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raw = read_json(path / "config.json")
+    except ModelFormatError:
         return None
-    return isinstance(raw, dict) and raw.get("vision_config") is not None
+    return raw.get("vision_config") is not None
 
 
 def _triple(pre: dict, key: str, default: tuple, where: Path) -> tuple[float, float, float]:
