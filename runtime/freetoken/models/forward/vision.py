@@ -7,7 +7,9 @@ learned position table resampled to the image's grid -> `depth` blocks (LayerNor
 -> the merger (LayerNorm per patch, 4 patches concatenated, Linear, GELU, Linear).
 
 Runs in torch on the model's device (float32 on the CPU, the model dtype on a GPU); the GEMMs
-go through the decoder's linear path and the attention through the ``vision_attention`` kernel.
+go through the decoder's linear path. Attention: in bf16/f16 on a CUDA GPU, torch's fused
+scaled_dot_product_attention (flash attention on tensor cores) one segment at a time; otherwise
+(float32, the CPU, ROCm) the cache's ``vision_attention`` kernel.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class VisionTower:
         exponents = torch.arange(0, half, 2, dtype=torch.float) / half
         self.inv_freq = (1.0 / (config.rope_theta ** exponents)).to(self.torch_device)
         self.attention = ops.bind("vision_attention", device)
+        # torch's flash attention beats the cache kernel (CUDA cores) ~30x on half types
+        self.tensor_core_attention = (self.torch_device.type == "cuda" and torch.version.hip is None
+                                      and self.dtype in (torch.bfloat16, torch.float16))
 
     def _empty(self, *shape):
         return self.torch.empty(shape, dtype=self.dtype, device=self.torch_device)
@@ -104,9 +109,10 @@ class VisionTower:
         with torch.inference_mode():
             x = self._embed(images, grids)
             cos, sin = self._rotary(grids)
-            cu = self._host(segment_bounds(grids))
+            bounds = segment_bounds(grids)
+            cu = self._host(bounds)
             for block in self.blocks:
-                x = self._block(block, x, cos, sin, cu)
+                x = self._block(block, x, cos, sin, cu, bounds)
             merged = self._merge(x)
         unit = self.config.spatial_merge_size ** 2
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
@@ -123,14 +129,28 @@ class VisionTower:
         out = xf * cos[:, None, :] + turned * sin[:, None, :]
         return out.to(self.dtype).reshape(x.shape[0], -1)
 
-    def _block(self, b: VisionBlock, x: Any, cos: Any, sin: Any, cu: Any) -> Any:
+    def _attend(self, out: Any, q: Any, k: Any, v: Any, cu: Any, bounds: np.ndarray,
+                heads: int, scale: float) -> None:
+        """Non-causal attention within each segment [bounds[s], bounds[s+1]): out [N, H*D]."""
+        if not self.tensor_core_attention:
+            self.attention(out, q, k, v, cu, heads, scale)
+            return
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            def split(t):                                   # [n, H*D] -> [1, H, n, D]
+                return t[start:end].reshape(end - start, heads, -1).transpose(0, 1)[None]
+            o = sdpa(split(q), split(k), split(v), scale=scale)
+            out[start:end] = o[0].transpose(0, 1).reshape(end - start, -1)
+
+    def _block(self, b: VisionBlock, x: Any, cos: Any, sin: Any, cu: Any,
+               bounds: np.ndarray) -> Any:
         n, width = x.shape[0], b.heads * b.head_dim
         qkv = self._empty(n, 3 * width)
         b.qkv(qkv, self._layer_norm(x, b.norm1))
         q = self._rotate(qkv[:, :width], cos, sin, b.heads)
         k = self._rotate(qkv[:, width:2 * width], cos, sin, b.heads)
         attn = self._empty(n, width)
-        self.attention(attn, q, k, qkv[:, 2 * width:], cu, b.heads, b.head_dim ** -0.5)
+        self._attend(attn, q, k, qkv[:, 2 * width:], cu, bounds, b.heads, b.head_dim ** -0.5)
         out = self._empty(n, x.shape[1])
         b.proj(out, attn)
         x = x + out
