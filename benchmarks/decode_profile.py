@@ -60,6 +60,7 @@ def kernel_spans(graph) -> list[tuple[str, float, float]]:
 
 
 def short(name: str, width: int = 70) -> str:
+    name = name.replace("(anonymous namespace)::", "")
     name = name.split("(")[0].replace("void ", "").replace("freetoken::", "")
     return name if len(name) <= width else name[:width - 3] + "..."
 

@@ -83,7 +83,7 @@ class Env:
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
     gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
-    moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (opt-in)
+    moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1/v2)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
 
@@ -112,7 +112,7 @@ VARIABLES = {
     "FREETOKEN_GGUF_GPU_EXPERTS": "GGUF MoE experts stay in their blocks in VRAM (moe_experts_gguf)"
                                   " instead of bf16 (default off: not yet passing its GPU tests)",
     "FREETOKEN_MOE_DECODE": "MoE layers' 1-token GPU steps run the small-step moe_decode kernels "
-                            "(default off: in CUDA graphs their tokens still differ from eager)",
+                            "(default on; off: the general fused-MoE path)",
     "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v2 (gguf_gemv / fp8_gemv, "
                             "16-byte streaming, default) or v1 (gguf_matmul / scaled_gemv)",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
@@ -149,7 +149,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
         log_level=level,
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
-        moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), False),
+        moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), True),
         gguf_gpu_experts=_bool("FREETOKEN_GGUF_GPU_EXPERTS", e.get("FREETOKEN_GGUF_GPU_EXPERTS"),
                                False),
         quant_gemv=quant_gemv,

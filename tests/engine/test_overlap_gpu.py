@@ -86,7 +86,9 @@ def test_gpu_hybrid_overlap_keeps_snapshots_exact(tmp_path, monkeypatch, moe_ops
     from tests.engine.test_hybrid_engine import replay_conversation
     from tests.models.test_hybrid_hf import build_hybrid
 
-    build_hybrid("qwen3_5_moe", tmp_path, seed=2, max_position_embeddings=256)
+    # the GPU recurrence takes key heads of 64, 128 or 256
+    build_hybrid("qwen3_5_moe", tmp_path, seed=2, max_position_embeddings=256, head_dim=64,
+                 linear_key_head_dim=64, linear_value_head_dim=32)
     loaded = load_model(str(tmp_path), device="cuda")
     gen = torch.Generator().manual_seed(8)
     turns = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()

@@ -32,14 +32,16 @@ def _layer(dtype=torch.bfloat16, shared=0, top_k=K, experts=E, hidden=H, inter=I
 
 @pytest.fixture(autouse=True)
 def moe_decode_on(monkeypatch):
-    """The path is opt-in (FREETOKEN_MOE_DECODE); these tests are about its rule."""
+    """The path is on by default (FREETOKEN_MOE_DECODE); these tests are about its rule."""
     monkeypatch.setenv("FREETOKEN_MOE_DECODE", "1")
 
 
-def test_off_unless_asked(monkeypatch):
-    monkeypatch.delenv("FREETOKEN_MOE_DECODE")
+def test_on_unless_turned_off(monkeypatch):
     from freetoken import env
 
+    monkeypatch.delenv("FREETOKEN_MOE_DECODE")
+    assert env.read().moe_decode is True
+    monkeypatch.setenv("FREETOKEN_MOE_DECODE", "0")
     assert env.read().moe_decode is False
 
 
@@ -51,7 +53,7 @@ def test_plain_bf16_and_f16_layers_qualify():
 
 @pytest.mark.parametrize("change", ["cpu", "float32", "gguf", "scaled", "top_k", "experts",
                                     "hidden", "inter", "strided", "dtype_mix", "split_shared",
-                                    "env"])
+                                    "env", "moe_env"])
 def test_what_keeps_the_general_path(change, monkeypatch):
     cfg, mlp, w = _layer(shared=16)
     device, dtype = GPU, "bfloat16"
@@ -80,6 +82,8 @@ def test_what_keeps_the_general_path(change, monkeypatch):
         w["shared.gate_up"] = [torch.zeros(16, H, dtype=torch.bfloat16)] * 2
     elif change == "env":
         monkeypatch.setenv("FREETOKEN_FUSED_DECODE", "0")
+    elif change == "moe_env":
+        monkeypatch.setenv("FREETOKEN_MOE_DECODE", "0")
     assert not moe_decode.eligible(cfg, mlp, w, dtype, device)
 
 
