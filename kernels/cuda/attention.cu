@@ -52,6 +52,14 @@ struct AttnParams {
   float scale_log2;
 };
 
+// Keys per split of a `range`-key context: at least kMinSplitKeys, so a short context fills its
+// first few splits and leaves the rest empty (the merge skips them), and the partition, hence
+// the rounding, is the same at any split count the table width allows (CUDA graphs capture
+// the widest tables; eager steps pass narrower ones).
+__device__ __forceinline__ int split_keys(int range, int splits) {
+  return max(kMinSplitKeys, (max(range, 0) + splits - 1) / splits);
+}
+
 __device__ __forceinline__ int64_t slot_of(const int* bt, int key, int block_size) {
   return static_cast<int64_t>(bt[key / block_size]) * block_size + key % block_size;
 }
@@ -126,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
   for (int t = qs; t < qe; ++t) {
     const int pos = ctx - (qe - t);
     const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
-    const int per = (max(pos + 1 - lo, 0) + p.splits - 1) / p.splits;
+    const int per = split_keys(pos + 1 - lo, p.splits);
     const int ks = lo + blockIdx.x * per, ke = min(pos + 1, ks + per);
 
     float q[G][E], m[G], l[G], acc[G][E];
@@ -209,17 +217,35 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
   }
 }
 
-// Combines the splits of each (token, head): weights exp2(m_s - max) * l_s.
+// Combines the splits of each (token, head): weights exp2(m_s - max) * l_s. Each split's
+// (max, sum) is read once, by one thread (splits <= kMaxSplits <= D); the weights go through
+// shared memory, and an empty split (weight 0: no keys) is skipped, so a short context pays
+// for its few filled splits only. The sums run in split order, as a serial merge would.
 template <typename T, int D>
 __global__ void __launch_bounds__(D) merge_splits_kernel(AttnParams p, int num_tokens) {
+  static_assert(D >= kMaxSplits && D % 32 == 0, "one thread per split, whole warps");
+  __shared__ float s_weight[kMaxSplits];
+  __shared__ float s_warp_max[D / 32];
   int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
   int64_t base = (static_cast<int64_t>(t) * p.q_heads + h) * p.splits;
-  float m = kNegInf;
-  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.part_ml[(base + s) * 2]);
+  float m_s = kNegInf, l_s = 0.f;
+  if (d < p.splits) {
+    m_s = p.part_ml[(base + d) * 2];
+    l_s = p.part_ml[(base + d) * 2 + 1];
+  }
+  float m = m_s;
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (d % 32 == 0) s_warp_max[d / 32] = m;
+  __syncthreads();
+  m = s_warp_max[0];
+#pragma unroll
+  for (int i = 1; i < D / 32; ++i) m = fmaxf(m, s_warp_max[i]);
+  if (d < p.splits) s_weight[d] = m == kNegInf ? 0.f : exp2f(m_s - m) * l_s;
+  __syncthreads();
   float l = 0.f, o = 0.f;
-  if (m != kNegInf) {
-    for (int s = 0; s < p.splits; ++s) {
-      float w = exp2f(p.part_ml[(base + s) * 2] - m) * p.part_ml[(base + s) * 2 + 1];
+  for (int s = 0; s < p.splits; ++s) {
+    float w = s_weight[s];
+    if (w != 0.f) {
       l += w;
       o += w * p.part_o[(base + s) * D + d];
     }
@@ -429,7 +455,7 @@ __global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
   const int p_first = p.seq_lens[b] - q_len + tok0;
   const int kv_lo = p.window > 0 ? max(0, p_first - p.window + 1) : 0;
   const int kv_hi = p_first + ntok;  // exclusive
-  const int per = (max(kv_hi - kv_lo, 0) + p.splits - 1) / p.splits;
+  const int per = split_keys(kv_hi - kv_lo, p.splits);
   const int ks = kv_lo + static_cast<int>(blockIdx.z) * per, ke = min(kv_hi, ks + per);
   const int* bt = p.block_tables + b * p.bt_stride;
   const int warp = threadIdx.x / 32;
