@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,7 @@ HYBRID_LAYERS = 8
 MOE_LAYERS = 12
 BATCHES = (1, 8, 32)
 PREFILLS = (512, 2048)
+PREFILL_REPS = 3   # timed prompts per length, after one warm-up (llama-bench: -r 3 after its own)
 
 
 def build_shape(name: str, directory: Path, context: int) -> int:
@@ -97,8 +99,10 @@ def freetoken(folder: str, gen: int) -> dict:
         "fused_decode": getattr(loaded.model, "_fused", None) is not None}
     try:
         asyncio.run(_batch(engine, 1, 16, 4, vocab))  # settle allocations and graphs
-        for n in PREFILLS:
-            out[f"prefill{n}"] = n / asyncio.run(_batch(engine, 1, n, 1, vocab))["ttft_s"]
+        for n in PREFILLS:  # a warm-up at each length (first-use allocations), then a median
+            ttfts = [asyncio.run(_batch(engine, 1, n, 1, vocab))["ttft_s"]
+                     for _ in range(1 + PREFILL_REPS)]
+            out[f"prefill{n}"] = n / statistics.median(ttfts[1:])
         for b in BATCHES:
             row = asyncio.run(_batch(engine, b, 128, gen, vocab))
             out[f"decode_bs{b}"] = row["decode_tok_s"]
