@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
-VARIANTS = 4            # launch shapes the kernels take (moe_decode_kernels.cuh kVariants)
+VARIANTS = 4            # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
+STAGED_DOWN = 4         # down only: its activations staged in shared memory (kStagedDown)
 # The launch variant decode runs, per kernel and step size (benchmarks/moe_decode_kernels.py
 # times them all; H200, benchmarks/results/h200-moe_decode_kernels-d1cf359.txt): variant 0,
 # except down at 2 tokens, where two rows per warp (variant 2: the same per-row arithmetic,
