@@ -121,7 +121,6 @@ class HybridSpec:
 
     gdn_layout: str = "split"                # "qkvz": fused per key head (qwen3_next)
     partial_rotary_factor: float = 0.25      # when config.json does not say
-    text_config: bool = False                # config.json may nest the text model's keys
 
 
 @dataclass(frozen=True)
@@ -148,6 +147,8 @@ class ArchSpec:
     gguf_permuted_qk: bool = False           # llama.cpp's converter interleaved the q/k rows
     hybrid: HybridSpec | None = None         # None: full attention in every layer
     gemma: GemmaSpec | None = None           # Gemma's conventions (None: none of them)
+    # a vision-language config.json: the text model's keys nested under text_config
+    text_config: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -178,7 +179,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
                  (), AttentionSpec(qk_norm="head"),
                  MoESpec(shared_expert=True, renormalize=True),
-                 hybrid=HybridSpec(text_config=True)),
+                 hybrid=HybridSpec(), text_config=True),
+        # Qwen3-VL: the qwen3 text model behind the vision tower (its DeepStack features are
+        # the tower's business: checkpoint/vision_config.py, forward/deepstack.py)
+        ArchSpec("qwen3_vl", ("Qwen3VLForConditionalGeneration",), (),
+                 AttentionSpec(qk_norm="head"), text_config=True),
         ArchSpec("gemma3", ("Gemma3ForCausalLM",), ("gemma3",),
                  AttentionSpec(qk_norm="head", gguf_global_every=6,
                                gguf_local_rope_theta=10000.0),
