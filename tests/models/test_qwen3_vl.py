@@ -2,8 +2,9 @@
 Qwen3VLForConditionalGeneration on a tiny random float32 checkpoint: the config read from the
 folder, the tower's merged embeddings and DeepStack features, and the last-token logits of a
 chunked prefill, which must also move when the features are dropped or added a layer late.
-The engine side (greedy tokens, encoder and prefix caches) runs in
-tests/engine/test_vision_engine.py for both vision architectures."""
+Qwen3-VL-MoE: its config (the outer tie_word_embeddings) and its released checkpoints'
+transposed expert layout. The engine side (greedy tokens, encoder and prefix caches) runs in
+tests/engine/test_vision_engine.py for every vision architecture."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from freetoken.models.checkpoint.hf import read_hf_dir
 from freetoken.models.checkpoint.hf_config import config_from_hf
 from freetoken.models.checkpoint.vision_config import vision_config_from_hf
 from freetoken.models.errors import ModelFormatError
@@ -105,3 +107,47 @@ def test_deepstack_features_are_needed_at_their_layers(checkpoint, loaded, monke
             assert_close(_logits(loaded, prompt, images, 7), ref, "float32",
                          terms=TEXT_TERMS, ulps=8 * 100, msg=name)
     monkeypatch.setattr(decoder, "add_deepstack", add)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen3-vl-moe")
+    hf = build_vision_model(directory, seed=4, arch="qwen3_vl_moe")
+    reference = copy.deepcopy(hf).double()
+    reference.model.language_model.set_experts_implementation("eager")
+    return directory, reference
+
+
+def test_moe_config_unties_the_head_as_transformers(moe_checkpoint):
+    """transformers' Qwen3VLMoeTextConfig defaults tie_word_embeddings to true; the outer
+    config's false is what the model does."""
+    raw = json.loads((moe_checkpoint[0] / "config.json").read_text())
+    assert raw["text_config"]["tie_word_embeddings"] and not raw["tie_word_embeddings"]
+    config = config_from_hf(raw, "config.json")
+    assert config.architecture == "qwen3_vl_moe" and not config.tie_word_embeddings
+    assert config.moe.sparse_layers == (True, True, False, True) and config.moe.renormalize
+
+
+def test_moe_released_expert_layout(moe_checkpoint, tmp_path, moe_ops):
+    """The released checkpoints store gate_up_proj [E, hidden, 2I] and down_proj [E, I,
+    hidden] (transformers transposes them at load): the same model either way."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory, hf = moe_checkpoint
+    for item in directory.iterdir():
+        shutil.copy(item, tmp_path / item.name)
+    tensors = load_file(str(directory / "model.safetensors"))
+    for name in [n for n in tensors if ".experts." in n]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    plain, released = read_hf_dir(directory)[1], read_hf_dir(tmp_path)[1]
+    for part in ("gate", "up", "down"):
+        name = f"layers.0.experts.{part}"
+        assert torch.equal(plain.get(name), released.get(name))
+        assert released.get_part(name, 1, 0, 8) is None        # read whole, then transposed
+    images = images_for([(64, 96)])
+    prompt = prompt_with(images)
+    ours = prefill_last_logits(load_model(str(tmp_path)), prompt, images, 7)
+    assert_close(ours, hf_logits(hf, prompt, images), "float32", terms=TEXT_TERMS)

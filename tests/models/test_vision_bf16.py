@@ -1,9 +1,10 @@
-"""A bfloat16 prefill with images on the CPU: the tiny random Qwen3.5-style and Qwen3-VL-style
-(DeepStack) vision-language models placed in torch CPU tensors in bfloat16 (the GPU placement's code: image embeddings written
-into the residual, multimodal rotary rows, the tower in bf16, with the CPU kernels' bf16
-variants standing in for the CUDA ones) against transformers, as tests/models/bf16_reference.py
-describes. ``ft serve`` on the CPU computes in float32 only; this covers the bf16 image path
-that a GPU serves, where it can run here."""
+"""A bfloat16 prefill with images on the CPU: the tiny random vision-language model of each
+architecture (Qwen3.5-style, Qwen3-VL and Qwen3-VL-MoE with DeepStack features) placed in torch
+CPU tensors in bfloat16 (the GPU placement's code: image embeddings written into the residual,
+DeepStack features added to it, multimodal rotary rows, the tower in bf16, with the CPU
+kernels' bf16 variants standing in for the CUDA ones) against transformers, as
+tests/models/bf16_reference.py describes. ``ft serve`` on the CPU computes in float32 only;
+this covers the bf16 image path that a GPU serves, where it can run here."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@ width 64, but the real patch 16 / temporal patch 2 / merge 2) saved with save_pr
 as a folder to serve (Qwen's special tokens, an image-aware chat template, Qwen3.5's
 preprocessor_config.json), and ImageInputs made by transformers' own image processor.
 `arch="qwen3_vl"` builds a Qwen3VLForConditionalGeneration instead: a dense qwen3 text part
-with full rotary, and three vision blocks of which two feed DeepStack features."""
+with full rotary, and three vision blocks of which two feed DeepStack features;
+`arch="qwen3_vl_moe"` its Qwen3VLMoeForConditionalGeneration twin (routed experts in three of
+the four layers)."""
 
 from __future__ import annotations
 
@@ -38,12 +40,22 @@ TEXT_VL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_at
                rms_norm_eps=1e-3, eos_token_id=2, bos_token_id=None,
                rope_parameters=dict(rope_type="default", rope_theta=500000.0,
                                     mrope_section=[6, 5, 5], mrope_interleaved=True))
+# 2 * moe_intermediate_size != hidden_size: the released checkpoints' transposed expert layout
+# is told apart by shape
+TEXT_VL_MOE = {**TEXT_VL, "num_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [2]}
 VISION = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=64,
               num_position_embeddings=64, patch_size=16, temporal_patch_size=2,
               spatial_merge_size=2, hidden_act="gelu_pytorch_tanh")
 # blocks 0 and 2 feed text layers 0 and 1
 VISION_VL = {**VISION, "depth": 3, "deepstack_visual_indexes": [0, 2]}
-ARCHES = ("qwen3_5_moe", "qwen3_vl")
+ARCHES = ("qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+# config class, model class, text and vision settings of each
+_CLASSES = {"qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", TEXT,
+                            VISION),
+            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT_VL, VISION_VL),
+            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                             TEXT_VL_MOE, VISION_VL)}
 # placeholder ids inside the byte-BPE vocabulary (their strings do not matter to the engine)
 IDS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=288,
            vision_end_token_id=289)
@@ -80,18 +92,14 @@ def _save_model(directory, vocab: int, ids: dict, seed: int, text, vision, arch:
     import transformers
 
     torch.manual_seed(seed)
-    vl = arch == "qwen3_vl"
-    config_class, model_class = (
-        (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration) if vl
-        else (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration))
-    config = config_class(
-        text_config={**(TEXT_VL if vl else TEXT), "vocab_size": vocab, **(text or {})},
-        vision_config={**(VISION_VL if vl else VISION), **(vision or {})},
-        tie_word_embeddings=False, **ids)
+    config_name, model_name, text_base, vision_base = _CLASSES[arch]
+    config = getattr(transformers, config_name)(
+        text_config={**text_base, "vocab_size": vocab, **(text or {})},
+        vision_config={**vision_base, **(vision or {})}, tie_word_embeddings=False, **ids)
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"
     config.vision_config._attn_implementation = "eager"
-    model = model_class(config).to(torch.float32).eval()
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     _perturb(model, seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -109,6 +109,9 @@ class MoESpec:
     gguf_renormalize: bool = False           # what llama.cpp does when the GGUF does not say
     shared_expert: bool = False              # an always-on expert times sigmoid(x @ gate)
     sparse_step: bool = False                # decoder_sparse_step / mlp_only_layers apply
+    # fused experts may be stored [E, hidden, 2 * I] / [E, I, hidden] (Qwen3-VL-MoE's released
+    # checkpoints): read transposed when the shapes say so, as transformers does
+    hf_fused_transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         # the tower's business: checkpoint/vision_config.py, forward/deepstack.py)
         ArchSpec("qwen3_vl", ("Qwen3VLForConditionalGeneration",), (),
                  AttentionSpec(qk_norm="head"), text_config=True),
+        ArchSpec("qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), (),
+                 AttentionSpec(qk_norm="head"),
+                 MoESpec(sparse_step=True, renormalize=True, hf_fused_transposed=True),
+                 text_config=True),
         ArchSpec("gemma3", ("Gemma3ForCausalLM",), ("gemma3",),
                  AttentionSpec(qk_norm="head", gguf_global_every=6,
                                gguf_local_rope_theta=10000.0),

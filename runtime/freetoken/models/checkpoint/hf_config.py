@@ -121,11 +121,14 @@ def _attention_bias(cfg: dict[str, Any], spec: ArchSpec) -> bool:
 
 
 def _text_keys(cfg: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
-    """config.json with a multimodal model's text_config lifted to the top level."""
+    """config.json with a multimodal model's text_config lifted to the top level; the lm_head
+    belongs to the outer model, so its tie_word_embeddings wins (Qwen3-VL-MoE's text config
+    defaults to true where the outer one says false, and transformers unties)."""
     text = cfg.get("text_config")
     if not spec.text_config or not isinstance(text, dict):
         return cfg
-    return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}}
+    outer = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
+    return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}, **outer}
 
 
 def _hybrid_from_hf(cfg: dict[str, Any], hybrid: HybridSpec | None, layers: int,

@@ -20,7 +20,8 @@ DEFAULT_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 DEFAULT_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_IMAGE_TOKEN = "<|image_pad|>"
 # config.json model_type -> transformers' mrope_section when text_config does not give one
-VISION_MODEL_TYPES = {"qwen3_5_moe": [11, 11, 10], "qwen3_vl": [24, 20, 20]}
+VISION_MODEL_TYPES = {"qwen3_5_moe": [11, 11, 10], "qwen3_vl": [24, 20, 20],
+                      "qwen3_vl_moe": [24, 20, 20]}
 
 
 @dataclass(frozen=True)
