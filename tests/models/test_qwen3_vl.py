@@ -57,6 +57,9 @@ def test_config_from_folder(checkpoint):
     bad = {**raw, "vision_config": {**raw["vision_config"], "deepstack_visual_indexes": [0, 3]}}
     with pytest.raises(ModelFormatError, match="deepstack_visual_indexes"):
         vision_config_from_hf(bad, "config.json")
+    # transformers' Qwen3.5 tower has no DeepStack mergers: the key means nothing there
+    qwen35 = {**raw, "model_type": "qwen3_5_moe"}
+    assert vision_config_from_hf(qwen35, "config.json").deepstack_visual_indexes == ()
 
 
 @pytest.mark.parametrize("sizes", [[(64, 96)], [(64, 64), (96, 128)]])

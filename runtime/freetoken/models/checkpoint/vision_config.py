@@ -19,9 +19,21 @@ DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 DEFAULT_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 DEFAULT_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_IMAGE_TOKEN = "<|image_pad|>"
-# config.json model_type -> transformers' mrope_section when text_config does not give one
-VISION_MODEL_TYPES = {"qwen3_5_moe": [11, 11, 10], "qwen3_vl": [24, 20, 20],
-                      "qwen3_vl_moe": [24, 20, 20]}
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What transformers' model of a config.json model_type assumes: the mrope_section when
+    text_config gives none, and whether its tower has DeepStack mergers (Qwen3.5's has none
+    and ignores deepstack_visual_indexes)."""
+
+    mrope_section: tuple[int, int, int]
+    deepstack: bool
+
+
+VISION_MODEL_TYPES = {"qwen3_5_moe": VisionFamily((11, 11, 10), deepstack=False),
+                      "qwen3_vl": VisionFamily((24, 20, 20), deepstack=True),
+                      "qwen3_vl_moe": VisionFamily((24, 20, 20), deepstack=True)}
 
 
 @dataclass(frozen=True)
@@ -100,8 +112,10 @@ def _vision_section(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
     return vision
 
 
-def _deepstack(vision: dict[str, Any], depth: int, where: str) -> tuple[int, ...]:
-    indexes = vision.get("deepstack_visual_indexes") or []
+def _deepstack(raw: dict[str, Any], depth: int, where: str) -> tuple[int, ...]:
+    if not VISION_MODEL_TYPES[raw["model_type"]].deepstack:
+        return ()
+    indexes = raw["vision_config"].get("deepstack_visual_indexes") or []
     if (not isinstance(indexes, list)
             or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < depth
                        for i in indexes) or len(set(indexes)) != len(indexes)):
@@ -113,7 +127,7 @@ def _deepstack(vision: dict[str, Any], depth: int, where: str) -> tuple[int, ...
 def _mrope(raw: dict[str, Any], source: str) -> tuple[tuple[int, int, int], bool]:
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    section = rope.get("mrope_section", VISION_MODEL_TYPES[raw["model_type"]])
+    section = rope.get("mrope_section", list(VISION_MODEL_TYPES[raw["model_type"]].mrope_section))
     if (not isinstance(section, list) or len(section) != 3
             or not all(isinstance(s, int) and s >= 0 for s in section)):
         raise ModelFormatError(f"{source}: mrope_section must be three non-negative integers, "
@@ -145,7 +159,7 @@ def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | No
         vision_start_token_id=_int(raw, "vision_start_token_id", source, 248053),
         vision_end_token_id=_int(raw, "vision_end_token_id", source, 248054),
         mrope_section=section, mrope_interleaved=interleaved,
-        deepstack_visual_indexes=_deepstack(vision, _int(vision, "depth", where, 27), where))
+        deepstack_visual_indexes=_deepstack(raw, _int(vision, "depth", where, 27), where))
     if config.hidden_size % config.num_heads or config.head_dim % 8 or config.head_dim > 128:
         raise UnsupportedModelError(f"{where}: head_dim {config.head_dim} (hidden_size / "
                                     f"num_heads) must be a multiple of 8 up to 128")
