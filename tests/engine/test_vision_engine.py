@@ -1,8 +1,9 @@
-"""Images through the engine on a tiny random Qwen3.5-style vision-language model (float32 on
-the CPU) against transformers' Qwen3_5MoeForConditionalGeneration in float64: the last-token
-logits of a chunked prefill with one image and with two images of different sizes (image
-placeholders cut across chunks), greedy tokens with the multimodal rotary offset in decode,
-the encoder and prefix caches keyed by the image, and the request checks."""
+"""Images through the engine on tiny random vision-language models of each architecture
+(Qwen3.5-style, Qwen3-VL and Qwen3-VL-MoE with DeepStack features; float32 on the CPU) against
+transformers' own model in float64: the last-token logits of a chunked prefill with one image
+and with two images of different sizes (image placeholders cut across chunks), greedy tokens
+with the multimodal rotary offset in decode, the encoder and prefix caches keyed by the image,
+and the request checks."""
 
 from __future__ import annotations
 
@@ -22,19 +23,20 @@ from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import RequestRejected, SamplingParams
 from freetoken.models.batch import KVCache
 from freetoken.models.loader import load_model
-from tests.models.vision_checkpoint import (IDS, build_vision_model, expand_prompt, hf_inputs,
-                                            make_image, random_pixels)
+from tests.models.vision_checkpoint import (ARCHES, IDS, build_vision_model, expand_prompt,
+                                            hf_inputs, make_image, random_pixels)
 
 NEW_TOKENS = 5
 BLOCK = 8
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-qwen3_5-vl-engine")
-    hf = build_vision_model(directory, seed=1)
+@pytest.fixture(scope="module", params=ARCHES)
+def checkpoint(tmp_path_factory, request):
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}-engine")
+    hf = build_vision_model(directory, seed=1, arch=request.param)
     reference = copy.deepcopy(hf)
-    reference.model.language_model.set_experts_implementation("eager")
+    if request.param != "qwen3_vl":     # routed experts: the plain loop, float64-exact
+        reference.model.language_model.set_experts_implementation("eager")
     return directory, reference.double()
 
 

@@ -24,6 +24,8 @@ QWEN36_VISION = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size
                      out_hidden_size=2048, num_position_embeddings=2304, patch_size=16,
                      temporal_patch_size=2, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh")
 RAW = {"model_type": "qwen3_5_moe", "text_config": {}}
+# Qwen3-VL-8B's vision_config: three DeepStack mergers beside the final one
+QWEN3_VL_VISION = dict(QWEN36_VISION, out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24])
 
 
 class FakeGPU:
@@ -46,6 +48,21 @@ def hf_visual_params(vision: dict) -> int:
 def test_tower_params_as_transformers_builds_them(vision):
     config = vision_config_from_hf({**RAW, "vision_config": vision}, "config.json")
     assert config.num_params == hf_visual_params(vision)
+
+
+def test_qwen3_vl_tower_params_and_encoder_cache_width():
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    config = vision_config_from_hf({"model_type": "qwen3_vl", "text_config": {},
+                                    "vision_config": QWEN3_VL_VISION}, "config.json")
+    with torch.device("meta"):
+        model = Qwen3VLVisionModel(Qwen3VLConfig(vision_config=QWEN3_VL_VISION).vision_config)
+    assert config.num_params == sum(p.numel() for p in model.parameters())
+    # each cached row holds the embedding and the three features
+    pools, notes = vision_pools(VisionBudget(config, 1 << 20), "bfloat16", 256)
+    assert pools["encoder_cache"] == MIN_ENCODER_CACHE_ROWS * 4 * 4096 * 2
+    assert "32.0 KiB" in notes["encoder_cache"]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ def test_every_supported_name_resolves():
                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
         assert arch in names
     assert set(ARCHITECTURES) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe",
-                                  "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "gemma3"}
+                                  "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "qwen3_vl",
+                                  "qwen3_vl_moe", "gemma3"}
     with pytest.raises(UnsupportedModelError,
                        match="'falcon'.*gemma3, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, "
                              "qwen3, qwen3_5_moe"):

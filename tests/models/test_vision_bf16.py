@@ -1,9 +1,10 @@
-"""A bfloat16 prefill with images on the CPU: the tiny random Qwen3.5-style vision-language model
-placed in torch CPU tensors in bfloat16 (the GPU placement's code: image embeddings written
-into the residual, multimodal rotary rows, the tower in bf16, with the CPU kernels' bf16
-variants standing in for the CUDA ones) against transformers, as tests/models/bf16_reference.py
-describes. ``ft serve`` on the CPU computes in float32 only; this covers the bf16 image path
-that a GPU serves, where it can run here."""
+"""A bfloat16 prefill with images on the CPU: the tiny random vision-language model of each
+architecture (Qwen3.5-style, Qwen3-VL and Qwen3-VL-MoE with DeepStack features) placed in torch
+CPU tensors in bfloat16 (the GPU placement's code: image embeddings written into the residual,
+DeepStack features added to it, multimodal rotary rows, the tower in bf16, with the CPU
+kernels' bf16 variants standing in for the CUDA ones) against transformers, as
+tests/models/bf16_reference.py describes. ``ft serve`` on the CPU computes in float32 only;
+this covers the bf16 image path that a GPU serves, where it can run here."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from tests.engine.test_vision_engine import prefill_last_logits, prompt_with
 from tests.models.bf16_reference import Bf16Errors, bf16_twins
-from tests.models.vision_checkpoint import (build_vision_model, hf_inputs, make_image,
+from tests.models.vision_checkpoint import (ARCHES, build_vision_model, hf_inputs, make_image,
                                             random_pixels)
 
 # one image of 16 tokens, one of 12 beside one of 6, over a few prompts each
@@ -22,13 +23,13 @@ CASES = [([(128, 128)], 0), ([(128, 128)], 1), ([(96, 128), (64, 96)], 2),
          ([(128, 96)], 3)]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+@pytest.fixture(scope="module", params=ARCHES)
+def models(tmp_path_factory, request):
     """(transformers in bf16, in float32 over the bf16-rounded weights, ours in bf16)."""
     from freetoken.kernel import ops, reference
 
-    directory = tmp_path_factory.mktemp("tiny-qwen3_5-vl-bf16")
-    hf = build_vision_model(directory, seed=1)
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}-bf16")
+    hf = build_vision_model(directory, seed=1, arch=request.param)
     with pytest.MonkeyPatch.context() as patch:
         # the CPU experts kernel is float32-only: its torch reference (f32 math, bf16 out)
         for name in ("moe_topk_softmax", "moe_experts"):

@@ -1,7 +1,8 @@
 """On a GPU: the vision tower at Qwen3.5/3.6's real vision width (1152, 16 heads of 72,
 MLP 4304, 2304 learned positions; depth cut to 2) in bfloat16 against transformers in float32,
 for one image and for two images of different sizes in one batch, and the last-token logits of
-a prompt with an image through the engine's prefill path."""
+a prompt with an image through the engine's prefill path; for each vision architecture
+(Qwen3-VL's with both blocks feeding DeepStack features)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from tests.models.bf16_reference import Bf16Errors, bf16_twins
-from tests.models.vision_checkpoint import (TEXT, build_vision_model, hf_inputs, make_image,
-                                            random_pixels)
+from tests.models.vision_checkpoint import (ARCHES, TEXT, TEXT_VL, build_vision_model,
+                                            hf_inputs, make_image, random_pixels)
 from tests.tolerances import eps
 
 REAL_VISION = dict(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
@@ -23,15 +24,21 @@ REAL_VISION = dict(depth=2, hidden_size=1152, num_heads=16, intermediate_size=43
 # 64); rotary over 16 of the 64 dims keeps TEXT's [3, 3, 2] multimodal sections.
 GPU_TEXT = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
                 rope_parameters=dict(TEXT["rope_parameters"], partial_rotary_factor=0.25))
+# Qwen3-VL rotates all 64 dims: 32 frequencies in sections of [12, 10, 10]
+GPU_TEXT_VL = dict(head_dim=64, rope_parameters=dict(TEXT_VL["rope_parameters"],
+                                                     mrope_section=[12, 10, 10]))
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def real_checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3_5-vl-real-vision")
-    hf = build_vision_model(directory, seed=2, vision=REAL_VISION, text=GPU_TEXT)
+@pytest.fixture(scope="module", params=ARCHES)
+def real_checkpoint(tmp_path_factory, request):
+    directory = tmp_path_factory.mktemp(f"{request.param}-real-vision")
+    vl = request.param != "qwen3_5_moe"
+    vision = dict(REAL_VISION, deepstack_visual_indexes=[0, 1]) if vl else REAL_VISION
+    hf = build_vision_model(directory, seed=2, vision=vision,
+                            text=GPU_TEXT_VL if vl else GPU_TEXT, arch=request.param)
     with torch.no_grad():    # the default init's scale (0.08 noise over width 1152 explodes)
         for name, p in hf.model.visual.named_parameters():
             if name.endswith("weight") and p.dim() >= 2:
@@ -57,11 +64,16 @@ def test_tower_bf16_matches_transformers(real_checkpoint, sizes):
     pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in images])).cuda()
     grid = torch.tensor([i.grid_thw for i in images]).cuda()
     with torch.no_grad():
-        ref = hf.model.get_image_features(pixels, grid).pooler_output
-    for a, b in zip(ours, ref):
-        assert a.dtype == torch.bfloat16 and a.shape == b.shape
-        err = (a.float() - b).abs().max().item()
-        assert err <= _bound(b, REAL_VISION["depth"]), f"max error {err}"
+        out = hf.model.get_image_features(pixels, grid)
+    features = getattr(out, "deepstack_features", None) or []
+    for n, a in enumerate(ours):
+        assert a.dtype == torch.bfloat16
+        parts = [out.pooler_output[n]] + [level[n] for level in features]
+        for j, b in enumerate(parts):        # the embeddings, then each DeepStack feature
+            got = a[:, j * b.shape[1]:(j + 1) * b.shape[1]]
+            assert got.shape == b.shape
+            err = (got.float() - b).abs().max().item()
+            assert err <= _bound(b, REAL_VISION["depth"]), f"part {j}: max error {err}"
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
-"""Images end to end with nothing stood in: a tiny random Qwen3_5MoeForConditionalGeneration
-folder (Qwen's placeholder tokens, a template that renders image items, Qwen3.5's
-preprocessor_config.json) loaded and served by the real engine and app, asked with the official
-`openai` and `anthropic` clients the deployment check (a 256x256 solid-red PNG, "What colour is
-this image?"), against transformers' own processor and `generate` on the same folder."""
+"""Images end to end with nothing stood in: a tiny random folder of each vision architecture
+(Qwen3_5MoeForConditionalGeneration, Qwen3VLForConditionalGeneration and
+Qwen3VLMoeForConditionalGeneration; Qwen's placeholder tokens, a template that renders image
+items, Qwen3.5's preprocessor_config.json) loaded and served by the real engine and app,
+asked with the official `openai` and `anthropic` clients the deployment check (a 256x256
+solid-red PNG, "What colour is this image?"), against transformers' own processor and
+`generate` on the same folder."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.models.vision_checkpoint import build_served_vision_model
+from tests.models.vision_checkpoint import ARCHES, build_served_vision_model
 from tests.server.image_fixtures import b64, data_url
 from tests.vision.images import solid_png
 
@@ -23,10 +25,12 @@ NEW_TOKENS = 8
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-qwen3_5-vl-served")
-    build_served_vision_model(directory, seed=3)
+@pytest.fixture(scope="module", params=ARCHES)
+def folder(tmp_path_factory, request):
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}-served")
+    # seeds whose greedy answer to the deployment check is not an immediate <|im_end|>
+    seed = {"qwen3_vl_moe": 6}.get(request.param, 3)
+    build_served_vision_model(directory, seed=seed, arch=request.param)
     return directory
 
 
@@ -58,8 +62,7 @@ class Reference:
     greedily in float64."""
 
     def __init__(self, folder):
-        from transformers import (AutoImageProcessor, AutoTokenizer,
-                                  Qwen3_5MoeForConditionalGeneration)
+        from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
         from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
         class ImageOnlyProcessor(Qwen3VLProcessor):
@@ -73,9 +76,10 @@ class Reference:
         self.processor = ImageOnlyProcessor(AutoImageProcessor.from_pretrained(str(folder)),
                                             self.tokenizer, None,
                                             chat_template=self.tokenizer.chat_template)
-        self.model = Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        self.model = AutoModelForImageTextToText.from_pretrained(
             str(folder), dtype=torch.float64).eval()
-        self.model.model.language_model.set_experts_implementation("eager")
+        if self.model.config.model_type != "qwen3_vl":     # routed experts
+            self.model.model.language_model.set_experts_implementation("eager")
         self.eos = self.model.generation_config.eos_token_id
 
     def generate(self, png: bytes, question: str = QUESTION) -> tuple[list[int], list[int]]:

@@ -28,9 +28,11 @@ def bytes_per_patch(config: VisionConfig, item: int) -> int:
     their cast, the residual, four gathered position rows, their float32 blend and sum), the
     rotation of k (the residual, qkv and q beside five float32 temporaries) and a block's end
     (its locals live until it returns: the old and new residual, qkv, q, k, attention out,
-    projection, and both MLP activations)."""
+    projection, and both MLP activations). DeepStack features are kept from their block to
+    the end: out_hidden per merged token each."""
     h = config.hidden_size
-    steady = 2 * FLOAT32 * config.head_dim
+    features = len(config.deepstack_visual_indexes) * config.out_hidden_size
+    steady = 2 * FLOAT32 * config.head_dim + -(-item * features // config.spatial_merge_size ** 2)
     embed = (FLOAT32 + item) * config.patch_dim + item * h + (4 * item + 5 * FLOAT32) * h
     rotation = 5 * item * h + 5 * FLOAT32 * h
     block_end = item * (9 * h + 2 * config.intermediate_size)
@@ -52,9 +54,9 @@ def vision_pools(budget: VisionBudget, dtype: str, max_step_tokens: int
     patches = step_patches(budget, max_step_tokens)
     per_patch = bytes_per_patch(c, item)
     pools = {"vision_weights": c.num_params * item,
-             "encoder_cache": rows * c.out_hidden_size * item,
+             "encoder_cache": rows * c.embed_width * item,
              "vision_workspace": patches * per_patch}
-    notes = {"encoder_cache": f"{rows} rows x {c.out_hidden_size * item / 1024:.1f} KiB",
+    notes = {"encoder_cache": f"{rows} rows x {c.embed_width * item / 1024:.1f} KiB",
              "vision_workspace": f"{patches} patches x {per_patch / 1024:.1f} KiB: an image "
                                  f"of {budget.max_pixels} pixels and a step of smaller ones"}
     return pools, notes

@@ -109,6 +109,9 @@ class MoESpec:
     gguf_renormalize: bool = False           # what llama.cpp does when the GGUF does not say
     shared_expert: bool = False              # an always-on expert times sigmoid(x @ gate)
     sparse_step: bool = False                # decoder_sparse_step / mlp_only_layers apply
+    # fused experts may be stored [E, hidden, 2 * I] / [E, I, hidden] (Qwen3-VL-MoE's released
+    # checkpoints): read transposed when the shapes say so, as transformers does
+    hf_fused_transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,6 @@ class HybridSpec:
 
     gdn_layout: str = "split"                # "qkvz": fused per key head (qwen3_next)
     partial_rotary_factor: float = 0.25      # when config.json does not say
-    text_config: bool = False                # config.json may nest the text model's keys
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ class ArchSpec:
     gguf_permuted_qk: bool = False           # llama.cpp's converter interleaved the q/k rows
     hybrid: HybridSpec | None = None         # None: full attention in every layer
     gemma: GemmaSpec | None = None           # Gemma's conventions (None: none of them)
+    # a vision-language config.json: the text model's keys nested under text_config
+    text_config: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -178,7 +182,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
                  (), AttentionSpec(qk_norm="head"),
                  MoESpec(shared_expert=True, renormalize=True),
-                 hybrid=HybridSpec(text_config=True)),
+                 hybrid=HybridSpec(), text_config=True),
+        # Qwen3-VL: the qwen3 text model behind the vision tower (its DeepStack features are
+        # the tower's business: checkpoint/vision_config.py, forward/deepstack.py)
+        ArchSpec("qwen3_vl", ("Qwen3VLForConditionalGeneration",), (),
+                 AttentionSpec(qk_norm="head"), text_config=True),
+        ArchSpec("qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), (),
+                 AttentionSpec(qk_norm="head"),
+                 MoESpec(sparse_step=True, renormalize=True, hf_fused_transposed=True),
+                 text_config=True),
         ArchSpec("gemma3", ("Gemma3ForCausalLM",), ("gemma3",),
                  AttentionSpec(qk_norm="head", gguf_global_every=6,
                                gguf_local_rope_theta=10000.0),

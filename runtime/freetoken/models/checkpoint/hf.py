@@ -36,6 +36,11 @@ class HFTensors:
         moe = spec.moe
         self._num_experts = config.moe.num_experts if config.moe else 0
         self._projections = moe.hf_expert_projections if moe else ()
+        # fused experts as [E, cols, rows] where the spec allows it: (gate_up, down) shapes
+        self._transposed_shapes = None
+        if moe is not None and moe.hf_fused_transposed:
+            hidden, inter = config.hidden_size, config.moe.intermediate_size
+            self._transposed_shapes = ((hidden, 2 * inter), (inter, hidden))
         # the sparse block's module name: the first of the spec's spellings the file uses
         modules = moe.hf_modules if moe else ("mlp",)
         self._moe = next((m for m in modules if any(f".{m}.gate." in n for n in self._file_of)),
@@ -133,10 +138,13 @@ class HFTensors:
             return self._part(self.file_name(name), {dim: (start, end)})
         _, index, part = name.split(".", 2)
         proj = part[8:]
+        fused = self._expert_names(index, proj, "fused")    # down_proj: the stacked name too
+        if fused in self._file_of and self._transposed(
+                self._open(self._file_of[fused]).get_slice(fused).get_shape(), proj):
+            return None                                         # read whole, then transposed
         whole = self._part(self._expert_names(index, proj, "stacked"), {dim: (start, end)})
         if whole is not None:
             return whole
-        fused = self._expert_names(index, proj, "fused")
         if proj != "down" and fused in self._file_of:          # gate rows, then up rows, along dim 1
             half = self._open(self._file_of[fused]).get_slice(fused).get_shape()[1] // 2
             base = 0 if proj == "gate" else half
@@ -160,9 +168,23 @@ class HFTensors:
             index[dim] = slice(start, end)
         return view[tuple(index)]
 
+    def _transposed(self, shape, proj: str) -> bool:
+        """Whether a fused expert tensor of `shape` is stored [E, cols, rows]; a square one is
+        taken as [E, rows, cols], as transformers takes it."""
+        if self._transposed_shapes is None:
+            return False
+        stored = self._transposed_shapes[proj == "down"]
+        return tuple(shape[1:]) == stored and stored[0] != stored[1]
+
     def _experts(self, index: str, proj: str) -> torch.Tensor | None:
         """[E, rows, cols] for one projection of every expert, from whichever layout exists."""
         fused = self._tensor(self._expert_names(index, proj, "fused"))
+        if fused is not None and self._transposed(fused.shape, proj):
+            if isinstance(fused, scaled.ScaledWeight):
+                raise ModelFormatError(f"{self.source}: scaled experts stored transposed "
+                                       f"({self._expert_names(index, proj, 'fused')}) are not "
+                                       f"supported")
+            fused = fused.transpose(1, 2).contiguous()
         if fused is not None and proj != "down":
             half, rows = fused.shape[1] // 2, fused.shape[1]
             if isinstance(fused, scaled.ScaledWeight):

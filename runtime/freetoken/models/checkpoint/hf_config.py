@@ -120,12 +120,15 @@ def _attention_bias(cfg: dict[str, Any], spec: ArchSpec) -> bool:
     return spec.attention.bias if key is None else bool(cfg.get(key, spec.attention.bias))
 
 
-def _text_keys(cfg: dict[str, Any], hybrid: HybridSpec | None) -> dict[str, Any]:
-    """config.json with a multimodal model's text_config lifted to the top level."""
+def _text_keys(cfg: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
+    """config.json with a multimodal model's text_config lifted to the top level; the lm_head
+    belongs to the outer model, so its tie_word_embeddings wins (Qwen3-VL-MoE's text config
+    defaults to true where the outer one says false, and transformers unties)."""
     text = cfg.get("text_config")
-    if hybrid is None or not hybrid.text_config or not isinstance(text, dict):
+    if not spec.text_config or not isinstance(text, dict):
         return cfg
-    return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}}
+    outer = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
+    return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}, **outer}
 
 
 def _hybrid_from_hf(cfg: dict[str, Any], hybrid: HybridSpec | None, layers: int,
@@ -159,7 +162,7 @@ def _hybrid_from_hf(cfg: dict[str, Any], hybrid: HybridSpec | None, layers: int,
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     """A ``ModelConfig`` from a parsed config.json."""
     spec = spec_for_hf(cfg, source)
-    cfg = _text_keys(cfg, spec.hybrid)
+    cfg = _text_keys(cfg, spec)
     if spec.hybrid is not None and "partial_rotary_factor" not in {
             **cfg, **(cfg.get("rope_parameters") or {})}:
         cfg = {**cfg, "partial_rotary_factor": spec.hybrid.partial_rotary_factor}

@@ -19,13 +19,30 @@ DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 DEFAULT_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 DEFAULT_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_IMAGE_TOKEN = "<|image_pad|>"
-VISION_MODEL_TYPES = ("qwen3_5_moe",)
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What transformers' model of a config.json model_type assumes: the mrope_section when
+    text_config gives none, and whether its tower has DeepStack mergers (Qwen3.5's has none
+    and ignores deepstack_visual_indexes)."""
+
+    mrope_section: tuple[int, int, int]
+    deepstack: bool
+
+
+VISION_MODEL_TYPES = {"qwen3_5_moe": VisionFamily((11, 11, 10), deepstack=False),
+                      "qwen3_vl": VisionFamily((24, 20, 20), deepstack=True),
+                      "qwen3_vl_moe": VisionFamily((24, 20, 20), deepstack=True)}
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower (Qwen3.5/3.6: a ViT with 2-D rotary and a 2x2 patch merger) and what
-    the text model needs to place its output (placeholder ids, multimodal rotary layout)."""
+    """The vision tower (Qwen3-VL, Qwen3.5/3.6: a ViT with 2-D rotary and a 2x2 patch merger)
+    and what the text model needs to place its output (placeholder ids, multimodal rotary
+    layout). Qwen3-VL's DeepStack: the outputs of the blocks `deepstack_visual_indexes` go
+    through mergers of their own and are added to the text model's hidden states at the
+    image tokens after its first len(indexes) layers (forward/deepstack.py)."""
 
     depth: int
     hidden_size: int
@@ -44,6 +61,13 @@ class VisionConfig:
     vision_end_token_id: int
     mrope_section: tuple[int, int, int]
     mrope_interleaved: bool
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    @property
+    def embed_width(self) -> int:
+        """Columns of an image's embedding rows: the merger's output, then each DeepStack
+        feature in block order (one row per image token carries them all)."""
+        return self.out_hidden_size * (1 + len(self.deepstack_visual_indexes))
 
     @property
     def head_dim(self) -> int:
@@ -61,10 +85,11 @@ class VisionConfig:
         h, i = self.hidden_size, self.intermediate_size
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
         merged = h * self.spatial_merge_size ** 2
-        merger = 2 * h + (merged * merged + merged) + (merged * self.out_hidden_size
-                                                      + self.out_hidden_size)
+        mlp = (merged * merged + merged) + (merged * self.out_hidden_size + self.out_hidden_size)
+        merger = 2 * h + mlp
+        deepstack = len(self.deepstack_visual_indexes) * (2 * merged + mlp)   # norm after shuffle
         return (h * self.patch_dim + h + self.num_position_embeddings * h
-                + self.depth * block + merger)
+                + self.depth * block + merger + deepstack)
 
 
 def _int(section: dict, key: str, where: str, default: Any = None) -> int:
@@ -84,15 +109,25 @@ def _vision_section(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
         raise UnsupportedModelError(
             f"{source}: a vision tower of model_type {raw.get('model_type')!r} is not supported "
             f"(supported: {', '.join(VISION_MODEL_TYPES)})")
-    if vision.get("deepstack_visual_indexes"):
-        raise UnsupportedModelError(f"{source}: deepstack vision features are not supported")
     return vision
+
+
+def _deepstack(raw: dict[str, Any], depth: int, where: str) -> tuple[int, ...]:
+    if not VISION_MODEL_TYPES[raw["model_type"]].deepstack:
+        return ()
+    indexes = raw["vision_config"].get("deepstack_visual_indexes") or []
+    if (not isinstance(indexes, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < depth
+                       for i in indexes) or len(set(indexes)) != len(indexes)):
+        raise ModelFormatError(f"{where}: deepstack_visual_indexes must be distinct block "
+                               f"indexes below depth {depth}, got {indexes!r}")
+    return tuple(indexes)
 
 
 def _mrope(raw: dict[str, Any], source: str) -> tuple[tuple[int, int, int], bool]:
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    section = rope.get("mrope_section", [11, 11, 10])
+    section = rope.get("mrope_section", list(VISION_MODEL_TYPES[raw["model_type"]].mrope_section))
     if (not isinstance(section, list) or len(section) != 3
             or not all(isinstance(s, int) and s >= 0 for s in section)):
         raise ModelFormatError(f"{source}: mrope_section must be three non-negative integers, "
@@ -123,7 +158,8 @@ def vision_config_from_hf(raw: dict[str, Any], source: str) -> VisionConfig | No
         image_token_id=_int(raw, "image_token_id", source, 248056),
         vision_start_token_id=_int(raw, "vision_start_token_id", source, 248053),
         vision_end_token_id=_int(raw, "vision_end_token_id", source, 248054),
-        mrope_section=section, mrope_interleaved=interleaved)
+        mrope_section=section, mrope_interleaved=interleaved,
+        deepstack_visual_indexes=_deepstack(raw, _int(vision, "depth", where, 27), where))
     if config.hidden_size % config.num_heads or config.head_dim % 8 or config.head_dim > 128:
         raise UnsupportedModelError(f"{where}: head_dim {config.head_dim} (hidden_size / "
                                     f"num_heads) must be a multiple of 8 up to 128")

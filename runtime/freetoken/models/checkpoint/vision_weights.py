@@ -1,6 +1,7 @@
 """The vision tower's weights (``model.visual.*``) read from the model's safetensors folder,
 placed on the device in the tower's dtype: one flat dict keyed by the names under
-``model.visual.`` (``blocks.0.attn.qkv.weight``, ``merger.linear_fc1.bias``, ...)."""
+``model.visual.`` (``blocks.0.attn.qkv.weight``, ``merger.linear_fc1.bias``, ...; Qwen3-VL
+adds ``deepstack_merger_list.{j}.*``, one merger per DeepStack feature)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ def expected_names(config: VisionConfig) -> list[str]:
     names = ["patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight"]
     for i in range(config.depth):
         names += _block_names(i)
-    for part in ("merger.norm", "merger.linear_fc1", "merger.linear_fc2"):
-        names += [f"{part}.weight", f"{part}.bias"]
+    mergers = ["merger"] + [f"deepstack_merger_list.{j}"
+                            for j in range(len(config.deepstack_visual_indexes))]
+    for merger in mergers:
+        for part in ("norm", "linear_fc1", "linear_fc2"):
+            names += [f"{merger}.{part}.weight", f"{merger}.{part}.bias"]
     return names
 
 
@@ -77,6 +81,9 @@ def _check_shapes(weights: dict, config: VisionConfig, where: Path) -> None:
               "blocks.0.mlp.linear_fc1.weight": (config.intermediate_size, hidden),
               "merger.linear_fc1.weight": (merged, merged),
               "merger.linear_fc2.weight": (config.out_hidden_size, merged)}
+    for j in range(len(config.deepstack_visual_indexes)):   # normed after the 2x2 shuffle
+        wanted[f"deepstack_merger_list.{j}.norm.weight"] = (merged,)
+        wanted[f"deepstack_merger_list.{j}.linear_fc2.weight"] = (config.out_hidden_size, merged)
     for name, shape in wanted.items():
         if name in weights and tuple(weights[name].shape) != shape:
             raise ModelFormatError(f"{where}: {PREFIX + name} has shape "

@@ -18,6 +18,7 @@ from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward import fused_decode, moe_decode
 from freetoken.models.forward.attention import AttentionBlock
+from freetoken.models.forward.deepstack import add_deepstack, deepstack_levels, write_embeds
 from freetoken.models.forward.gdn import GatedDeltaNetBlock
 from freetoken.models.forward.linear import make_linear
 from freetoken.models.forward.mlp import DenseMLP, MoEMLP
@@ -139,18 +140,24 @@ class Decoder:
         self._embed_into(w.residual, batch.input_ids)
         if self.config.embed_scale != 1.0:
             array_view(w.residual)[...] *= self.config.embed_scale
-        if batch.multimodal is not None:
-            _write_embeds(w.residual, batch.multimodal.embeds)
+        embeds = batch.multimodal.embeds if batch.multimodal is not None else []
+        hidden = self.config.hidden_size
+        write_embeds(w.residual, embeds, hidden)
+        levels = deepstack_levels(embeds, hidden)
         caches = zip(*self._kv_caches(kv))
-        if self._fused is not None and batch.num_tokens <= fused_decode.MAX_TOKENS:
+        if (self._fused is not None and batch.num_tokens <= fused_decode.MAX_TOKENS
+                and not levels):
             for layer, (k_cache, v_cache) in zip(self._fused, caches):
                 layer.forward(w, batch, k_cache, v_cache, kv.block_size)
             self._k.rms_norm(w.hidden, w.residual, self._final_norm, self.config.rms_norm_eps)
             return w.hidden
         self._k.rms_norm(w.hidden, w.residual, self._first_norm, self.config.rms_norm_eps)
         x = w.hidden
-        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
             x = layer.forward(x, w, batch, k_cache, v_cache, kv.block_size)
+            if i < levels:   # DeepStack: the residual leaving layer i, then its norm again
+                add_deepstack(w.residual, embeds, i, hidden)
+                self._k.rms_norm(x, w.residual, layer.next_norm, self.config.rms_norm_eps)
         return x
 
     def enable_mrope(self, section: tuple[int, int, int], interleaved: bool,
@@ -226,16 +233,6 @@ class Decoder:
         if self.config.final_logit_softcap > 0:
             _soft_cap(logits, self.config.final_logit_softcap)
         return logits
-
-
-def _write_embeds(residual, embeds) -> None:
-    """Image tokens' rows of the embedded input replaced by the vision tower's output."""
-    out = array_view(residual)
-    for row, rows in embeds:
-        if is_torch(out):
-            out[row:row + rows.shape[0]].copy_(rows)
-        else:
-            out[row:row + rows.shape[0]] = rows.numpy() if is_torch(rows) else rows
 
 
 def _soft_cap(logits, cap: float) -> None:

@@ -1,10 +1,13 @@
-"""The Qwen3.5/3.6 vision tower: patches in, one embedding per 2x2 patch block out, in the text
-model's hidden size (transformers' Qwen3_5MoeVisionModel, its pooler output).
+"""The Qwen3-VL / Qwen3.5/3.6 vision tower: patches in, one embedding per 2x2 patch block out,
+in the text model's hidden size (transformers' Qwen3VLVisionModel / Qwen3_5MoeVisionModel, their
+pooler output and Qwen3-VL's DeepStack features).
 
 patch embedding (a Conv3d whose stride is its kernel: a linear over the flattened patch) + the
 learned position table resampled to the image's grid -> `depth` blocks (LayerNorm, fused qkv,
 2-D rotary, non-causal attention within each image, projection; LayerNorm, MLP with GELU-tanh)
--> the merger (LayerNorm per patch, 4 patches concatenated, Linear, GELU, Linear).
+-> the merger (LayerNorm per patch, 4 patches concatenated, Linear, GELU, Linear). Qwen3-VL
+also merges the output of each block in `deepstack_visual_indexes` with a merger of its own,
+whose LayerNorm comes after the 4 patches are concatenated.
 
 Runs in torch on the model's device (float32 on the CPU, the model dtype on a GPU); the GEMMs
 go through the decoder's linear path. Attention: in bf16/f16 on a CUDA GPU, torch's fused
@@ -41,6 +44,17 @@ class VisionBlock:
         self.heads, self.head_dim = config.num_heads, config.head_dim
 
 
+class PatchMerger:
+    """2x2 patches -> one text-model embedding: LayerNorm (per patch, or over the 4
+    concatenated patches when `post_shuffle`), Linear, GELU (erf), Linear."""
+
+    def __init__(self, w: dict[str, Any], prefix: str, post_shuffle: bool):
+        self.norm = (w[prefix + "norm.weight"], w[prefix + "norm.bias"])
+        self.fc1 = DenseLinear(w[prefix + "linear_fc1.weight"], w[prefix + "linear_fc1.bias"])
+        self.fc2 = DenseLinear(w[prefix + "linear_fc2.weight"], w[prefix + "linear_fc2.bias"])
+        self.post_shuffle = post_shuffle
+
+
 class VisionTower:
     """Encodes images (``ImageInput``s) into text-model embeddings.
 
@@ -62,11 +76,10 @@ class VisionTower:
         self.pos_table = weights["pos_embed.weight"]
         self.side = round(config.num_position_embeddings ** 0.5)
         self.blocks = [VisionBlock(weights, i, config) for i in range(config.depth)]
-        self.merge_norm = (weights["merger.norm.weight"], weights["merger.norm.bias"])
-        self.merge_fc1 = DenseLinear(weights["merger.linear_fc1.weight"],
-                                     weights["merger.linear_fc1.bias"])
-        self.merge_fc2 = DenseLinear(weights["merger.linear_fc2.weight"],
-                                     weights["merger.linear_fc2.bias"])
+        self.merger = PatchMerger(weights, "merger.", post_shuffle=False)
+        # block index -> its DeepStack merger (the list is in deepstack_visual_indexes order)
+        self.deepstack = {block: PatchMerger(weights, f"deepstack_merger_list.{j}.", True)
+                          for j, block in enumerate(config.deepstack_visual_indexes)}
         half = config.head_dim // 2     # h and w each rotate a quarter of the head
         exponents = torch.arange(0, half, 2, dtype=torch.float) / half
         self.inv_freq = (1.0 / (config.rope_theta ** exponents)).to(self.torch_device)
@@ -103,7 +116,9 @@ class VisionTower:
         return angles.cos(), angles.sin()
 
     def encode(self, images: Sequence[Any]) -> list[Any]:
-        """One [num_tokens, out_hidden] tensor per image (num_tokens = patches / merge**2)."""
+        """One [num_tokens, embed_width] tensor per image (num_tokens = patches / merge**2):
+        the merged embeddings, then the DeepStack features in block order, side by side, so
+        every slice of an image's rows carries its features (config.embed_width)."""
         grids = [tuple(int(g) for g in im.grid_thw) for im in images]
         torch = self.torch
         with torch.inference_mode():
@@ -111,9 +126,14 @@ class VisionTower:
             cos, sin = self._rotary(grids)
             bounds = segment_bounds(grids)
             cu = self._host(bounds)
-            for block in self.blocks:
+            features = []
+            for index, block in enumerate(self.blocks):
                 x = self._block(block, x, cos, sin, cu, bounds)
-            merged = self._merge(x)
+                if index in self.deepstack:
+                    features.append(self._merge(x, self.deepstack[index]))
+            merged = self._merge(x, self.merger)
+            if features:
+                merged = torch.cat([merged, *features], dim=1)
         unit = self.config.spatial_merge_size ** 2
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
@@ -161,12 +181,15 @@ class VisionTower:
         b.fc2(out, hidden)
         return x + out
 
-    def _merge(self, x: Any) -> Any:
+    def _merge(self, x: Any, merger: PatchMerger) -> Any:
         unit = self.config.spatial_merge_size ** 2
-        h = self._layer_norm(x, self.merge_norm).reshape(-1, x.shape[1] * unit)
+        if merger.post_shuffle:
+            h = self._layer_norm(x.reshape(-1, x.shape[1] * unit), merger.norm)
+        else:
+            h = self._layer_norm(x, merger.norm).reshape(-1, x.shape[1] * unit)
         mid = self._empty(h.shape[0], h.shape[1])
-        self.merge_fc1(mid, h)
+        merger.fc1(mid, h)
         mid = self.torch.nn.functional.gelu(mid)
         out = self._empty(h.shape[0], self.config.out_hidden_size)
-        self.merge_fc2(out, mid)
+        merger.fc2(out, mid)
         return out
