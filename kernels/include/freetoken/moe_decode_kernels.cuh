@@ -297,6 +297,17 @@ __device__ void finish_down(const DecodeArgs& a, int64_t t, int64_t h, float rou
   *out = from_float<T>(a.accumulate ? to_float(*out) + y : y);
 }
 
+// Token t's expert slots and weights into shared memory (read after the next barrier).
+__device__ __forceinline__ void load_routing(const DecodeArgs& a, int64_t t, int* s_slot,
+                                             float* s_w) {
+  int tid = threadIdx.x;
+  if (tid < a.top_k) {
+    int64_t p = t * a.top_k + tid;
+    s_slot[tid] = slot_of(a, a.topk_ids[p]);
+    s_w[tid] = a.topk_w[p];
+  }
+}
+
 // Grid (T, tiles of kRows * R rows of H): token fastest, so tokens that share an expert read
 // it back to back (from L2).
 template <typename T, int R, int U, int MB>
@@ -304,12 +315,7 @@ __global__ void __launch_bounds__(kThreads, MB) down_kernel(DecodeArgs a) {
   __shared__ int s_slot[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
   int64_t t = blockIdx.x;
-  int tid = threadIdx.x;
-  if (tid < a.top_k) {
-    int64_t p = t * a.top_k + tid;
-    s_slot[tid] = slot_of(a, a.topk_ids[p]);
-    s_w[tid] = a.topk_w[p];
-  }
+  load_routing(a, t, s_slot, s_w);
   __syncthreads();
   int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kRows + threadIdx.x / kWarp) * R;
   if (h0 >= a.hidden) return;
@@ -337,11 +343,7 @@ __global__ void __launch_bounds__(kThreads) down_staged_kernel(DecodeArgs a) {
   __shared__ float s_w[kMaxTopK];
   int64_t t = blockIdx.x;
   int tid = threadIdx.x;
-  if (tid < a.top_k) {
-    int64_t p = t * a.top_k + tid;
-    s_slot[tid] = slot_of(a, a.topk_ids[p]);
-    s_w[tid] = a.topk_w[p];
-  }
+  load_routing(a, t, s_slot, s_w);
   int routed = a.top_k * a.inter, shared = a.sh_w2 != nullptr ? a.sh_inter : 0;
   const T* act = static_cast<const T*>(a.act) + t * routed;
   for (int i = tid; i < routed / V; i += kThreads)
