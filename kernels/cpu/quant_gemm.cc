@@ -1,9 +1,10 @@
 // GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrix product on the CPU with runtime ISA dispatch in one library:
 // AVX-512 VNNI, AVX2 or portable scalar, chosen once from the CPU's features.
 //
-// out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 per 32-block
-// once per call (see quant_blocks.h), then each output is a sum of integer block dot products;
-// the weight rows are split over the thread pool.
+// out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 in 32-blocks
+// once per call (one scale per block, or per super-block for the K-quants: see quant_blocks.h),
+// then each output is a sum of integer block dot products; the weight rows are split over the
+// thread pool.
 #include <string>
 #include <vector>
 
@@ -67,10 +68,10 @@ void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64
   const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
   const int64_t threads = thread_pool().num_threads();
   if (s.m < 8) {
-    quantize(isa, xp, s.k, 0, s.m, xq);
+    quantize(isa, qtype, xp, s.k, 0, s.m, xq);
   } else {
     parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4),
-                 [&](int64_t r0, int64_t r1) { quantize(isa, xp, s.k, r0, r1, xq); });
+                 [&](int64_t r0, int64_t r1) { quantize(isa, qtype, xp, s.k, r0, r1, xq); });
   }
   // Decode (M = 1) streams the weights once: many chunks balance the cores. Prefill keeps a
   // chunk's weight rows (<= 16) in L1 while every activation tile passes over them.

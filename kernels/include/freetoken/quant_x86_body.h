@@ -66,20 +66,26 @@ FT_QX_INLINE int hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-FT_QX_INLINE void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+FT_QX_INLINE __m256 abs_max(__m256 m, const float* x) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+  return m;
+}
+
+FT_QX_INLINE float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float top = _mm_cvtss_f32(m);
-  const float scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+  return _mm_cvtss_f32(m);
+}
+
+// One block of 32 to int8 with the scale amax / 127 (amax >= max |x| of the block).
+FT_QX_INLINE void quantize_block(const float* x, float amax, int8_t* q, float* d, float* s) {
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
   __m256i iq[4];
-  for (int i = 0; i < 4; ++i) iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  for (int i = 0; i < 4; ++i) {
+    iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inv)));
+  }
   int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]), _mm256_add_epi32(iq[2], iq[3])));
   // packs interleave 128-bit lanes; the permute restores element order 0..31
   __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
@@ -89,13 +95,22 @@ FT_QX_INLINE void quantize_block(const float* x, int8_t* q, float* d, float* s) 
   *s = scale * static_cast<float>(sum);
 }
 
-/*! \brief Quantize activation rows [r0, r1) of x (row stride ldx) into xq. */
-FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1,
+/*!
+ * \brief Quantize activation rows [r0, r1) of x (row stride ldx) into xq, one scale per
+ * `group` blocks (as quantize_group_scalar).
+ */
+FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t group,
                             const QuantizedRows& xq) {
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b = 0; b < xq.blocks; ++b) {
-      quantize_block(x + r * ldx + b * kBlock, xq.q + (r * xq.blocks + b) * kBlock,
-                     xq.d + r * xq.blocks + b, xq.s + r * xq.blocks + b);
+    const float* row = x + r * ldx;
+    for (int64_t g = 0; g < xq.blocks; g += group) {
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t b = g; b < g + group; ++b) m = abs_max(m, row + b * kBlock);
+      const float amax = lanes_max(m);
+      for (int64_t b = g; b < g + group; ++b) {
+        const int64_t at = r * xq.blocks + b;
+        quantize_block(row + b * kBlock, amax, xq.q + at * kBlock, xq.d + at, xq.s + at);
+      }
     }
   }
 }
