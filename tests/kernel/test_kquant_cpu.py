@@ -64,6 +64,25 @@ def test_quant_matmul_each_isa_against_gguf_dequantize(isa, qtype, m, k, n):
     assert_close(out, want, torch.float32, magnitude=magnitude, terms=k)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", NEW_TYPES + (gb.Q4_0, gb.Q4_1, gb.Q8_0))
+def test_quant_matmul_subnormal_f16_scales(isa, qtype):
+    """Real Q6_K/Q4_K files hold many subnormal f16 super-block scales: they must convert as
+    exactly as normal ones (the SIMD paths convert halves with F16C)."""
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU has no {isa} (best: {ops.cpu_isa()})")
+    m, k, n = 2, 512, 12
+    # every f16 value below 2**-20, far under the smallest normal half (2**-14)
+    rows = gb.random_rows(n, k, qtype, seed=3 + qtype, half_scale=2.0 ** -20)
+    w = gb.dequantize(rows, qtype).astype(np.float64)
+    x = int8_activations(m, k, seed=qtype)
+    out = torch.full((m, n), float("nan"))
+    get_function("quant_gemm", "quant_matmul_isa", "cpu")(out, x, torch.from_numpy(rows), qtype,
+                                                          isa)
+    magnitude = np.abs(x.double().numpy()) @ np.abs(w).T
+    assert_close(out, x.double().numpy() @ w.T, torch.float32, magnitude=magnitude, terms=k)
+
+
 @pytest.mark.parametrize("qtype", NEW_TYPES)
 def test_quant_matmul_real_activations_within_int8_rounding(qtype):
     m, k, n = 5, 512, 40

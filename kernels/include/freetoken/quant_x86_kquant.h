@@ -63,7 +63,7 @@ FT_QX_INLINE __m128i kq_scale_bytes(const uint8_t* sb, __m256* offset) {
     const uint32_t m_hi = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
         _mm_setr_epi32(static_cast<int>(m_lo), static_cast<int>(m_hi), 0, 0)));
-    *offset = _mm256_mul_ps(mins, _mm256_set1_ps(-half_at(sb + 2)));
+    *offset = _mm256_mul_ps(mins, _mm256_set1_ps(-half_to_float(sb + 2)));
     return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), 0, 0);
   }
 }
@@ -120,7 +120,7 @@ FT_QX_INLINE void kquant_tile(const uint8_t* row, const QuantizedRows& xq, int64
         sum[r] = scaled_dot(sum[r], w_abs, xv, scale);
       }
     }
-    const float d = half_at(sb + (QT == kQ6_K ? 208 : 0));
+    const float d = half_to_float(sb + (QT == kQ6_K ? 208 : 0));
     for (int r = 0; r < MR; ++r) {
       const __m256 dx = _mm256_set1_ps(d * xq.d_row(m0 + r)[s * 8]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), dx, acc[r]);
