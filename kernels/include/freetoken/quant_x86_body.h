@@ -120,11 +120,30 @@ FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1,
   }
 }
 
+// With VNNI, Q8_0's signed weights are read as unsigned w + 128 (vpdpbusd sums four products
+// in int32, so nothing saturates) and -128 * d meets the activation sums as Q4_0's -8 * d does:
+// one xor a block instead of abs and sign. vpmaddubsw's int16 pair sums would saturate.
+constexpr bool kQ8Biased = FT_QX_VNNI;
+
+// Q5 weights: bit 4 of byte i set where bit i of the block's 32 high bits is.
+FT_QX_INLINE __m256i with_fifth_bits(__m256i q, const uint8_t* bits) {
+#if FT_QX_VNNI  // AVX-512BW: the 32 bits are a byte mask as they stand
+  uint32_t mask;
+  std::memcpy(&mask, bits, 4);
+  return _mm256_mask_add_epi8(q, static_cast<__mmask32>(mask), q, _mm256_set1_epi8(0x10));
+#else
+  return _mm256_or_si256(q, fifth_bits(bits));
+#endif
+}
+
 template <int64_t QT>
 FT_QX_INLINE __m256i weight_bytes(const uint8_t* blk) {
-  if constexpr (QT == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  if constexpr (QT == kQ5_0) return _mm256_or_si256(unpack_nibbles(blk + 6), fifth_bits(blk + 2));
-  if constexpr (QT == kQ5_1) return _mm256_or_si256(unpack_nibbles(blk + 8), fifth_bits(blk + 4));
+  if constexpr (QT == kQ8_0) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    return kQ8Biased ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : w;
+  }
+  if constexpr (QT == kQ5_0) return with_fifth_bits(unpack_nibbles(blk + 6), blk + 2);
+  if constexpr (QT == kQ5_1) return with_fifth_bits(unpack_nibbles(blk + 8), blk + 4);
   return unpack_nibbles(blk + (QT == kQ4_1 ? 4 : 2));
 }
 
@@ -132,8 +151,8 @@ FT_QX_INLINE __m256i weight_bytes(const uint8_t* blk) {
 template <int64_t QT>
 FT_QX_INLINE __m256 block_dot(__m256i w, const int8_t* x_block) {
   __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_block));
-  // signed x signed (Q8_0) is computed as |w| x (x * sign of w)
-  if constexpr (QT == kQ8_0) return dot_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  // signed x signed (Q8_0 without VNNI) is computed as |w| x (x * sign of w)
+  if constexpr (QT == kQ8_0 && !kQ8Biased) return dot_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   return dot_u8_i8(w, x);
 }
 
@@ -174,14 +193,15 @@ FT_QX_INLINE __m256 load_first(const float* p, int count) {
  * \brief Blocks [b, b + count) (count <= 8) of NR weight rows against MR activation rows.
  * The f16 scales of the 8 blocks are converted together and multiplied by the activation
  * scales up front, so each block costs only unpack, integer dot, convert and one FMA per pair.
- * The Q4 offset terms (min or -8 * scale, times the activation block sums) land in acc too:
- * every lane is summed at the end anyway.
+ * The offset terms (min, or -8, -16 or (biased Q8_0) -128 times the scale, times the activation
+ * block sums) land in acc too: every lane is summed at the end anyway.
  */
 template <int64_t QT, int NR, int MR, int kCount>
 FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count,
                                    const QuantizedRows& xq, int64_t m0, __m256 (&acc)[NR][MR]) {
   constexpr int kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24 : 34;
   constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
+  constexpr bool kOffset = QT != kQ8_0 || kQ8Biased;
   const int n_blocks = kCount == 8 ? 8 : count;
   alignas(32) float scale[NR][MR][8];
   __m256 dw[NR], offset[NR];
@@ -189,14 +209,14 @@ FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count
     __m256i heads = block_heads(w[n] + b * kBytes, kBytes, n_blocks);
     dw[n] = halves_to_float(heads);
     offset[n] = kMin ? halves_to_float(_mm256_srli_epi32(heads, 16))
-                     : _mm256_mul_ps(dw[n], _mm256_set1_ps(QT == kQ5_0 ? -16.f : -8.f));
+                     : _mm256_mul_ps(dw[n], _mm256_set1_ps(QT == kQ5_0 ? -16.f : QT == kQ8_0 ? -128.f : -8.f));
   }
   for (int r = 0; r < MR; ++r) {
     __m256 dx = load_first(xq.d_row(m0 + r) + b, n_blocks);
-    __m256 sx = QT == kQ8_0 ? dx : load_first(xq.s_row(m0 + r) + b, n_blocks);
+    __m256 sx = kOffset ? load_first(xq.s_row(m0 + r) + b, n_blocks) : dx;
     for (int n = 0; n < NR; ++n) {
       _mm256_store_ps(scale[n][r], _mm256_mul_ps(dw[n], dx));
-      if constexpr (QT != kQ8_0) acc[n][r] = _mm256_fmadd_ps(offset[n], sx, acc[n][r]);
+      if constexpr (kOffset) acc[n][r] = _mm256_fmadd_ps(offset[n], sx, acc[n][r]);
     }
   }
   for (int k = 0; k < n_blocks; ++k) {
