@@ -3,9 +3,11 @@
 // No include guard on purpose: quant_dispatch.h includes this file once per ISA, each time with
 //   FT_QX_NS      the namespace to define (avx2, avx512)
 //   FT_QX_TARGET  the GCC target string of every function here
-//   FT_QX_VNNI    1 to use vpdpbusd (AVX-512 VNNI on 256-bit vectors), 0 for vpmaddubsw
-// The two ISAs differ only in dot_u8_i8; everything else is shared, so testing one exercises the
-// other's logic. NOTE: lambdas do not inherit target attributes, so none are used here.
+//   FT_QX_VNNI    1 to use vpdpbusd / vpdpwssd and AVX-512BW byte masks on 256-bit vectors,
+//                 0 for vpmaddubsw / vpmaddwd
+// The two ISAs differ only where FT_QX_VNNI is tested (dot_u8_i8, scaled_dot, with_fifth_bits,
+// kQ8Biased); everything else is shared, so testing one exercises the other's logic.
+// NOTE: lambdas do not inherit target attributes, so none are used here.
 
 #define FT_QX_FN __attribute__((target(FT_QX_TARGET)))
 #define FT_QX_INLINE __attribute__((target(FT_QX_TARGET), always_inline)) inline
