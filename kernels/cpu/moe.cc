@@ -58,7 +58,7 @@ void prepare_rows(const Plan& p, const Format& f, const Acts& dst, int64_t width
   for (int64_t q = q0; q < q1; ++q) {
     const float* row = from_x ? p.x + p.token[q] * width : dst.f + q * width;
     if (f.quantized) {
-      quant::quantize(p.isa, row, width, 0, 1, dst.rows(q, 1));
+      quant::quantize(p.isa, f.type, row, width, 0, 1, dst.rows(q, 1));
     } else if (from_x) {
       std::memcpy(dst.f + q * width, row, width * sizeof(float));
     }

@@ -1,9 +1,11 @@
 // GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrix product on the CPU with runtime ISA dispatch in one library:
 // AVX-512 VNNI, AVX2 or portable scalar, chosen once from the CPU's features.
 //
-// out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 per 32-block
-// once per call (see quant_blocks.h), then each output is a sum of integer block dot products;
-// the weight rows are split over the thread pool.
+// out[M, N] = x[M, K] @ dequant(qweight[N, row_bytes]).T. x is quantized to int8 in 32-blocks
+// once per call (one scale per block, or per super-block for the K-quants: see quant_blocks.h),
+// then each output is a sum of integer block dot products; the weight rows are split over the
+// thread pool.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -58,6 +60,19 @@ QuantizedRows quantized_buffer(int64_t rows, int64_t blocks) {
   return xq;
 }
 
+// Weight bytes a decode chunk holds at least: claiming a chunk moves the pool's counter between
+// cores and restarts the prefetch stream, which cost ~0.2 us a chunk (SmolLM2's 576-row o
+// projection, 29 chunks: 8.3 -> 7.0 us).
+constexpr int64_t kDecodeChunkBytes = 65536;
+
+// Weight rows per decode chunk: up to 16 chunks a thread balance the cores, but none smaller
+// than kDecodeChunkBytes, and a multiple of the thread count of about equal chunks.
+int64_t decode_grain(const MatmulShape& s, int64_t threads) {
+  int64_t chunks = std::clamp<int64_t>(s.n * s.row_bytes / kDecodeChunkBytes, 1, threads * 16);
+  chunks = (chunks + threads - 1) / threads * threads;
+  return std::max<int64_t>(16, (s.n + chunks - 1) / chunks);
+}
+
 void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64_t qtype) {
   const MatmulShape s = check_matmul(out, x, qweight, qtype);
   if (s.m == 0 || s.n == 0) return;
@@ -67,14 +82,14 @@ void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64
   const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
   const int64_t threads = thread_pool().num_threads();
   if (s.m < 8) {
-    quantize(isa, xp, s.k, 0, s.m, xq);
+    quantize(isa, qtype, xp, s.k, 0, s.m, xq);
   } else {
     parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4),
-                 [&](int64_t r0, int64_t r1) { quantize(isa, xp, s.k, r0, r1, xq); });
+                 [&](int64_t r0, int64_t r1) { quantize(isa, qtype, xp, s.k, r0, r1, xq); });
   }
-  // Decode (M = 1) streams the weights once: many chunks balance the cores. Prefill keeps a
-  // chunk's weight rows (<= 16) in L1 while every activation tile passes over them.
-  int64_t grain = s.m == 1 ? std::max<int64_t>(16, s.n / (threads * 16))
+  // Prefill keeps a chunk's weight rows (<= 16) in L1 while every activation tile passes over
+  // them; decode streams the weights once (decode_grain).
+  int64_t grain = s.m == 1 ? decode_grain(s, threads)
                            : std::max<int64_t>(4, std::min<int64_t>(16, s.n / (threads * 4)));
   grain = (grain + 3) / 4 * 4;  // whole tiles of four weight rows
   parallel_for(s.n, grain, [&](int64_t n0, int64_t n1) {

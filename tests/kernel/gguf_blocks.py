@@ -24,15 +24,16 @@ def block_bytes(qtype: int) -> tuple[int, int]:
     return size, nbytes
 
 
-def random_rows(rows: int, k: int, qtype: int, seed: int, lead: tuple[int, ...] = ()
-                ) -> np.ndarray:
-    """uint8 [*lead, rows, row_bytes]: random quant bytes and scales, finite f16 d (and min)."""
+def random_rows(rows: int, k: int, qtype: int, seed: int, lead: tuple[int, ...] = (),
+                half_scale: float = 1.0) -> np.ndarray:
+    """uint8 [*lead, rows, row_bytes]: random quant bytes and scales, finite f16 d (and min);
+    `half_scale` multiplies every f16 value (2**-20 makes them subnormal halves)."""
     size, nbytes = block_bytes(qtype)
     assert k % size == 0, (k, size)
     g = np.random.default_rng(seed)
     blocks = g.integers(0, 256, size=(*lead, rows, k // size, nbytes), dtype=np.uint8)
     for at in _HALVES[qtype]:
-        half = g.uniform(0.25, 1.0, size=blocks.shape[:-1]) / _RANGE[qtype]
+        half = g.uniform(0.25, 1.0, size=blocks.shape[:-1]) / _RANGE[qtype] * half_scale
         half *= g.choice([-1.0, 1.0], size=half.shape)
         blocks[..., at:at + 2] = half.astype(np.float16)[..., None].view(np.uint8)
     return np.ascontiguousarray(blocks.reshape(*lead, rows, -1))

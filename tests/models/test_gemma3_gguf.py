@@ -2,9 +2,9 @@
 Gemma3ForCausalLM on the same file dequantized to float32, and against llama.cpp where
 llama-cpp-python is installed; `ft serve` answers a chat request with it.
 
-Our quantized matmuls round activations to int8 per 32-block, transformers runs float32: the
-logits differ by that rounding, so distributions are compared by KL divergence and greedy
-tokens wherever the reference's top-two gap is far above it."""
+Our quantized matmuls round activations to int8 (per 32-block, per 256 against the K-quants),
+transformers runs float32: the logits differ by that rounding, so distributions are compared by
+KL divergence and greedy tokens wherever the reference's top-two gap is far above it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,13 @@ from tests.models.helpers import PagedRunner
 
 pytestmark = [pytest.mark.needs_weights, pytest.mark.slow]
 
-KL_LIMIT = 0.02   # nats, as for SmolLM2: int8 activation rounding against float32
+# KL from int8 activation rounding grows with the rounding noise's variance, the step squared.
+# SmolLM2's limit (0.02 nats) holds for one scale per 32; the Q4_K/Q6_K projections (o, down)
+# round with one scale per 256, and on their inputs here the RMS step is 2.3 times the per-32
+# one (max |x| of 256 against of 32: Gemma's activations have outliers), so at most 2.3**2 the
+# KL where those layers carried all of it.
+STEP_RATIO_256 = 2.3
+KL_LIMIT = 0.02 * STEP_RATIO_256 ** 2   # nats
 CLEAR_GAP = 1.0   # logits; int8 activation rounding moves Gemma 270M's logits by < 0.2
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
            "Water boils at a temperature of"]
@@ -65,10 +71,14 @@ def test_config_and_quantized_layers(ours):
     qtypes = set()
     for layer in ours.model.layers:
         for linear in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-            # q/k and v of mixed block types stay apart: one product per part
+            # q + k (Q5_0) and v (Q8_0) stay apart: one product per block type
             for part in linear.parts if isinstance(linear, PartsLinear) else [linear]:
                 assert isinstance(part, QuantLinear)    # kept as GGUF blocks, never floats
                 qtypes.add(part.qtype)
+        if isinstance(layer.attn.qkv, PartsLinear):
+            assert [p.out_features for p in layer.attn.qkv.parts] == [
+                cfg.num_heads * cfg.head_dim + cfg.num_kv_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim]
     assert qtypes == {6, 8, 12, 14}                       # Q5_0, Q8_0, Q4_K, Q6_K
 
 
@@ -133,7 +143,9 @@ def test_greedy_tokens_match_llama_cpp(ours, path):
 
 
 def _greedy_text(ours, ids: list[int], max_tokens: int) -> str:
-    runner = PagedRunner(ours.model, num_blocks=16)
+    # float16 KV, as `ft serve` keeps it on the CPU (kv_dtype auto): past the answer the
+    # pretrained model's top tokens are close, so a float32 pool can pick other ones
+    runner = PagedRunner(ours.model, num_blocks=16, kv_dtype="float16")
     logits, out = runner.step([(0, ids)])[0], []
     while len(out) < max_tokens:
         token = int(torch.as_tensor(logits).argmax())

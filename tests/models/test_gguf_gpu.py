@@ -75,10 +75,10 @@ def test_k_quant_mix_stays_in_vram_and_matches_the_dequantized_float_path(tmp_pa
     reference = load_model(str(path), device="cuda", dtype="float32")   # dequantized at load
     layer = gpu.model.layers[0]
     qkv = layer.attn.qkv
-    assert isinstance(qkv, PartsLinear)                      # Q4_K q, k rows and Q6_K v rows
-    for part, name in zip(qkv.parts, ("attn_q", "attn_k", "attn_v")):
+    assert isinstance(qkv, PartsLinear)                      # Q4_K q + k rows, Q6_K v rows
+    for part, names in zip(qkv.parts, (("attn_q", "attn_k"), ("attn_v",))):
         assert part.data.dtype == torch.uint8 and part.data.is_cuda
-        assert part.data.nbytes == raw[f"blk.0.{name}.weight"][0].nbytes
+        assert part.data.nbytes == sum(raw[f"blk.0.{n}.weight"][0].nbytes for n in names)
     down = layer.mlp.down
     assert isinstance(down, QuantLinear) and down.qtype == Q5_K
     assert down.data.nbytes == raw["blk.0.ffn_down.weight"][0].nbytes

@@ -60,8 +60,10 @@ def test_k_quant_blocks_stay_as_uint8_tensors_and_match_dequantized_floats(fake_
     quant = loader.load_model(str(path), device="cuda")          # bf16: blocks kept
     floats = loader.load_model(str(path), device="cuda", dtype="float32")
     attn, mlp = quant.model.layers[1].attn, quant.model.layers[1].mlp
+    # q and k share a block type: one matrix; v stays apart
+    assert K_MIX["attn_q"] == K_MIX["attn_k"] != K_MIX["attn_v"]
     assert isinstance(attn.qkv, PartsLinear) and [p.qtype for p in attn.qkv.parts] == [
-        K_MIX["attn_q"], K_MIX["attn_k"], K_MIX["attn_v"]]
+        K_MIX["attn_q"], K_MIX["attn_v"]]
     assert all(p.strided_out for p in attn.qkv.parts)
     assert isinstance(mlp.gate_up, QuantLinear) and mlp.gate_up.data.dtype == torch.uint8
     expected = np.concatenate([raw["blk.1.ffn_gate.weight"][0], raw["blk.1.ffn_up.weight"][0]])

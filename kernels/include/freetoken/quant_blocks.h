@@ -63,7 +63,10 @@ inline float half_at(const uint8_t* p) {
   return f16_to_float(h);
 }
 
-/*! \brief Activation rows quantized per 32-block; `blocks` blocks per row. */
+/*!
+ * \brief Activation rows as int8 in 32-blocks; `blocks` blocks per row. Each block has its own
+ * scale, or shares it with its super-block (see activation_group): d holds it per block either way.
+ */
 struct QuantizedRows {
   int64_t rows = 0, blocks = 0;
   int8_t* q = nullptr;   // [rows][blocks * 32]
@@ -89,21 +92,35 @@ inline void unpack_block(const uint8_t* row, int64_t qtype, int64_t b, SubBlock*
 
 // ------------------------------------------------------------------ scalar path
 
-inline void quantize_row_scalar(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+/*!
+ * \brief Activation blocks that share one int8 scale: a whole super-block of 8 for the K-quants
+ * (their kernels then sum a super-block's integer dots before one float multiply), else 1.
+ */
+inline int64_t activation_group(int64_t qtype) { return is_kquant(qtype) ? kSuper / kBlock : 1; }
+
+// Blocks [b, b + group) of x to int8 with the scale max |x| / 127 over all of them; every
+// block still records that scale in d[b] and scale * (its int sum) in s[b].
+inline void quantize_group_scalar(const float* x, int64_t b, int64_t group, int8_t* q, float* d,
+                                  float* s) {
+  float amax = 0.f;
+  for (int64_t i = b * kBlock; i < (b + group) * kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = b; k < b + group; ++k) {
     int sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      int v = static_cast<int>(std::lrintf(xb[i] * inv));  // nearest-even, like cvtps2dq
-      q[b * kBlock + i] = static_cast<int8_t>(v);
+    for (int64_t i = k * kBlock; i < (k + 1) * kBlock; ++i) {
+      int v = static_cast<int>(std::lrintf(x[i] * inv));  // nearest-even, like cvtps2dq
+      q[i] = static_cast<int8_t>(v);
       sum += v;
     }
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
+    d[k] = scale;
+    s[k] = scale * static_cast<float>(sum);
   }
+}
+
+/*! \brief One row of `blocks` blocks (a multiple of `group`) to int8, one scale per group. */
+inline void quantize_row_scalar(const float* x, int64_t blocks, int64_t group, int8_t* q,
+                                float* d, float* s) {
+  for (int64_t b = 0; b < blocks; b += group) quantize_group_scalar(x, b, group, q, d, s);
 }
 
 inline float dot_row_scalar(const uint8_t* w, int64_t qtype, const QuantizedRows& xq,

@@ -63,16 +63,20 @@ inline Isa parse_isa(const std::string& name) {
   return isa;
 }
 
-/*! \brief Quantize activation rows [r0, r1) of x (row stride k) into xq. */
-inline void quantize(Isa isa, const float* x, int64_t k, int64_t r0, int64_t r1,
+/*!
+ * \brief Quantize activation rows [r0, r1) of x (row stride k) into xq, in the form the kernels
+ * of weight type `qtype` read (see activation_group).
+ */
+inline void quantize(Isa isa, int64_t qtype, const float* x, int64_t k, int64_t r0, int64_t r1,
                      const QuantizedRows& xq) {
+  const int64_t group = activation_group(qtype);
   if (isa == Isa::kScalar) {
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row_scalar(x + r * k, xq.blocks, xq.q + r * xq.blocks * kBlock, xq.d + r * xq.blocks,
-                          xq.s + r * xq.blocks);
+      quantize_row_scalar(x + r * k, xq.blocks, group, xq.q + r * xq.blocks * kBlock,
+                          xq.d + r * xq.blocks, xq.s + r * xq.blocks);
     }
   } else {
-    avx2::quantize_rows(x, k, r0, r1, xq);  // AVX-512 machines run this AVX2 code too
+    avx2::quantize_rows(x, k, r0, r1, group, xq);  // AVX-512 machines run this AVX2 code too
   }
 }
 

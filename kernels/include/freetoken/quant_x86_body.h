@@ -3,9 +3,11 @@
 // No include guard on purpose: quant_dispatch.h includes this file once per ISA, each time with
 //   FT_QX_NS      the namespace to define (avx2, avx512)
 //   FT_QX_TARGET  the GCC target string of every function here
-//   FT_QX_VNNI    1 to use vpdpbusd (AVX-512 VNNI on 256-bit vectors), 0 for vpmaddubsw
-// The two ISAs differ only in dot_u8_i8; everything else is shared, so testing one exercises the
-// other's logic. NOTE: lambdas do not inherit target attributes, so none are used here.
+//   FT_QX_VNNI    1 to use vpdpbusd / vpdpwssd and AVX-512BW byte masks on 256-bit vectors,
+//                 0 for vpmaddubsw / vpmaddwd
+// The two ISAs differ only where FT_QX_VNNI is tested (dot_u8_i8, scaled_dot, with_fifth_bits,
+// kQ8Biased); everything else is shared, so testing one exercises the other's logic.
+// NOTE: lambdas do not inherit target attributes, so none are used here.
 
 #define FT_QX_FN __attribute__((target(FT_QX_TARGET)))
 #define FT_QX_INLINE __attribute__((target(FT_QX_TARGET), always_inline)) inline
@@ -32,14 +34,19 @@ FT_QX_INLINE __m256i fifth_bits(const uint8_t* p) {
                           _mm256_set1_epi8(0x10));
 }
 
-// Eight f16 values held in the low 16 bits of each 32-bit lane -> floats. Exponent and mantissa
-// moved into a float and scaled by 2^112 is exact for normal and subnormal halves (scales are
-// never inf/NaN in a valid file).
+// f16 -> float with F16C: a float multiply that rebuilds a subnormal half (Q6_K and Q4_K
+// super-block scales often are) takes a microcode assist of ~100 cycles; cvtph does not.
+FT_QX_INLINE float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Eight f16 values held in the low 16 bits of each 32-bit lane -> floats.
 FT_QX_INLINE __m256 halves_to_float(__m256i h) {
-  __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)), 13);
-  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
-  __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p112f));
-  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+  const __m256i low = _mm256_and_si256(h, _mm256_set1_epi32(0xffff));
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low),
+                                          _mm256_extracti128_si256(low, 1)));
 }
 
 // Products of unsigned `w` and signed `x` bytes summed in groups of four: 8 lanes, as floats.
@@ -66,20 +73,26 @@ FT_QX_INLINE int hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-FT_QX_INLINE void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+FT_QX_INLINE __m256 abs_max(__m256 m, const float* x) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+  return m;
+}
+
+FT_QX_INLINE float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float top = _mm_cvtss_f32(m);
-  const float scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+  return _mm_cvtss_f32(m);
+}
+
+// One block of 32 to int8 with the scale amax / 127 (amax >= max |x| of the block).
+FT_QX_INLINE void quantize_block(const float* x, float amax, int8_t* q, float* d, float* s) {
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
   __m256i iq[4];
-  for (int i = 0; i < 4; ++i) iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  for (int i = 0; i < 4; ++i) {
+    iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inv)));
+  }
   int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]), _mm256_add_epi32(iq[2], iq[3])));
   // packs interleave 128-bit lanes; the permute restores element order 0..31
   __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
@@ -89,22 +102,50 @@ FT_QX_INLINE void quantize_block(const float* x, int8_t* q, float* d, float* s) 
   *s = scale * static_cast<float>(sum);
 }
 
-/*! \brief Quantize activation rows [r0, r1) of x (row stride ldx) into xq. */
-FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1,
+/*!
+ * \brief Quantize activation rows [r0, r1) of x (row stride ldx) into xq, one scale per
+ * `group` blocks (as quantize_group_scalar).
+ */
+FT_QX_FN void quantize_rows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t group,
                             const QuantizedRows& xq) {
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b = 0; b < xq.blocks; ++b) {
-      quantize_block(x + r * ldx + b * kBlock, xq.q + (r * xq.blocks + b) * kBlock,
-                     xq.d + r * xq.blocks + b, xq.s + r * xq.blocks + b);
+    const float* row = x + r * ldx;
+    for (int64_t g = 0; g < xq.blocks; g += group) {
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t b = g; b < g + group; ++b) m = abs_max(m, row + b * kBlock);
+      const float amax = lanes_max(m);
+      for (int64_t b = g; b < g + group; ++b) {
+        const int64_t at = r * xq.blocks + b;
+        quantize_block(row + b * kBlock, amax, xq.q + at * kBlock, xq.d + at, xq.s + at);
+      }
     }
   }
 }
 
+// With VNNI, Q8_0's signed weights are read as unsigned w + 128 (vpdpbusd sums four products
+// in int32, so nothing saturates) and -128 * d meets the activation sums as Q4_0's -8 * d does:
+// one xor a block instead of abs and sign. vpmaddubsw's int16 pair sums would saturate.
+constexpr bool kQ8Biased = FT_QX_VNNI;
+
+// Q5 weights: bit 4 of byte i set where bit i of the block's 32 high bits is.
+FT_QX_INLINE __m256i with_fifth_bits(__m256i q, const uint8_t* bits) {
+#if FT_QX_VNNI  // AVX-512BW: the 32 bits are a byte mask as they stand
+  uint32_t mask;
+  std::memcpy(&mask, bits, 4);
+  return _mm256_mask_add_epi8(q, static_cast<__mmask32>(mask), q, _mm256_set1_epi8(0x10));
+#else
+  return _mm256_or_si256(q, fifth_bits(bits));
+#endif
+}
+
 template <int64_t QT>
 FT_QX_INLINE __m256i weight_bytes(const uint8_t* blk) {
-  if constexpr (QT == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  if constexpr (QT == kQ5_0) return _mm256_or_si256(unpack_nibbles(blk + 6), fifth_bits(blk + 2));
-  if constexpr (QT == kQ5_1) return _mm256_or_si256(unpack_nibbles(blk + 8), fifth_bits(blk + 4));
+  if constexpr (QT == kQ8_0) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    return kQ8Biased ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : w;
+  }
+  if constexpr (QT == kQ5_0) return with_fifth_bits(unpack_nibbles(blk + 6), blk + 2);
+  if constexpr (QT == kQ5_1) return with_fifth_bits(unpack_nibbles(blk + 8), blk + 4);
   return unpack_nibbles(blk + (QT == kQ4_1 ? 4 : 2));
 }
 
@@ -112,8 +153,8 @@ FT_QX_INLINE __m256i weight_bytes(const uint8_t* blk) {
 template <int64_t QT>
 FT_QX_INLINE __m256 block_dot(__m256i w, const int8_t* x_block) {
   __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_block));
-  // signed x signed (Q8_0) is computed as |w| x (x * sign of w)
-  if constexpr (QT == kQ8_0) return dot_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  // signed x signed (Q8_0 without VNNI) is computed as |w| x (x * sign of w)
+  if constexpr (QT == kQ8_0 && !kQ8Biased) return dot_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   return dot_u8_i8(w, x);
 }
 
@@ -154,14 +195,15 @@ FT_QX_INLINE __m256 load_first(const float* p, int count) {
  * \brief Blocks [b, b + count) (count <= 8) of NR weight rows against MR activation rows.
  * The f16 scales of the 8 blocks are converted together and multiplied by the activation
  * scales up front, so each block costs only unpack, integer dot, convert and one FMA per pair.
- * The Q4 offset terms (min or -8 * scale, times the activation block sums) land in acc too:
- * every lane is summed at the end anyway.
+ * The offset terms (min, or -8, -16 or (biased Q8_0) -128 times the scale, times the activation
+ * block sums) land in acc too: every lane is summed at the end anyway.
  */
 template <int64_t QT, int NR, int MR, int kCount>
 FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count,
                                    const QuantizedRows& xq, int64_t m0, __m256 (&acc)[NR][MR]) {
   constexpr int kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : QT == kQ5_0 ? 22 : QT == kQ5_1 ? 24 : 34;
   constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1;
+  constexpr bool kOffset = QT != kQ8_0 || kQ8Biased;
   const int n_blocks = kCount == 8 ? 8 : count;
   alignas(32) float scale[NR][MR][8];
   __m256 dw[NR], offset[NR];
@@ -169,14 +211,14 @@ FT_QX_INLINE void accumulate_group(const uint8_t* const* w, int64_t b, int count
     __m256i heads = block_heads(w[n] + b * kBytes, kBytes, n_blocks);
     dw[n] = halves_to_float(heads);
     offset[n] = kMin ? halves_to_float(_mm256_srli_epi32(heads, 16))
-                     : _mm256_mul_ps(dw[n], _mm256_set1_ps(QT == kQ5_0 ? -16.f : -8.f));
+                     : _mm256_mul_ps(dw[n], _mm256_set1_ps(QT == kQ5_0 ? -16.f : QT == kQ8_0 ? -128.f : -8.f));
   }
   for (int r = 0; r < MR; ++r) {
     __m256 dx = load_first(xq.d_row(m0 + r) + b, n_blocks);
-    __m256 sx = QT == kQ8_0 ? dx : load_first(xq.s_row(m0 + r) + b, n_blocks);
+    __m256 sx = kOffset ? load_first(xq.s_row(m0 + r) + b, n_blocks) : dx;
     for (int n = 0; n < NR; ++n) {
       _mm256_store_ps(scale[n][r], _mm256_mul_ps(dw[n], dx));
-      if constexpr (QT != kQ8_0) acc[n][r] = _mm256_fmadd_ps(offset[n], sx, acc[n][r]);
+      if constexpr (kOffset) acc[n][r] = _mm256_fmadd_ps(offset[n], sx, acc[n][r]);
     }
   }
   for (int k = 0; k < n_blocks; ++k) {

@@ -128,20 +128,35 @@ def _place(weight: Weight, where: Placement) -> Weight:
 
 def _fuse_rows(parts: list[Weight]) -> list[Weight]:
     """One matrix when the parts concatenate (same float dtype, or same GGUF block type, or
-    scaled weights whose scales line up)."""
+    scaled weights whose scales line up). Mixed GGUF types (the _M mixes: Gemma 3's q and k
+    Q5_0, v Q8_0) join each run of adjacent parts of one type, so q and k are one product."""
     if all(isinstance(p, ScaledWeight) for p in parts):
         joined = scaled.concat_rows(parts)
         return parts if joined is None else [joined]
     if not any(isinstance(p, (QuantWeight, ScaledWeight)) for p in parts):
         return [_concat(parts)]
     if all(isinstance(p, QuantWeight) for p in parts):
-        qtypes = {p.qtype for p in parts}
-        widths = {p.data.shape[1] for p in parts}
-        if len(qtypes) == 1 and len(widths) == 1:
-            rows = sum(p.shape[0] for p in parts)
-            data = _concat([p.data for p in parts])
-            return [QuantWeight(parts[0].qtype, data, (rows, parts[0].shape[1]))]
+        return [_join_quant(run) for run in _quant_runs(parts)]
     return parts
+
+
+def _quant_runs(parts: list[QuantWeight]) -> list[list[QuantWeight]]:
+    """Adjacent GGUF parts grouped while block type and row width stay the same."""
+    runs = [[parts[0]]]
+    for part in parts[1:]:
+        last = runs[-1][-1]
+        if part.qtype == last.qtype and part.data.shape[1] == last.data.shape[1]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+def _join_quant(run: list[QuantWeight]) -> QuantWeight:
+    if len(run) == 1:
+        return run[0]
+    rows = sum(p.shape[0] for p in run)
+    return QuantWeight(run[0].qtype, _concat([p.data for p in run]), (rows, run[0].shape[1]))
 
 
 def _concat(parts: list[Array], axis: int = 0) -> Array:
@@ -197,9 +212,11 @@ class _Reader:
         weights = [self.required(name, shape) for name, shape in parts]
         fused = _fuse_rows(weights)
         release = getattr(self.src, "release", None)
-        if len(fused) == 1 and len(weights) > 1 and release is not None:
-            for name, _ in parts:
-                release(name)
+        if release is not None:
+            kept = {id(w) for w in fused}   # parts that were not copied into a joined matrix
+            for (name, _), weight in zip(parts, weights):
+                if id(weight) not in kept:
+                    release(name)
         return fused
 
     def required(self, name: str, shape: tuple[int, ...]) -> Weight:
