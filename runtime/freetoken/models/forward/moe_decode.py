@@ -38,13 +38,12 @@ MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMax
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
 VARIANTS = 4            # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
 STAGED_DOWN = 4         # down only: its activations staged in shared memory (kStagedDown)
-# The launch variant decode runs, per kernel and step size (benchmarks/moe_decode_kernels.py
-# times them all; H200, benchmarks/results/h200-moe_decode_kernels-d1cf359.txt): variant 0,
-# except down at 2 tokens, where two rows per warp (variant 2: the same per-row arithmetic,
-# twice the loads in flight) took Qwen3-30B-A3B from 37.6 to 24.3 us and Qwen3.6 from 28.7
-# to 19.7 us; at 1 token no variant beat 0 by more than 2%.
-GATE_UP_VARIANT = {}        # tokens -> variant; absent: 0
-DOWN_VARIANT = {2: 2}
+# The launch variant decode runs (benchmarks/moe_decode_kernels.py times them all; H200,
+# benchmarks/results/h200-moe_decode_kernels-d1cf359.txt): variant 0, except down at 2 tokens,
+# where two rows per warp (variant 2: the same per-row arithmetic, twice the loads in flight)
+# took Qwen3-30B-A3B from 37.6 to 24.3 us and Qwen3.6 from 28.7 to 19.7 us; at 1 token no
+# variant beat 0 by more than 2%.
+DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent (and gate/up always): 0
 ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
@@ -133,11 +132,10 @@ class MoEDecode:
         shared = self.shared_w13 is not None
         act = w.shared_act if shared else None
         gate = w.shared_gate if self.gate_w is not None else None
-        tokens = x.shape[0]
         self.gate_up(x, m.w13, m.w2, w.topk_ids, m.expert_map, w.moe_workspace, self.shared_w13,
-                     act, self.gate_w, gate, GATE_UP_VARIANT.get(tokens, 0))
+                     act, self.gate_w, gate, 0)
         self.down(out, m.w13, m.w2, w.topk_ids, w.topk_weights, m.expert_map, w.moe_workspace,
-                  self.shared_w2, act, gate, accumulate, DOWN_VARIANT.get(tokens, 0))
+                  self.shared_w2, act, gate, accumulate, DOWN_VARIANT.get(x.shape[0], 0))
 
 
 def attach(layers: list, weights: list, cfg: ModelConfig, dtype: str, arrays) -> int:
