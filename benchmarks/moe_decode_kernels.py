@@ -176,7 +176,7 @@ def variant_ok(ly: Layer, b: Buffers, variant: int) -> bool:
     from freetoken.models.forward.moe_decode import VARIANTS
 
     out = torch.empty_like(b.out)
-    gate_up(ly, b, variant if variant < VARIANTS else 0)   # STAGED_DOWN is down's alone
+    gate_up(ly, b, variant)
     down(ly, b, variant, out)
     ref, bound = reference_decode(b.hidden, ly.w13, ly.w2, b.ids, b.weights, ly.emap, ly.sh)
     return bool(((out.float() - ref).abs() <= bound).all())
@@ -184,14 +184,14 @@ def variant_ok(ly: Layer, b: Buffers, variant: int) -> bool:
 
 def breakdown(layers, bufs, reps: int) -> str:
     """Per-kernel GPU time of the new path (us per layer), every gate/up and down variant."""
-    from freetoken.models.forward.moe_decode import STAGED_DOWN, VARIANTS
+    from freetoken.models.forward.moe_decode import VARIANTS
 
     new_step(layers[-1], bufs)          # the routing and activations the kernels read
     parts = [f"{f.__name__} {graph_ms(f, layers, bufs, reps) * 1e3:.1f}"
              for f in (norm, router, topk)]
     for kernel in (gate_up, down):
         times = []
-        for v in [*range(VARIANTS), *([STAGED_DOWN] if kernel is down else [])]:
+        for v in range(VARIANTS):
             if not variant_ok(layers[-1], bufs, v):
                 times.append(f"v{v} FAIL")
                 continue

@@ -12,8 +12,7 @@
 //                      writes y = sum_k w_k * (down_s . act) [+ sigmoid(g) * shared], or adds
 //                      it to the residual stream.
 //
-// `variant` picks a launch shape (moe_decode_kernels.cuh kVariants; 0 the default; down also
-// takes kStagedDown, its activations staged in shared memory).
+// `variant` picks a launch shape (moe_decode_kernels.cuh kVariants; 0 the default).
 // Slots come from topk_ids through expert_map (offload slot pools; an unmapped expert is
 // skipped, as in moe_experts). No host sync: the launch shape depends on (T, K, I) alone.
 // Rounding follows the unfused chain: gate, up and the shared products are rounded to the
@@ -27,7 +26,6 @@ namespace {
 using moe_decode::DecodeArgs;
 using moe_decode::down_kernel;
 using moe_decode::down_stages;
-using moe_decode::down_staged_kernel;
 using moe_decode::gate_up_blocks;
 using moe_decode::gate_up_kernel;
 using moe_decode::kMaxExperts;
@@ -36,7 +34,6 @@ using moe_decode::kMaxTopK;
 using moe_decode::kNumVariants;
 using moe_decode::kVariants;
 using moe_decode::kRows;
-using moe_decode::kStagedDown;
 using moe_decode::kThreads;
 
 // ---------------------------------------------------------------- host side
@@ -78,10 +75,7 @@ void launch_down_variant(const DecodeArgs& a, cudaStream_t stream) {
 
 template <typename T>
 void launch_down(const DecodeArgs& a, int variant, cudaStream_t stream) {
-  if (variant == kStagedDown && down_stages(a)) {
-    dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(ceil_div(a.hidden, kRows)));
-    down_staged_kernel<T><<<grid, kThreads, 0, stream>>>(a);
-  } else if (variant == 1) {
+  if (variant == 1) {
     launch_down_variant<T, 1>(a, stream);
   } else if (variant == 2) {
     launch_down_variant<T, 2>(a, stream);
@@ -93,7 +87,6 @@ void launch_down(const DecodeArgs& a, int variant, cudaStream_t stream) {
   check_launch("moe_decode_down");
 }
 
-// gate/up takes the kVariants shapes; down also takes kStagedDown.
 int check_variant(int64_t variant, int count) {
   TVM_FFI_ICHECK(variant >= 0 && variant < count)
       << "variant must be in 0.." << count - 1 << ", got " << variant;
@@ -250,7 +243,7 @@ void moe_decode_down(TensorView out, TensorView w13, TensorView w2, TensorView t
                      tvm::ffi::Optional<TensorView> shared_act,
                      tvm::ffi::Optional<TensorView> shared_gate, bool accumulate,
                      int64_t variant) {
-  int v = check_variant(variant, kStagedDown + 1);
+  int v = check_variant(variant, kNumVariants);
   DecodeArgs a = routed_args(out, w13, w2, topk_ids, expert_map, workspace);
   int dev = out.device().device_id;
   check_rows(out, dev, out, "out", a.tokens, a.hidden, &a.out_stride);

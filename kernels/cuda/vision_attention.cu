@@ -1,10 +1,19 @@
 // Non-causal attention over variable-length segments (the vision encoder: each image's patches
-// attend to all patches of that image only). A block takes 32 consecutive queries of one head;
-// 4 lanes share a query, each holding up to 32 of its head dims in registers, so head_dim may be
-// any multiple of 8 up to 128 (72 for Qwen3.5's tower). Keys and values stream through shared
-// memory in tiles of 32 rows (f32); a tile's scores are kept in registers and folded into the
-// running softmax once per tile. Queries of a block may straddle a segment boundary: the block
-// walks the union of their segments and each query masks keys outside its own.
+// attend to all patches of that image only). Two kernels, chosen on the host by dtype:
+//  * tensor cores (bf16/f16 on CUDA): a block takes 64 queries of one head within one segment
+//    (4 warps of 16 rows); keys and values of the segment stream through shared memory in tiles
+//    of 64 with cp.async, scores and P.V on mma.m16n8k16 with an online softmax. The head dim is
+//    zero-padded to a multiple of 16 in shared memory (72 -> 80 for Qwen3.5's tower). P is
+//    rounded to the input dtype for the second mma, as flash attention does.
+//  * CUDA cores (float32, and every dtype on ROCm): a block takes 32 consecutive queries of one
+//    head; 4 lanes share a query, each holding up to 32 of its head dims in registers. Keys and
+//    values stream through shared memory in tiles of 32 rows (f32); a tile's scores are kept in
+//    registers and folded into the running softmax once per tile. Queries of a block may
+//    straddle a segment boundary: the block walks the union of their segments and each query
+//    masks keys outside its own.
+// Both take any head_dim that is a multiple of 8 up to 128.
+#include <type_traits>
+
 #include "freetoken/cuda_common.cuh"
 
 namespace freetoken {
@@ -127,6 +136,222 @@ vision_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const T* _
   }
 }
 
+#if !defined(__HIP_PLATFORM_AMD__)
+// ---------------------------------------------------------------- tensor cores
+
+constexpr int kTcRows = 64;     // queries per block: 4 warps x 16 rows
+constexpr int kTcKeys = 64;     // keys per shared-memory tile
+constexpr int kTcThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// DP: the head dim padded to a multiple of 16 (the mma's k). A row pitch of DP + 8 elements
+// (an odd number of 16-byte units) keeps ldmatrix reads free of bank conflicts.
+template <int DP>
+struct TcShape {
+  static constexpr int kPitch = DP + 8;
+  static constexpr int kSmemBytes = (kTcRows + 2 * kTcKeys) * kPitch * 2;
+};
+
+// Tiles of segment s are numbered from cu[s] / kTcRows + s (at most one partial tile a segment).
+__device__ __forceinline__ int tile_segment(const int32_t* cu, int segments, int tile) {
+  int lo = 0, hi = segments - 1;      // the last s whose first tile is <= tile
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (cu[mid] / kTcRows + mid <= tile) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// `rows` rows of a [tokens, *] matrix (row stride `stride`, this head's columns from `col0`) into
+// a shared tile; rows past `valid` and columns past `dim` are zero-filled.
+template <typename T, int DP>
+__device__ __forceinline__ void load_rows(T* dst, const T* src, int64_t first, int valid,
+                                          int64_t stride, int64_t col0, int dim) {
+  constexpr int kChunks = DP / 8, kPitch = TcShape<DP>::kPitch;
+  for (int i = threadIdx.x; i < kTcKeys * kChunks; i += kTcThreads) {
+    const int r = i / kChunks, c = i - r * kChunks;
+    const bool ok = r < valid && c * 8 < dim;
+    cp_async16(dst + r * kPitch + c * 8, ok ? src + (first + r) * stride + col0 + c * 8 : src,
+               ok);
+  }
+}
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kTcThreads)
+vision_attention_tc_kernel(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k,
+                           const T* __restrict__ v, int64_t os, int64_t qs, int64_t ks,
+                           int64_t vs, const int32_t* __restrict__ cu, int segments, int dim,
+                           float scale_log2) {
+  static_assert(kTcRows == kTcKeys, "load_rows serves the query and the key tiles");
+  constexpr int LD = TcShape<DP>::kPitch, BN = kTcKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kTcRows * LD;
+  T* sV = sK + BN * LD;
+  const int seg = tile_segment(cu, segments, blockIdx.x);
+  const int begin = cu[seg], end = cu[seg + 1];
+  const int q0 = begin + (static_cast<int>(blockIdx.x) - (begin / kTcRows + seg)) * kTcRows;
+  if (q0 >= end) return;              // the spare tile of a segment that ends on a boundary
+  const int rows = min(kTcRows, end - q0);
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * dim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tq = lane % 4;
+  const bool active = warp * 16 < rows;   // warps of padding rows share loads, skip the math
+
+  load_rows<T, DP>(sQ, q, q0, rows, qs, col0, dim);
+  cp_async_commit();
+  float o[DP / 8][4] = {};
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;  // rows lane / 4 and lane / 4 + 8
+
+  for (int n0 = begin; n0 < end; n0 += BN) {
+    __syncthreads();                  // every warp is done with the previous K and V tiles
+    load_rows<T, DP>(sK, k, n0, end - n0, ks, col0, dim);
+    cp_async_commit();
+    load_rows<T, DP>(sV, v, n0, end - n0, vs, col0, dim);
+    cp_async_commit();
+    cp_async_wait<1>();               // Q and K landed; V may still be in flight
+    __syncthreads();
+    float s[BN / 8][4] = {};
+    if (active) {
+      // S = Q K^T for the warp's 16 rows
+#pragma unroll
+      for (int kd = 0; kd < DP / 16; ++kd) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sQ + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + kd * 16 +
+                           (lane / 16) * 8);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; nt += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, sK + (nt * 8 + (lane / 16) * 8 + lane % 8) * LD + kd * 16 +
+                              ((lane / 8) % 2) * 8);
+          mma_16816<T>(s[nt], a, kb[0], kb[1]);
+          mma_16816<T>(s[nt + 1], a, kb[2], kb[3]);
+        }
+      }
+      // mask the zero-filled keys past the segment; online softmax in log2 units
+      float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool ok = n0 + nt * 8 + tq * 2 + (e & 1) < end;
+          s[nt][e] = ok ? s[nt][e] * scale_log2 : kNegInf;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+      }
+#pragma unroll
+      for (int off = 1; off <= 2; off <<= 1) {   // a row lives in the 4 lanes of a quad
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      // every tile holds at least one key of the segment, so the maxima are finite
+      const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+      const float alpha0 = exp2f(m0 - new0), alpha1 = exp2f(m1 - new1);
+      m0 = new0;
+      m1 = new1;
+      l0 *= alpha0;
+      l1 *= alpha1;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        s[nt][0] = exp2f(s[nt][0] - new0);
+        s[nt][1] = exp2f(s[nt][1] - new0);
+        s[nt][2] = exp2f(s[nt][2] - new1);
+        s[nt][3] = exp2f(s[nt][3] - new1);
+        l0 += s[nt][0] + s[nt][1];
+        l1 += s[nt][2] + s[nt][3];
+      }
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        o[dt][0] *= alpha0;
+        o[dt][1] *= alpha0;
+        o[dt][2] *= alpha1;
+        o[dt][3] *= alpha1;
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (active) {
+      // O += P V: the accumulators of two key tiles of S form one A fragment
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                         pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                         pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; dt += 2) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, sV + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dt * 8 +
+                                    (lane / 16) * 8);
+          mma_16816<T>(o[dt], a, vb[0], vb[1]);
+          mma_16816<T>(o[dt + 1], a, vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  if (!active) return;
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + lane / 4 + half * 8;
+    if (r >= rows) continue;
+    const float inv = 1.f / (half ? l1 : l0);
+    T* orow = out + (q0 + r) * os + col0 + tq * 2;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      if (dt * 8 < dim) {
+        *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+            pack2<T>(o[dt][half * 2] * inv, o[dt][half * 2 + 1] * inv);
+      }
+    }
+  }
+}
+
+template <typename T, int DP>
+void launch_tc(T* out, const T* q, const T* k, const T* v, int64_t os, int64_t qs, int64_t ks,
+               int64_t vs, const int32_t* cu, int segments, int64_t tokens, int64_t heads,
+               int dim, float scale, cudaStream_t stream) {
+  constexpr int kBytes = TcShape<DP>::kSmemBytes;
+  // above 48 KiB of dynamic shared memory (DP 128) needs an opt-in, once per device
+  static bool opted_in[64] = {};
+  int device = 0;
+  FT_CUDA_CHECK(cudaGetDevice(&device));
+  if (kBytes > 48 * 1024 && (device < 0 || device >= 64 || !opted_in[device])) {
+    FT_CUDA_CHECK(cudaFuncSetAttribute(vision_attention_tc_kernel<T, DP>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+    if (device >= 0 && device < 64) opted_in[device] = true;
+  }
+  dim3 grid(static_cast<unsigned>(tokens / kTcRows + segments), static_cast<unsigned>(heads));
+  vision_attention_tc_kernel<T, DP><<<grid, kTcThreads, kBytes, stream>>>(
+      out, q, k, v, os, qs, ks, vs, cu, segments, dim, scale * kLog2e);
+}
+
+// The head dim rounded up to a multiple of 16 picks the instantiation.
+template <typename T>
+void vision_attention_tc(T* out, const T* q, const T* k, const T* v, int64_t os, int64_t qs,
+                         int64_t ks, int64_t vs, const int32_t* cu, int segments,
+                         int64_t tokens, int64_t heads, int dim, float scale,
+                         cudaStream_t stream) {
+  switch ((dim + 15) / 16) {
+#define FT_VISION_TC(n)                                                                     \
+  case n:                                                                                   \
+    launch_tc<T, 16 * n>(out, q, k, v, os, qs, ks, vs, cu, segments, tokens, heads, dim, scale, \
+                         stream);                                                           \
+    break;
+    FT_VISION_TC(1) FT_VISION_TC(2) FT_VISION_TC(3) FT_VISION_TC(4)
+    FT_VISION_TC(5) FT_VISION_TC(6) FT_VISION_TC(7) FT_VISION_TC(8)
+#undef FT_VISION_TC
+    default:
+      TVM_FFI_ICHECK(false) << "internal: head_dim " << dim << " has no tensor-core instance";
+  }
+}
+#endif  // !__HIP_PLATFORM_AMD__
+
 /*!
  * \brief out[t, h*D:(h+1)*D] = softmax(q_t . k_s * scale) v_s over the s of t's segment.
  * q, k, v, out: [T, H*D] (rows may be strided: column slices of a fused qkv), D a multiple of 8
@@ -161,6 +386,22 @@ void vision_attention(TensorView out, TensorView q, TensorView k, TensorView v,
   TVM_FFI_ICHECK(segments >= 1) << "cu_seqlens needs at least 2 entries";
   if (tokens == 0) return;
   DeviceGuard guard(dev);
+  const int32_t* cu = data_of<int32_t>(cu_seqlens);
+  cudaStream_t stream = stream_for(q);
+#if !defined(__HIP_PLATFORM_AMD__)
+  if (ft != FloatType::kF32) {
+    FT_CUDA_DISPATCH_FLOAT(ft, T, {
+      if constexpr (!std::is_same_v<T, float>) {
+        vision_attention_tc<T>(data_of<T>(out), data_of<T>(q), data_of<T>(k), data_of<T>(v),
+                               orow.stride, qr.stride, kr.stride, vr.stride, cu,
+                               static_cast<int>(segments), tokens, num_heads,
+                               static_cast<int>(dim), static_cast<float>(scale), stream);
+      }
+    });
+    check_launch("vision_attention (tensor cores)");
+    return;
+  }
+#endif
   dim3 grid(static_cast<unsigned>(ceil_div(tokens, kQueries)), static_cast<unsigned>(num_heads));
   const int chunks = static_cast<int>(ceil_div(dim, kLanes * 8));
   FT_CUDA_DISPATCH_FLOAT(ft, T, {
@@ -168,10 +409,10 @@ void vision_attention(TensorView out, TensorView q, TensorView k, TensorView v,
                   : chunks == 2 ? vision_attention_kernel<T, 2>
                   : chunks == 3 ? vision_attention_kernel<T, 3>
                                 : vision_attention_kernel<T, kMaxChunks>;
-    kernel<<<grid, kThreads, 0, stream_for(q)>>>(
+    kernel<<<grid, kThreads, 0, stream>>>(
         data_of<T>(out), data_of<T>(q), data_of<T>(k), data_of<T>(v), orow.stride, qr.stride,
-        kr.stride, vr.stride, data_of<int32_t>(cu_seqlens), static_cast<int>(segments),
-        tokens, static_cast<int>(dim), static_cast<float>(scale));
+        kr.stride, vr.stride, cu, static_cast<int>(segments), tokens, static_cast<int>(dim),
+        static_cast<float>(scale));
   });
   check_launch("vision_attention");
 }

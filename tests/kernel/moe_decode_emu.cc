@@ -64,21 +64,13 @@ void down(const md::DecodeArgs& a) {
          [&] { md::down_kernel<bf16, R, U, MB>(a); });
 }
 
-void down_staged(const md::DecodeArgs& a) {
-  launch(static_cast<unsigned>(a.tokens),
-         static_cast<unsigned>(freetoken::ceil_div(a.hidden, md::kRows)), md::kThreads,
-         [&] { md::down_staged_kernel<bf16>(a); });
-}
-
-// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-3: up to 2 tokens;
-// kStagedDown: gate/up's variant 0 and the staged down, or down's variant 0 where it does not
-// fit).
+// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-3: up to 2 tokens).
 template <int V>
 void decode(const md::DecodeArgs& a) {
   if (a.tokens <= 1) {
-    gate_up<1, V == md::kStagedDown ? 0 : V>(a);
+    gate_up<1, V>(a);
   } else if (a.tokens <= 2) {
-    gate_up<2, V == md::kStagedDown ? 0 : V>(a);
+    gate_up<2, V>(a);
   } else if (a.tokens <= 4) {
     gate_up<4, 0>(a);
   } else {
@@ -87,11 +79,7 @@ void decode(const md::DecodeArgs& a) {
   md::DecodeArgs d = a;
   if (a.sh_gate_w != nullptr) d.sh_gate_w = a.sh_gate;  // as moe_decode.cu's down: "gated"
   d.sh_w13 = nullptr;
-  if constexpr (V == md::kStagedDown) {
-    md::down_stages(d) ? down_staged(d) : down<0>(d);
-  } else {
-    down<V>(d);
-  }
+  down<V>(d);
 }
 
 }  // namespace
@@ -137,8 +125,6 @@ extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16
     decode<2>(a);
   } else if (variant == 3) {
     decode<3>(a);
-  } else if (variant == md::kStagedDown) {
-    decode<md::kStagedDown>(a);
   } else {
     decode<0>(a);
   }

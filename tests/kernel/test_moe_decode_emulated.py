@@ -133,17 +133,3 @@ def test_launch_variants(emulated, variant):
     case = _case(2, 30 + variant, shared=True, gated=True, crowd=True, H=H_TAILS)
     residual = torch.randn(2, H_TAILS).to(torch.bfloat16)
     _check(_run(emulated, case, residual, variant), case, add=residual)
-
-
-STAGED_DOWN = 4   # moe_decode_kernels.cuh kStagedDown: down's activations in shared memory
-
-
-@pytest.mark.parametrize("T,shared", [(1, True), (2, False)])
-def test_staged_down_gives_variant_0s_bits(emulated, T, shared):
-    """Down with the token's activations staged in shared memory reads them where variant 0
-    reads global memory, in the same order: the same bits, gated shared expert included."""
-    case = _case(T, 40 + T, shared=shared, gated=shared, crowd=True, H=H_TAILS)
-    residual = torch.randn(T, H_TAILS).to(torch.bfloat16)
-    staged = _run(emulated, case, residual, STAGED_DOWN)
-    assert torch.equal(staged.view(torch.int16), _run(emulated, case, residual, 0).view(torch.int16))
-    _check(staged, case, add=residual)

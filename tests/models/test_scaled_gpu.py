@@ -57,12 +57,16 @@ def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, tmp_path):
     expected, fed = _drive(cpu, a, b, None)
     ours, _ = _drive(gpu, a, b, fed)
     bf16, _ = _drive(plain, a, b, fed)
-    for step, (e, o, p) in enumerate(zip(expected, ours, bf16)):
-        scale = e.abs().max()
-        bf16_error = (p - e).abs().max()
-        error = (o - e).abs().max()
-        assert error <= 2 * bf16_error + 2 ** -8 * scale, \
-            f"{layout} step {step}: error {error:.4g}, plain bf16 {bf16_error:.4g}"
+    # Compared over the whole run, not per step: a MoE router near a tie picks another expert
+    # under either GPU model's bf16 rounding, so one step's error is large for one model and
+    # small for the other (H200, qwen3_moe ct-nvfp4: 1.08 vs 2.49 at step 1, 0.43 vs 0.14 at
+    # step 6), while neither run's worst step strays from the other's.
+    scale = max(e.abs().max() for e in expected)
+    bf16_error = max((p - e).abs().max() for e, p in zip(expected, bf16))
+    error = max((o - e).abs().max() for e, o in zip(expected, ours))
+    assert error <= 2 * bf16_error + 2 ** -8 * scale, \
+        f"{layout}: error {error:.4g}, plain bf16 {bf16_error:.4g}"
+    for step, (e, o) in enumerate(zip(expected, ours)):
         top2 = e.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 4 * max(error, bf16_error)
         assert torch.equal(o.argmax(-1)[clear], e.argmax(-1)[clear]), f"{layout} step {step}"

@@ -52,6 +52,12 @@ def _bound(ref: torch.Tensor, layers: int) -> float:
     return 4 * eps(torch.bfloat16) * ref.abs().max().item() * math.sqrt(layers + 2)
 
 
+def _per_image(rows, counts: list[int]):
+    """transformers' features per image: some 5.x releases return Qwen3-VL's as one tensor over
+    all images' rows (5.17 does), others already split per image (5.25)."""
+    return rows.split(counts) if isinstance(rows, torch.Tensor) else rows
+
+
 @pytest.mark.parametrize("sizes", [[(256, 256)], [(224, 320), (512, 384)]])
 def test_tower_bf16_matches_transformers(real_checkpoint, sizes):
     from freetoken.arrays import parse_device
@@ -65,10 +71,13 @@ def test_tower_bf16_matches_transformers(real_checkpoint, sizes):
     grid = torch.tensor([i.grid_thw for i in images]).cuda()
     with torch.no_grad():
         out = hf.model.get_image_features(pixels, grid)
-    features = getattr(out, "deepstack_features", None) or []
+    counts = [a.shape[0] for a in ours]
+    pooled = _per_image(out.pooler_output, counts)
+    levels = getattr(out, "deepstack_features", None) or []
+    features = [_per_image(level, counts) for level in levels]
     for n, a in enumerate(ours):
         assert a.dtype == torch.bfloat16
-        parts = [out.pooler_output[n]] + [level[n] for level in features]
+        parts = [pooled[n]] + [level[n] for level in features]
         for j, b in enumerate(parts):        # the embeddings, then each DeepStack feature
             got = a[:, j * b.shape[1]:(j + 1) * b.shape[1]]
             assert got.shape == b.shape

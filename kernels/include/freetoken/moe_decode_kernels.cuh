@@ -29,13 +29,6 @@ struct Variant {
 constexpr Variant kVariants[] = {
     {1, kUnroll, 1}, {1, 2 * kUnroll, 1}, {2, kUnroll, 1}, {1, kUnroll, 3}};
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
-// Down only: variant kNumVariants (4) stages the token's activations (routed and shared) in
-// shared memory once per block, so all 2 * kUnroll loads a lane keeps in flight per row are
-// weight bytes (variant 1 carries the activation loads too and runs out of registers). The
-// per-row arithmetic and its order are variant 0's, so the two give the same bits; a step
-// whose activations exceed kMaxStaged elements runs variant 0.
-constexpr int kStagedDown = kNumVariants;
-constexpr int kMaxStaged = 8192;
 
 struct DecodeArgs {
   void* out;               // [T, H] (down)
@@ -222,9 +215,8 @@ __global__ void __launch_bounds__(kThreads, MB) gate_up_kernel(DecodeArgs a) {
 // One warp: ys[r] = sum over the token's k experts of w_k * (down_s[h0 + r] . act[t * K + k]),
 // walking the K * I/V vectors flat (fixed order) with U loads per row in flight; a row past H
 // re-reads row H - 1 (the caller skips it).
-// `act` is the token's K activation rows (global memory, or shared when STAGED: then they
-// are read as the FMAs need them instead of beside the weight loads).
-template <typename T, int R, int U, bool STAGED = false>
+// `act` is the token's K activation rows.
+template <typename T, int R, int U>
 __device__ void routed_down(const DecodeArgs& a, const T* act, int64_t h0, const int* s_slot,
                             const float* s_w, float (&ys)[R]) {
   constexpr int V = 16 / sizeof(T);
@@ -243,14 +235,13 @@ __device__ void routed_down(const DecodeArgs& a, const T* act, int64_t h0, const
       if (f < total && s_slot[k] >= 0) {
 #pragma unroll
         for (int r = 0; r < R; ++r) wv[u][r] = load_vec<T, V>(w2 + (s_slot[k] * H + h[r]) * I + i);
-        if constexpr (!STAGED) av[u] = load_vec<T, V>(act + k * I + i);
+        av[u] = load_vec<T, V>(act + k * I + i);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       int f = f0 + u * kWarp, k = f / nvec;
       if (f >= total || s_slot[k] < 0) continue;
-      if constexpr (STAGED) av[u] = load_vec<T, V>(act + k * I + (f - k * nvec) * V);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float d = 0.f;
@@ -264,7 +255,7 @@ __device__ void routed_down(const DecodeArgs& a, const T* act, int64_t h0, const
   for (int r = 0; r < R; ++r) ys[r] = warp_sum(acc[r]);
 }
 
-// `act`: the token's shared-expert activations (global or staged).
+// `act`: the token's shared-expert activations.
 template <typename T>
 __device__ float shared_down(const DecodeArgs& a, const T* act, int64_t h) {
   constexpr int V = 16 / sizeof(T);
@@ -326,37 +317,6 @@ __global__ void __launch_bounds__(kThreads, MB) down_kernel(DecodeArgs a) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (h0 + r < a.hidden) finish_down<T>(a, t, h0 + r, ys[r], sh_act);
-}
-
-// Whether a step fits the staged down (its activations within kMaxStaged elements).
-inline bool down_stages(const DecodeArgs& a) {
-  int64_t n = int64_t{a.top_k} * a.inter + (a.sh_w2 != nullptr ? a.sh_inter : 0);
-  return n <= kMaxStaged;
-}
-
-// Variant kStagedDown: grid (T, tiles of kRows rows of H), one warp per row, as down_kernel.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) down_staged_kernel(DecodeArgs a) {
-  constexpr int V = 16 / sizeof(T);
-  alignas(16) __shared__ T s_act[kMaxStaged];
-  __shared__ int s_slot[kMaxTopK];
-  __shared__ float s_w[kMaxTopK];
-  int64_t t = blockIdx.x;
-  int tid = threadIdx.x;
-  load_routing(a, t, s_slot, s_w);
-  int routed = a.top_k * a.inter, shared = a.sh_w2 != nullptr ? a.sh_inter : 0;
-  const T* act = static_cast<const T*>(a.act) + t * routed;
-  for (int i = tid; i < routed / V; i += kThreads)
-    store_vec<T, V>(s_act + i * V, load_vec<T, V>(act + i * V));
-  const T* sh_act = static_cast<const T*>(a.sh_act) + t * a.sh_act_stride;
-  for (int i = tid; i < shared / V; i += kThreads)
-    store_vec<T, V>(s_act + routed + i * V, load_vec<T, V>(sh_act + i * V));
-  __syncthreads();
-  int64_t h = static_cast<int64_t>(blockIdx.y) * kRows + tid / kWarp;
-  if (h >= a.hidden) return;
-  float ys[1];
-  routed_down<T, 1, 2 * kUnroll, true>(a, s_act, h, s_slot, s_w, ys);
-  finish_down<T>(a, t, h, ys[0], s_act + routed);
 }
 
 }  // namespace moe_decode

@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
 VARIANTS = 4            # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
-STAGED_DOWN = 4         # down only: its activations staged in shared memory (kStagedDown)
 # The launch variant decode runs (benchmarks/moe_decode_kernels.py times them all; H200,
 # benchmarks/results/h200-moe_decode_kernels-d1cf359.txt): variant 0, except down at 2 tokens,
 # where two rows per warp (variant 2: the same per-row arithmetic, twice the loads in flight)
 # took Qwen3-30B-A3B from 37.6 to 24.3 us and Qwen3.6 from 28.7 to 19.7 us; at 1 token no
-# variant beat 0 by more than 2%.
+# variant beat 0 by more than 2%, nor did a down that staged the activations in shared memory
+# (21.8 vs 21.0 and 17.7 vs 16.6 us, h200-moe_decode_kernels-97902f5.txt; since removed).
 DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent (and gate/up always): 0
 ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16

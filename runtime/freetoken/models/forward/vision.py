@@ -10,9 +10,8 @@ also merges the output of each block in `deepstack_visual_indexes` with a merger
 whose LayerNorm comes after the 4 patches are concatenated.
 
 Runs in torch on the model's device (float32 on the CPU, the model dtype on a GPU); the GEMMs
-go through the decoder's linear path. Attention: in bf16/f16 on a CUDA GPU, torch's fused
-scaled_dot_product_attention (tensor cores) one segment at a time; otherwise (float32, the CPU,
-ROCm) the cache's ``vision_attention`` kernel.
+go through the decoder's linear path; attention is the cache's ``vision_attention`` kernel, every
+image of the batch in one launch (tensor cores for bf16/f16 on CUDA).
 """
 
 from __future__ import annotations
@@ -84,10 +83,6 @@ class VisionTower:
         exponents = torch.arange(0, half, 2, dtype=torch.float) / half
         self.inv_freq = (1.0 / (config.rope_theta ** exponents)).to(self.torch_device)
         self.attention = ops.bind("vision_attention", device)
-        # torch's fused attention runs on tensor cores, the cache kernel on CUDA cores: a 27-block
-        # tower encoded a 1024x1024 image in 32 ms against 234 ms on the H200 (gpu_vision.py)
-        self.tensor_core_attention = (self.torch_device.type == "cuda" and torch.version.hip is None
-                                      and self.dtype in (torch.bfloat16, torch.float16))
 
     def _empty(self, *shape):
         return self.torch.empty(shape, dtype=self.dtype, device=self.torch_device)
@@ -125,11 +120,10 @@ class VisionTower:
         with torch.inference_mode():
             x = self._embed(images, grids)
             cos, sin = self._rotary(grids)
-            bounds = segment_bounds(grids)
-            cu = self._host(bounds)
+            cu = self._host(segment_bounds(grids))
             features = []
             for index, block in enumerate(self.blocks):
-                x = self._block(block, x, cos, sin, cu, bounds)
+                x = self._block(block, x, cos, sin, cu)
                 if index in self.deepstack:
                     features.append(self._merge(x, self.deepstack[index]))
             merged = self._merge(x, self.merger)
@@ -150,28 +144,14 @@ class VisionTower:
         out = xf * cos[:, None, :] + turned * sin[:, None, :]
         return out.to(self.dtype).reshape(x.shape[0], -1)
 
-    def _attend(self, out: Any, q: Any, k: Any, v: Any, cu: Any, bounds: np.ndarray,
-                heads: int, scale: float) -> None:
-        """Non-causal attention within each segment [bounds[s], bounds[s+1]): out [N, H*D]."""
-        if not self.tensor_core_attention:
-            self.attention(out, q, k, v, cu, heads, scale)
-            return
-        sdpa = self.torch.nn.functional.scaled_dot_product_attention
-        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            # [n, H*D] -> [H, n, D] views of the segment; back to [n, H*D] rows of out
-            q_s, k_s, v_s = (t[start:end].unflatten(1, (heads, -1)).transpose(0, 1)
-                             for t in (q, k, v))
-            out[start:end] = sdpa(q_s, k_s, v_s, scale=scale).transpose(0, 1).flatten(1)
-
-    def _block(self, b: VisionBlock, x: Any, cos: Any, sin: Any, cu: Any,
-               bounds: np.ndarray) -> Any:
+    def _block(self, b: VisionBlock, x: Any, cos: Any, sin: Any, cu: Any) -> Any:
         n, width = x.shape[0], b.heads * b.head_dim
         qkv = self._empty(n, 3 * width)
         b.qkv(qkv, self._layer_norm(x, b.norm1))
         q = self._rotate(qkv[:, :width], cos, sin, b.heads)
         k = self._rotate(qkv[:, width:2 * width], cos, sin, b.heads)
         attn = self._empty(n, width)
-        self._attend(attn, q, k, qkv[:, 2 * width:], cu, bounds, b.heads, b.head_dim ** -0.5)
+        self.attention(attn, q, k, qkv[:, 2 * width:], cu, b.heads, b.head_dim ** -0.5)
         out = self._empty(n, x.shape[1])
         b.proj(out, attn)
         x = x + out
