@@ -25,7 +25,6 @@ namespace {
 
 using moe_decode::DecodeArgs;
 using moe_decode::down_kernel;
-using moe_decode::down_stages;
 using moe_decode::gate_up_blocks;
 using moe_decode::gate_up_kernel;
 using moe_decode::kMaxExperts;
