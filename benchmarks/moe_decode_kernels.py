@@ -6,15 +6,14 @@ the D2D copy bandwidth measured in the same run.
     python benchmarks/moe_decode_kernels.py [--tokens 1,2,4,8] [--layers 4] [--reps 30]
 
 Under each row of up to 2 tokens (the steps the path takes), the new path's kernels one by one
-(each alone in its graph): rms_norm, router GEMV, top-k, gate/up routing in its prologue, then
-gate/up and down for every launch shape (moe_decode_kernels.cuh kVariants), each variant first
-checked against the torch reference of tests/kernel/moe_decode_ref.py (a variant off it prints FAIL and no time).
+(each alone in its graph): rms_norm, router GEMV, top-k, then gate/up and down for every launch
+shape (moe_decode_kernels.cuh kVariants), each variant first checked against the torch
+reference of tests/kernel/moe_decode_ref.py (a variant off it prints FAIL and no time).
 
 Both paths start from the post-attention residual and end with the MLP output added to it:
   old  rms_norm, router mm (cuBLAS), moe_topk_softmax, moe_experts (align, gate/up, down),
        [shared expert: mm, silu_and_mul, mm, gate mm, sigmoid * add], residual add
-  new  rms_norm, decode_gemv router, moe_decode_gate_up (routing in its prologue),
-       moe_decode_down
+  new  rms_norm, decode_gemv router, moe_topk_softmax, moe_decode_gate_up, moe_decode_down
 Each graph runs `--layers` layers with their own weights, so one layer's bytes are not in L2
 for the next. Bytes: the router, every distinct routed expert (gate, up, down) and the shared
 expert, counted from the ids the run routed to. Random bf16 weights.
@@ -131,15 +130,6 @@ def gate_up(ly: Layer, b: Buffers, variant: int = 0) -> None:
                            variant)
 
 
-def routed_gate_up(ly: Layer, b: Buffers) -> None:
-    """gate/up routing in its prologue (moe_decode.py's path up to 512 experts): no top-k."""
-    from freetoken.kernel import ops
-
-    sw13, _, gw, act, gate = _shared(ly, b)
-    ops.moe_decode_gate_up(b.hidden, ly.w13, ly.w2, b.ids, ly.emap, b.ws, sw13, act, gw, gate,
-                           0, b.logits, b.weights, True)
-
-
 def down(ly: Layer, b: Buffers, variant: int = 0, out=None) -> None:
     from freetoken.kernel import ops
 
@@ -151,11 +141,8 @@ def down(ly: Layer, b: Buffers, variant: int = 0, out=None) -> None:
 def new_step(ly: Layer, b: Buffers, variant: int = 0) -> None:
     norm(ly, b)
     router(ly, b)
-    if variant == 0:
-        routed_gate_up(ly, b)
-    else:
-        topk(ly, b)
-        gate_up(ly, b, variant)
+    topk(ly, b)
+    gate_up(ly, b, variant)
     down(ly, b, variant)
 
 
@@ -201,7 +188,7 @@ def breakdown(layers, bufs, reps: int) -> str:
 
     new_step(layers[-1], bufs)          # the routing and activations the kernels read
     parts = [f"{f.__name__} {graph_ms(f, layers, bufs, reps) * 1e3:.1f}"
-             for f in (norm, router, topk, routed_gate_up)]
+             for f in (norm, router, topk)]
     for kernel in (gate_up, down):
         times = []
         for v in range(VARIANTS):

@@ -22,7 +22,6 @@
 // dispatch share one workspace plan and argument block, which must stay in one translation unit.
 #include "freetoken/cuda_common.cuh"
 #include "freetoken/moe_align.cuh"
-#include "freetoken/moe_route.cuh"
 #include "freetoken/moe_tile.cuh"
 
 namespace freetoken {
@@ -44,7 +43,9 @@ using moe_align::slot_of;
 using moe_align::TileTable;
 static_assert(moe_align::kTileRows == kTM, "the plan's prefill tiles are the GEMM tile's rows");
 
+constexpr int kRouteMaxExperts = 16 * kWarp;  // 16 logits per lane in registers
 constexpr int kGemvWarps = 8;
+constexpr float kNegInf = -__builtin_huge_valf();
 
 // ---------------------------------------------------------------- small device helpers
 
@@ -58,7 +59,7 @@ __device__ __forceinline__ float dot_vec(const Vec<T, N>& a, const Vec<T, N>& b)
 
 // ---------------------------------------------------------------- routing
 
-// One warp per token (freetoken/moe_route.cuh).
+// One warp per token: softmax over E in f32, then K rounds of a warp argmax (ties: lower id).
 template <typename L>
 __global__ void __launch_bounds__(256)
 topk_softmax_kernel(float* __restrict__ weights, int* __restrict__ ids,
@@ -67,12 +68,59 @@ topk_softmax_kernel(float* __restrict__ weights, int* __restrict__ ids,
   int lane = threadIdx.x % kWarp;
   int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (t >= tokens) return;
-  float w;
-  int id;
-  route_row<L>(logits + t * row_stride, experts, top_k, renormalize, &w, &id);
+  const L* row = logits + t * row_stride;
+  float v[kRouteMaxExperts / kWarp];
+  float m = kNegInf;
+#pragma unroll
+  for (int j = 0; j < kRouteMaxExperts / kWarp; ++j) {
+    int e = lane + j * kWarp;
+    v[j] = e < experts ? to_float(row[e]) : kNegInf;
+    m = v[j] > m ? v[j] : m;
+  }
+  m = warp_max(m);
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRouteMaxExperts / kWarp; ++j) {
+    v[j] = lane + j * kWarp < experts ? __expf(v[j] - m) : 0.f;
+    sum += v[j];
+  }
+  float inv = 1.f / warp_sum(sum);
+#pragma unroll
+  for (int j = 0; j < kRouteMaxExperts / kWarp; ++j)
+    v[j] = lane + j * kWarp < experts ? v[j] * inv : -1.f;  // -1: never selected
+  float my_w = 0.f, picked = 0.f;
+  int my_id = 0;
+  for (int k = 0; k < top_k; ++k) {
+    float best = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < kRouteMaxExperts / kWarp; ++j) {
+      if (v[j] > best) {  // strict: the lower id wins a tie within the lane
+        best = v[j];
+        bi = lane + j * kWarp;
+      }
+    }
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off >>= 1) {
+      float ob = __shfl_xor_sync(0xffffffffu, best, off);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      if (ob > best || (ob == best && oi < bi)) {
+        best = ob;
+        bi = oi;
+      }
+    }
+    if (lane == k) {
+      my_w = best;
+      my_id = bi;
+    }
+    picked += best;
+#pragma unroll
+    for (int j = 0; j < kRouteMaxExperts / kWarp; ++j)
+      if (lane + j * kWarp == bi) v[j] = -1.f;
+  }
   if (lane < top_k) {
-    weights[t * top_k + lane] = w;
-    ids[t * top_k + lane] = id;
+    weights[t * top_k + lane] = renormalize ? my_w / picked : my_w;
+    ids[t * top_k + lane] = my_id;
   }
 }
 

@@ -1,4 +1,4 @@
-// MoE decode for small steps (T <= 8 tokens) in two launches after the router, every expert
+// MoE decode for small steps (T <= 8 tokens) in two launches after the routing, every expert
 // byte streamed once in 16-byte loads:
 //
 //  moe_decode_gate_up  one block per (pair p = t * K + k, tile of 8 rows of I), one warp per
@@ -7,8 +7,6 @@
 //                      run all of its tokens, the others exit, so an expert two tokens share is
 //                      read once (no align pass: the T * K ids are scanned in shared memory).
 //                      Extra blocks run the shared expert's gate/up and its sigmoid-gate logit.
-//                      Given the router logits, it also routes (softmax, top-k) in its prologue
-//                      and stores the picks for down: the top-k launch is gone.
 //  moe_decode_down     one block per (token, tile of 8 rows of H), one warp per row: the warp
 //                      walks the token's K experts' rows in a fixed order (no atomics) and
 //                      writes y = sum_k w_k * (down_s . act) [+ sigmoid(g) * shared], or adds
@@ -221,39 +219,13 @@ void moe_decode_gate_up(TensorView x, TensorView w13, TensorView w2, TensorView 
                         tvm::ffi::Optional<TensorView> shared_w13,
                         tvm::ffi::Optional<TensorView> shared_act,
                         tvm::ffi::Optional<TensorView> shared_gate_weight,
-                        tvm::ffi::Optional<TensorView> shared_gate, int64_t variant,
-                        tvm::ffi::Optional<TensorView> router_logits,
-                        tvm::ffi::Optional<TensorView> topk_weights, bool renormalize) {
+                        tvm::ffi::Optional<TensorView> shared_gate, int64_t variant) {
   int v = check_variant(variant, kNumVariants);
   DecodeArgs a = routed_args(x, w13, w2, topk_ids, expert_map, workspace);
   int dev = x.device().device_id;
   check_rows(x, dev, x, "x", a.tokens, a.hidden, &a.x_stride);
   shared_args(&a, x, shared_w13, tvm::ffi::Optional<TensorView>(), shared_act,
               shared_gate_weight, shared_gate, true, false);
-  TVM_FFI_ICHECK(router_logits.has_value() == topk_weights.has_value())
-      << "routing in gate/up needs both router_logits and topk_weights";
-  if (router_logits.has_value()) {
-    const TensorView& logits = router_logits.value();
-    const TensorView& weights = topk_weights.value();
-    check_gpu(logits, "router_logits", dev);
-    check_same_dtype(logits, x, "router_logits", "x");
-    RowView rl = row_view(logits, 1, "router_logits");
-    TVM_FFI_ICHECK(logits.ndim() == 2 && rl.rows == a.tokens && rl.width == a.experts)
-        << "router_logits must be [" << a.tokens << ", " << a.experts << "] (T, experts)";
-    TVM_FFI_ICHECK(a.experts <= kRouteMaxExperts && a.top_k <= a.experts)
-        << "routing in gate/up takes at most " << kRouteMaxExperts
-        << " experts and top_k <= experts, got " << a.experts << " and " << a.top_k;
-    check_gpu(weights, "topk_weights", dev);
-    check_dtype(weights, kDLFloat, 32, "topk_weights", "float32");
-    TVM_FFI_ICHECK(weights.ndim() == 2 && weights.IsContiguous() &&
-                   weights.size(0) == a.tokens && weights.size(1) == a.top_k)
-        << "topk_weights must be a contiguous float32 [" << a.tokens << ", " << a.top_k << "]";
-    a.logits = data_of<void>(logits);
-    a.logits_stride = rl.stride;
-    a.routed_ids = data_of<int>(topk_ids);
-    a.routed_w = data_of<float>(weights);
-    a.renormalize = renormalize;
-  }
   if (a.tokens == 0) return;
   DeviceGuard guard(dev);
   if (float_type(x, "x") == FloatType::kBF16) {

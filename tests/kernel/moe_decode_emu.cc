@@ -82,17 +82,7 @@ void decode(const md::DecodeArgs& a) {
   down<V>(d);
 }
 
-// Set by ft_moe_decode_emu_route: the next call routes in gate/up from these bf16 logits [T, E]
-// and writes its picks over the ids and weights it is given.
-const uint16_t* route_logits = nullptr;
-bool route_renormalize = false;
-
 }  // namespace
-
-extern "C" void ft_moe_decode_emu_route(const uint16_t* logits, int renormalize) {
-  route_logits = logits;
-  route_renormalize = renormalize != 0;
-}
 
 // moe_decode.cu's two launches (launch shape `variant`) over bf16 bits. Shared expert when sh_w13 != null (sh_gate_w
 // may be null); act_ws holds T*K*I activations; out is overwritten or added to (accumulate).
@@ -129,14 +119,6 @@ extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16
   a.inter = I;
   a.sh_inter = Is;
   a.accumulate = accumulate != 0;
-  if (route_logits != nullptr) {
-    a.logits = route_logits;
-    a.logits_stride = E;
-    a.routed_ids = const_cast<int*>(ids);
-    a.routed_w = const_cast<float*>(weights);
-    a.renormalize = route_renormalize;
-    route_logits = nullptr;
-  }
   if (variant == 1) {
     decode<1>(a);
   } else if (variant == 2) {

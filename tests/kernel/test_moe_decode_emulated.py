@@ -38,13 +38,9 @@ def emulated(tmp_path_factory):
                     f"-I{REPO / 'kernels/include'}",
                     str(Path(__file__).with_name("moe_decode_emu.cc")), "-o", str(so)],
                    check=True)
-    lib = ctypes.CDLL(str(so))
-    fn = lib.ft_moe_decode_emu
+    fn = ctypes.CDLL(str(so)).ft_moe_decode_emu
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 9
-    fn.route = lib.ft_moe_decode_emu_route     # the next call routes in gate/up
-    fn.route.restype = None
-    fn.route.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return fn
 
 
@@ -137,30 +133,3 @@ def test_launch_variants(emulated, variant):
     case = _case(2, 30 + variant, shared=True, gated=True, crowd=True, H=H_TAILS)
     residual = torch.randn(2, H_TAILS).to(torch.bfloat16)
     _check(_run(emulated, case, residual, variant), case, add=residual)
-
-
-@pytest.mark.parametrize("T,renormalize", [(1, True), (3, False)])
-def test_routing_in_gate_up(emulated, T, renormalize):
-    """Given the router logits, gate/up routes each token in every block and block 0 stores the
-    picks: the ids of moe_topk_softmax's reference (softmax, top-k, lower id on ties), their
-    weights, and the same output bits as the launch given those picks (so no block routed
-    differently)."""
-    from freetoken.kernel import reference
-
-    x, w13, w2, _, _, emap, sh = _case(T, 70 + T, shared=True, gated=True)
-    g = torch.Generator().manual_seed(T)
-    logits = (torch.randn(T, E, generator=g) * 3).to(torch.bfloat16)
-    logits[0, 1] = logits[0, 2]                   # a tie: the lower id goes first
-    ref_w = torch.empty(T, K)
-    ref_ids = torch.empty(T, K, dtype=torch.int32)
-    reference.moe_topk_softmax(ref_w, ref_ids, logits, renormalize)
-    ids = torch.full((T, K), -7, dtype=torch.int32)
-    weights = torch.full((T, K), float("nan"))
-    keep = _bits(logits)
-    emulated.route(keep.ctypes.data, int(renormalize))
-    routed = _run(emulated, (x, w13, w2, ids, weights, emap, sh))
-    assert torch.equal(ids, ref_ids)
-    # f32 softmax over E in another summation order: a few ulps of each weight
-    assert torch.allclose(weights, ref_w, rtol=2 ** -20, atol=0)
-    given = _run(emulated, (x, w13, w2, ids.clone(), weights.clone(), emap, sh))
-    assert torch.equal(routed.view(torch.int16), given.view(torch.int16))

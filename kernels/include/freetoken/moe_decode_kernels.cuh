@@ -4,7 +4,6 @@
 #pragma once
 
 #include "freetoken/cuda_common.cuh"
-#include "freetoken/moe_route.cuh"
 
 namespace freetoken {
 namespace moe_decode {
@@ -12,7 +11,6 @@ namespace moe_decode {
 constexpr int kThreads = 256;
 constexpr int kRows = kThreads / kWarp;  // rows per block: one warp each
 constexpr int kMaxTokens = 8;
-static_assert(kThreads / kWarp >= kMaxTokens, "gate/up routes each token with its own warp");
 constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 1024;
 constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (variant 0)
@@ -39,13 +37,6 @@ struct DecodeArgs {
   const void* w2;          // [S, H, I]
   const int* topk_ids;     // [T, K]
   const float* topk_w;     // [T, K]
-  // gate/up routing in its prologue (null: topk_ids is an input): router logits [T, E] in the
-  // activation dtype; block 0 stores the picks into routed_ids / routed_w for down.
-  const void* logits;
-  int* routed_ids;         // [T, K] (topk_ids' buffer)
-  float* routed_w;         // [T, K]
-  int64_t logits_stride;
-  bool renormalize;
   const int* expert_map;   // [E] -> slot
   void* act;               // [T * K, I] by pair
   const void* sh_w13;      // [2Is, H] or null: shared expert
@@ -114,37 +105,14 @@ __device__ __forceinline__ T swiglu(float g, float u) {
   return from_float<T>(g / (1.f + __expf(-g)) * round_to<T>(u));
 }
 
-// The step's T * K expert ids into s_ids: read from topk_ids, or routed here from the logits
-// (warp t routes token t; every block gets the same picks, block 0 also stores them and their
-// weights for down). Saves the top-k launch; the routing is moe_topk_softmax's, bit for bit.
-template <typename T>
-__device__ void load_ids(const DecodeArgs& a, int* s_ids) {
-  if (a.logits == nullptr) {
-    for (int i = threadIdx.x; i < a.tokens * a.top_k; i += kThreads) s_ids[i] = a.topk_ids[i];
-    return;
-  }
-  int t = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (t >= a.tokens) return;
-  float w;
-  int id;
-  route_row<T>(static_cast<const T*>(a.logits) + t * a.logits_stride, a.experts, a.top_k,
-               a.renormalize, &w, &id);
-  if (lane >= a.top_k) return;
-  s_ids[t * a.top_k + lane] = id;
-  if (blockIdx.x == 0) {
-    a.routed_ids[t * a.top_k + lane] = id;
-    a.routed_w[t * a.top_k + lane] = w;
-  }
-}
-
 // The pairs whose activations this block computes: the block of pair p owns p's expert when p
 // is the first of every NT pairs routed to it (so at most NT tokens per owner, always true for
 // distinct ids per token). Fills pairs[] and returns how many, 0 when the block has no work.
-template <typename T, int NT>
+template <int NT>
 __device__ int owned_pairs(const DecodeArgs& a, int p, int* pairs, int* slot) {
   __shared__ int s_ids[kMaxTokens * kMaxTopK];
   int n = a.tokens * a.top_k;
-  load_ids<T>(a, s_ids);
+  for (int i = threadIdx.x; i < n; i += kThreads) s_ids[i] = a.topk_ids[i];
   __syncthreads();
   int e = s_ids[p];
   *slot = slot_of(a, e);
@@ -162,7 +130,7 @@ __device__ int owned_pairs(const DecodeArgs& a, int p, int* pairs, int* slot) {
 template <typename T, int NT, int R, int U>
 __device__ void routed_gate_up(const DecodeArgs& a, int p, int tile) {
   int pairs[NT], slot, tok[NT];
-  int count = owned_pairs<T, NT>(a, p, pairs, &slot);
+  int count = owned_pairs<NT>(a, p, pairs, &slot);
   int64_t j0 = (static_cast<int64_t>(tile) * kRows + threadIdx.x / kWarp) * R;
   if (count == 0 || j0 >= a.inter) return;
 #pragma unroll

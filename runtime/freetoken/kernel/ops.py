@@ -388,22 +388,15 @@ def moe_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        workspace: torch.Tensor, shared_w13: torch.Tensor | None = None,
                        shared_act: torch.Tensor | None = None,
                        shared_gate_weight: torch.Tensor | None = None,
-                       shared_gate: torch.Tensor | None = None, variant: int = 0,
-                       router_logits: torch.Tensor | None = None,
-                       topk_weights: torch.Tensor | None = None,
-                       renormalize: bool = False) -> None:
+                       shared_gate: torch.Tensor | None = None, variant: int = 0) -> None:
     """GPU MoE decode, T <= 8 tokens, bf16/f16: the SwiGLU activations of every routed pair
     (token t, k) into the first T*K*I elements of `workspace` (bytes, 16-byte aligned), laid
     out [T*K, I] by pair t*K + k, reading expert slot expert_map[topk_ids[t, k]] of w13 [S, 2I, H]
     (w2 [S, H, I] only for its shape); with the shared expert, shared_act [T, Is] =
     SwiGLU(x @ shared_w13[2Is, H].T) and shared_gate [T, 1] = x @ shared_gate_weight[1, H].T.
-    `variant` (0..3) picks a launch shape, same results (moe_decode_kernels.cuh kVariants).
-    With router_logits [T, E] (x's dtype, E <= 512) and topk_weights, it routes first, as
-    moe_topk_softmax(topk_weights, topk_ids, router_logits, renormalize) would, and writes both
-    (topk_ids becomes an output) for moe_decode_down."""
+    `variant` (0..3) picks a launch shape, same results (moe_decode_kernels.cuh kVariants)."""
     _fn("moe_decode_gate_up", x.device)(x, w13, w2, topk_ids, expert_map, workspace, shared_w13,
-                                        shared_act, shared_gate_weight, shared_gate, variant,
-                                        router_logits, topk_weights, renormalize)
+                                        shared_act, shared_gate_weight, shared_gate, variant)
 
 
 def moe_decode_down(out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -415,7 +408,7 @@ def moe_decode_down(out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """After moe_decode_gate_up: y[t] = sum_k topk_weights[t, k] * act[t*K + k] @ w2[slot].T
     (+ sigmoid(shared_gate[t]) * shared_act[t] @ shared_w2[H, Is].T), each rounded as the
     unfused chain; out = y, or out += y when `accumulate` (the residual stream); `variant` as
-    moe_decode_gate_up's."""
+    moe_decode_gate_up's, or 4: the activations staged in shared memory (same bits as 0)."""
     _fn("moe_decode_down", out.device)(out, w13, w2, topk_ids, topk_weights, expert_map,
                                        workspace, shared_w2, shared_act, shared_gate, accumulate,
                                        variant)

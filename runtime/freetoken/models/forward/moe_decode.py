@@ -1,16 +1,14 @@
-"""The GPU MoE decode step for small batches (T <= MAX_TOKENS): three launches per MoE layer
+"""The GPU MoE decode step for small batches (T <= MAX_TOKENS): four launches per MoE layer
 after its normed input, against 5-6 on the general path (plus 6 for a shared expert):
 
     decode_gemv          router logits (16-byte loads, rows split to fill the SMs; the layer's
                          own linear when the expert count is not a multiple of 8)
-    moe_decode_gate_up   routing in its prologue (softmax, top-k, norm_topk_prob: each block
-                         routes the step itself, block 0 stores the picks), then SwiGLU of
-                         every routed expert, each read once, + the shared expert and its
-                         sigmoid-gate logit
+    moe_topk_softmax     softmax, top-k, norm_topk_prob renormalisation (one warp per token)
+    moe_decode_gate_up   SwiGLU of every routed expert, each read once, + the shared expert
+                         and its sigmoid-gate logit
     moe_decode_down      weighted combine over the token's k experts + the gated shared expert,
                          written as the MLP output or added to the residual stream
 
-Above ROUTE_MAX_EXPERTS experts the routing runs as its own launch (moe_topk_softmax) first.
 The rule (decided once at load, per layer): a CUDA/ROCm device, bf16/f16 activations, the
 experts stored as plain float tensors (not GGUF blocks, not FP8/NVFP4, which keep their own
 kernels), H, I and Is multiples of 8, top_k <= 16, at most 1024 experts, and
@@ -49,7 +47,6 @@ DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent (and gate/up alwa
 ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
-ROUTE_MAX_EXPERTS = 512     # routing inside gate/up (freetoken/moe_route.cuh kRouteMaxExperts)
 
 
 def _plain(t) -> bool:
@@ -113,7 +110,6 @@ class MoEDecode:
         self.max_tokens = max_tokens(mlp.w2.shape[-1])
         self.router = _matrix(w["router"])
         self.renormalize = cfg.moe.renormalize
-        self.route_in_gate_up = self.router.shape[0] <= ROUTE_MAX_EXPERTS
         self.group = router_group(self.router.shape[0], cfg.hidden_size, sms)
         # decode_gemv writes 16-byte aligned rows: 60 experts (Qwen1.5-MoE) take the mm
         self.gemv_router = self.router.shape[0] % 8 == 0
@@ -132,16 +128,12 @@ class MoEDecode:
                       ROUTER_GEMV_VARIANT)
         else:
             m.router(w.router_logits, x)
-        if self.route_in_gate_up:
-            routing = (w.router_logits, w.topk_weights, self.renormalize)
-        else:
-            self.topk(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
-            routing = (None, None, False)
+        self.topk(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
         shared = self.shared_w13 is not None
         act = w.shared_act if shared else None
         gate = w.shared_gate if self.gate_w is not None else None
         self.gate_up(x, m.w13, m.w2, w.topk_ids, m.expert_map, w.moe_workspace, self.shared_w13,
-                     act, self.gate_w, gate, 0, *routing)
+                     act, self.gate_w, gate, 0)
         self.down(out, m.w13, m.w2, w.topk_ids, w.topk_weights, m.expert_map, w.moe_workspace,
                   self.shared_w2, act, gate, accumulate, DOWN_VARIANT.get(x.shape[0], 0))
 

@@ -2,14 +2,12 @@
 // kernels use, on CPU threads, so tests/kernel/moe_gguf_emu.cc runs the real kernel bodies
 // without a GPU. One std::thread per GPU thread of a block, blocks one after another:
 // __shared__ is a function-static (shared by the threads of the running block),
-// __syncthreads a barrier of the block, warp_sum and __shfl_xor_sync barriers of the warp
-// (warp_sum adds the lanes in order, not as the GPU's butterfly). Misaligned vector
+// __syncthreads a barrier of the block, warp_sum a barrier of the warp. Misaligned vector
 // accesses abort, as they would fault on the GPU. The HIP paths are taken (no wmma here).
 #pragma once
 
 #include <algorithm>
 #include <barrier>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -118,26 +116,6 @@ inline float warp_sum(float v) {
   for (int i = first; i < last; ++i) s += emu::block->lanes[i];
   (*emu::block->warps)[w]->arrive_and_wait();
   return s;
-}
-
-// A butterfly exchange within the warp: every lane posts its value, then reads lane ^ off's.
-template <typename V>
-inline V __shfl_xor_sync(unsigned, V v, int off) {
-  static_assert(sizeof(V) == sizeof(float), "32-bit values only");
-  const int t = static_cast<int>(threadIdx.x), w = t / kWarp;
-  emu::block->lanes[t] = std::bit_cast<float>(v);
-  (*emu::block->warps)[w]->arrive_and_wait();
-  const V other = std::bit_cast<V>(emu::block->lanes[t ^ off]);
-  (*emu::block->warps)[w]->arrive_and_wait();
-  return other;
-}
-
-inline float warp_max(float v) {
-  for (int off = kWarp / 2; off > 0; off >>= 1) {
-    float o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
 }
 
 }  // namespace freetoken
