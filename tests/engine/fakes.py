@@ -9,6 +9,7 @@ batching mistake (a wrong slot, a page shared by two sequences) changes the outp
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -49,10 +50,13 @@ class FakeModel:
         self.fail_next = False
         self.gate = threading.Event()   # forward waits while it is clear
         self.gate.set()
+        self.step_seconds = 0.0         # a floor on each forward's time (a slow model)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         self.batches.append(batch)
         self.gate.wait()
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")

@@ -84,6 +84,9 @@ def test_eos_and_stop_strings_finish_with_stop(make_engine):
 
 def test_abort_frees_pages_at_once_and_ends_the_stream(make_engine):
     engine = make_engine()
+    # 400 steps of 10 ms: the request is still running when its first token is read, however
+    # late a loaded machine schedules the reader (unslowed, it could finish first)
+    engine.model.step_seconds = 0.01
 
     async def main():
         stream = engine.submit(TOK.encode("a long story"), SamplingParams(max_tokens=400))

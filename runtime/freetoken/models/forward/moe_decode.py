@@ -43,6 +43,9 @@ VARIANTS = 4            # launch shapes both kernels take (moe_decode_kernels.cu
 # took Qwen3-30B-A3B from 37.6 to 24.3 us and Qwen3.6 from 28.7 to 19.7 us; at 1 token no
 # variant beat 0 by more than 2%, nor did a down that staged the activations in shared memory
 # (21.8 vs 21.0 and 17.7 vs 16.6 us, h200-moe_decode_kernels-97902f5.txt; since removed).
+# Routing inside gate/up's prologue (every block running the top-k itself) lost to the separate
+# moe_topk_softmax launch: 29.2 us against 4.8 + 21.0 on Qwen3-30B-A3B
+# (h200-moe_decode_kernels-a608e1a.txt).
 DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent (and gate/up always): 0
 ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16
