@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/mma_tiles.cuh"
 
 namespace freetoken {
 namespace {
@@ -308,22 +309,8 @@ template <typename T, int D, int BN>
 __device__ __forceinline__ void tile_scores(const AttnParams& p, const T* sQ, const T* sK,
                                             int n0, int ke, int pos0, int pos1,
                                             float (&s)[BN / 8][4], RowState<D>& st) {
-  constexpr int LD = TileShape<D>::kPitch;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tq = lane % 4;
-#pragma unroll
-  for (int kd = 0; kd < D / 16; ++kd) {
-    uint32_t a[4];
-    ldmatrix_x4(a, sQ + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + kd * 16 +
-                       (lane / 16) * 8);
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; nt += 2) {
-      uint32_t kb[4];
-      ldmatrix_x4(kb, sK + (nt * 8 + (lane / 16) * 8 + lane % 8) * LD + kd * 16 +
-                          ((lane / 8) % 2) * 8);
-      mma_16816<T>(s[nt], a, kb[0], kb[1]);
-      mma_16816<T>(s[nt + 1], a, kb[2], kb[3]);
-    }
-  }
+  warp_scores<T, D, BN, TileShape<D>::kPitch>(sQ, sK, warp * 16, s);
   // A row lives in the 4 lanes of a quad: reduce the tile max over them.
   float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
@@ -368,26 +355,11 @@ __device__ __forceinline__ void tile_scores(const AttnParams& p, const T* sQ, co
   }
 }
 
-// O += P V: the accumulators of two key tiles of S form one A fragment.
+// O += P V (freetoken/mma_tiles.cuh).
 template <typename T, int D, int BN>
 __device__ __forceinline__ void tile_values(const T* sV, const float (&s)[BN / 8][4],
                                             RowState<D>& st) {
-  constexpr int LD = TileShape<D>::kPitch;
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
-    uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                     pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                     pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-    for (int dt = 0; dt < D / 8; dt += 2) {
-      uint32_t vb[4];
-      ldmatrix_x4_trans(vb, sV + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dt * 8 +
-                                (lane / 16) * 8);
-      mma_16816<T>(st.o[dt], a, vb[0], vb[1]);
-      mma_16816<T>(st.o[dt + 1], a, vb[2], vb[3]);
-    }
-  }
+  warp_values<T, D, BN, TileShape<D>::kPitch>(sV, s, st.o);
 }
 
 // Writes the warp's valid rows: the normalized output, or this split's partial result.

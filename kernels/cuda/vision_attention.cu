@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/mma_tiles.cuh"
 
 namespace freetoken {
 namespace {
@@ -212,21 +213,7 @@ vision_attention_tc_kernel(T* __restrict__ out, const T* __restrict__ q, const T
     __syncthreads();
     float s[BN / 8][4] = {};
     if (active) {
-      // S = Q K^T for the warp's 16 rows
-#pragma unroll
-      for (int kd = 0; kd < DP / 16; ++kd) {
-        uint32_t a[4];
-        ldmatrix_x4(a, sQ + (warp * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD + kd * 16 +
-                           (lane / 16) * 8);
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; nt += 2) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, sK + (nt * 8 + (lane / 16) * 8 + lane % 8) * LD + kd * 16 +
-                              ((lane / 8) % 2) * 8);
-          mma_16816<T>(s[nt], a, kb[0], kb[1]);
-          mma_16816<T>(s[nt + 1], a, kb[2], kb[3]);
-        }
-      }
+      warp_scores<T, DP, BN, LD>(sQ, sK, warp * 16, s);   // S = Q K^T for the warp's 16 rows
       // mask the zero-filled keys past the segment; online softmax in log2 units
       float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
@@ -271,22 +258,7 @@ vision_attention_tc_kernel(T* __restrict__ out, const T* __restrict__ q, const T
     cp_async_wait<0>();
     __syncthreads();
     if (active) {
-      // O += P V: the accumulators of two key tiles of S form one A fragment
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                         pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                         pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                         pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-        for (int dt = 0; dt < DP / 8; dt += 2) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, sV + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dt * 8 +
-                                    (lane / 16) * 8);
-          mma_16816<T>(o[dt], a, vb[0], vb[1]);
-          mma_16816<T>(o[dt + 1], a, vb[2], vb[3]);
-        }
-      }
+      warp_values<T, DP, BN, LD>(sV, s, o);                // O += P V
     }
   }
   cp_async_wait<0>();
