@@ -72,7 +72,7 @@ class Case:
             act = torch.empty(t, sw2.shape[1], dtype=self.dtype, device=_dev())
             gate = torch.empty(t, 1, dtype=self.dtype, device=_dev()) if gw is not None else None
         ops.moe_decode_gate_up(self.x, self.w13, self.w2, self.ids, self.emap, self.ws, sw13,
-                               act, gw, gate, variant if variant < VARIANTS else 0)
+                               act, gw, gate, variant)
         ops.moe_decode_down(out, self.w13, self.w2, self.ids, self.weights, self.emap, self.ws,
                             sw2, act, gate, accumulate, variant)
         return out

@@ -408,7 +408,7 @@ def moe_decode_down(out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """After moe_decode_gate_up: y[t] = sum_k topk_weights[t, k] * act[t*K + k] @ w2[slot].T
     (+ sigmoid(shared_gate[t]) * shared_act[t] @ shared_w2[H, Is].T), each rounded as the
     unfused chain; out = y, or out += y when `accumulate` (the residual stream); `variant` as
-    moe_decode_gate_up's, or 4: the activations staged in shared memory (same bits as 0)."""
+    moe_decode_gate_up's (0..3)."""
     _fn("moe_decode_down", out.device)(out, w13, w2, topk_ids, topk_weights, expert_map,
                                        workspace, shared_w2, shared_act, shared_gate, accumulate,
                                        variant)
