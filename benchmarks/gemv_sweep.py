@@ -1,7 +1,9 @@
 """Every compiled decode_gemv variant, threads-per-row group and norm placement on the decode
-projections of SmolLM2-135M and Qwen3-8B, on one GPU, with no rebuild between them.
+projections of SmolLM2-135M, Qwen3-8B and Qwen3.6-35B-A3B (whose attention shapes are
+Qwen3-30B-A3B's), on one GPU, with no rebuild between them.
 
-    python benchmarks/gemv_sweep.py [--tokens 1,2,4,8] [--shapes qwen3-8b,smollm2] [--json F]
+    python benchmarks/gemv_sweep.py [--tokens 1,2,4,8] [--shapes qwen3-8b,smollm2,qwen3.6]
+                                    [--json F]
 
 Per (projection, T): each configuration's output is checked against the default's (variant 0,
 fused_decode's rule for group and norm placement) to the f32 summation-order tolerance, then
@@ -33,6 +35,10 @@ SHAPES = {
     "smollm2 gate_up": ("swiglu", 1536, 576), "smollm2 down": ("add", 576, 1536),
     "qwen3-8b qkv": ("qkv", 6144, 4096), "qwen3-8b o": ("add", 4096, 4096),
     "qwen3-8b gate_up": ("swiglu", 12288, 4096), "qwen3-8b down": ("add", 4096, 12288),
+    # Qwen3.6-35B-A3B: Gated DeltaNet in/out, gated attention's qkv and gate; its qkv and o
+    # (= gdn out) are Qwen3-30B-A3B's too
+    "qwen3.6 gdn_in": ("qkv", 12352, 2048), "qwen3.6 qkv": ("qkv", 5120, 2048),
+    "qwen3.6 gate": ("qkv", 4096, 2048), "qwen3.6 o": ("add", 2048, 4096),
 }
 EPS = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 DTYPE, NORM_EPS, MIN_LAUNCHES, WIN, DEVICE = torch.bfloat16, 1e-6, 20, 0.98, "cuda"

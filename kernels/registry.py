@@ -75,11 +75,11 @@ class Kernel:
 KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="norm",
-        functions=("rms_norm", "fused_add_rms_norm"),
+        functions=("rms_norm", "fused_add_rms_norm", "rms_norm_gated"),
         cpu=("cpu/norm.cc",),
         cuda=("cuda/norm.cu",),
         rocm=True,
-        doc="RMSNorm, plain and fused with the residual add",
+        doc="RMSNorm: plain, fused with the residual add, and gated by silu(z) per head group",
     ),
     Kernel(
         name="rotary",

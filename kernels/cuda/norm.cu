@@ -1,6 +1,8 @@
-// RMSNorm, plain and fused with the residual add. One group of threads per row (several rows
-// per block for narrow rows), 16-byte vectors where the layout allows, f32 accumulation.
+// RMSNorm: plain, fused with the residual add, and gated (the Gated DeltaNet output norm,
+// per head, times silu of the gate). One group of threads per row (several rows per block for
+// narrow rows), 16-byte vectors where the layout allows, f32 accumulation.
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/gdn_math.h"
 
 namespace freetoken {
 namespace {
@@ -77,6 +79,47 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ res
 #pragma unroll
     for (int e = 0; e < VEC; ++e) r.v[e] = from_float<T>(to_float(r.v[e]) * inv * to_float(w.v[e]));
     store_vec<T, VEC>(xr + i * VEC, r);
+  }
+}
+
+// Rows are (token, group) pairs: each token's row of x holds `groups` groups of the weight's
+// width, normed apart. out = round(round(x / rms * w) * silu(z)): the norm is rounded where the
+// unfused rms_norm stores it, silu(z) stays f32 (as the reference gated norm computes it).
+// out may alias x: every thread reads its elements before writing them, after the reduction.
+template <typename T, int VEC>
+__global__ void rms_norm_gated_kernel(T* out, const T* x, const T* z, const T* __restrict__ weight,
+                                      int64_t rows, int groups, int nvec, int64_t x_stride,
+                                      int64_t z_stride, int64_t out_stride, float eps,
+                                      float inv_width) {
+  __shared__ float partial[kRowsPerBlockMax][kWarp];
+  int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  bool active = row < rows;
+  int64_t token = active ? row / groups : 0;
+  int64_t col = (active ? row % groups : 0) * static_cast<int64_t>(nvec) * VEC;
+  const T* xr = x + token * x_stride + col;
+  float ss = 0.f;
+  for (int i = threadIdx.x; active && i < nvec; i += blockDim.x) {
+    Vec<T, VEC> v = load_vec<T, VEC>(xr + i * VEC);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float f = to_float(v.v[e]);
+      ss += f * f;
+    }
+  }
+  float inv = rsqrtf(row_sum(ss, partial) * inv_width + eps);
+  if (!active) return;
+  const T* zr = z + token * z_stride + col;
+  T* orow = out + token * out_stride + col;
+  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    Vec<T, VEC> v = load_vec<T, VEC>(xr + i * VEC);
+    Vec<T, VEC> w = load_vec<T, VEC>(weight + i * VEC);
+    Vec<T, VEC> g = load_vec<T, VEC>(zr + i * VEC);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float normed = to_float(from_float<T>(to_float(v.v[e]) * inv * to_float(w.v[e])));
+      v.v[e] = from_float<T>(normed * gdn::silu(to_float(g.v[e])));
+    }
+    store_vec<T, VEC>(orow + i * VEC, v);
   }
 }
 
@@ -163,8 +206,75 @@ void fused_add_rms_norm(TensorView x, TensorView residual, TensorView weight, do
   run_norm(x, residual, weight, eps, true, "x", "residual");
 }
 
+struct GatedArgs {
+  void* out;
+  const void* x;
+  const void* z;
+  const void* weight;
+  RowView ro, rx, rz;
+  int64_t group;
+  float eps;
+  cudaStream_t stream;
+};
+
+template <typename T, int VEC>
+void launch_gated(const GatedArgs& p) {
+  int nvec = static_cast<int>(p.group / VEC);
+  int groups = static_cast<int>(p.rx.width / p.group);
+  int64_t rows = p.rx.rows * groups;
+  dim3 block = norm_block(nvec);
+  dim3 grid(static_cast<unsigned>(ceil_div(rows, block.y)));
+  rms_norm_gated_kernel<T, VEC><<<grid, block, 0, p.stream>>>(
+      static_cast<T*>(p.out), static_cast<const T*>(p.x), static_cast<const T*>(p.z),
+      static_cast<const T*>(p.weight), rows, groups, nvec, p.rx.stride, p.rz.stride, p.ro.stride,
+      p.eps, 1.f / static_cast<float>(p.group));
+  check_launch("rms_norm_gated");
+}
+
+template <typename T>
+void dispatch_gated(const GatedArgs& p, bool vec_ok) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vec_ok) {
+    launch_gated<T, kVec>(p);
+  } else {
+    launch_gated<T, 1>(p);
+  }
+}
+
+/*! \brief out = rms_norm(x) * weight * silu(z), normed over each weight-wide group of a row
+ *  (out, x, z [T, W], W a multiple of the weight's width G; out may be x). */
+void rms_norm_gated(TensorView out, TensorView x, TensorView z, TensorView weight, double eps) {
+  int dev = x.device().device_id;
+  check_gpu(out, "out", dev);
+  check_gpu(z, "z", dev);
+  check_gpu(weight, "weight", dev);
+  FloatType ft = float_type(x, "x");
+  check_same_dtype(out, x, "out", "x");
+  check_same_dtype(z, x, "z", "x");
+  check_same_dtype(weight, x, "weight", "x");
+  TVM_FFI_ICHECK(out.ndim() == 2 && x.ndim() == 2 && z.ndim() == 2)
+      << "out, x and z must be [T, W] tensors";
+  RowView ro = row_view(out, 1, "out"), rx = row_view(x, 1, "x"), rz = row_view(z, 1, "z");
+  TVM_FFI_ICHECK(ro.rows == rx.rows && rz.rows == rx.rows && ro.width == rx.width &&
+                 rz.width == rx.width)
+      << "out, x and z must have the same shape";
+  TVM_FFI_ICHECK(weight.ndim() == 1 && weight.IsContiguous() && weight.size(0) > 0 &&
+                 rx.width % weight.size(0) == 0)
+      << "weight must be a contiguous [G] tensor whose width G divides the rows' " << rx.width;
+  if (rx.rows == 0 || rx.width == 0) return;
+  DeviceGuard guard(dev);
+  GatedArgs p{data_of<void>(out), data_of<void>(x), data_of<void>(z), data_of<void>(weight),
+              ro, rx, rz, weight.size(0), static_cast<float>(eps), stream_for(x)};
+  int64_t vec = ft == FloatType::kF32 ? 4 : 8;
+  bool vec_ok = p.group % vec == 0 && ro.stride % vec == 0 && rx.stride % vec == 0 &&
+                rz.stride % vec == 0 && aligned16(out) && aligned16(x) && aligned16(z) &&
+                aligned16(weight);
+  FT_CUDA_DISPATCH_FLOAT(ft, T, dispatch_gated<T>(p, vec_ok));
+}
+
 }  // namespace
 }  // namespace freetoken
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rms_norm, freetoken::rms_norm);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_add_rms_norm, freetoken::fused_add_rms_norm);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rms_norm_gated, freetoken::rms_norm_gated);

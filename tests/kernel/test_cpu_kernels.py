@@ -11,6 +11,7 @@ import torch
 from freetoken.kernel import ops
 from freetoken.kernel import reference as ref
 from freetoken.kernel.loader import get_function
+from tests.kernel.gated_norm_check import check_gated_norm
 from tests.tolerances import assert_close, bound
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,6 +69,18 @@ def test_rms_norm_strided_rows_and_heads():
     ops.rms_norm(q_heads, q_heads, w, 1e-6)
     close(q_heads, want, torch.float32, terms=64)
     assert torch.equal(qkv[:, 4 * 64:], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,groups,width", [(1, 4, 32), (3, 2, 128), (5, 3, 20)])
+def test_rms_norm_gated(dtype, t, groups, width):
+    check_gated_norm("cpu", dtype, t, groups, width, ulps=8)
+
+
+def test_rms_norm_gated_refuses_a_weight_that_does_not_divide_the_rows():
+    x = torch.randn(2, 96)
+    with pytest.raises(Exception, match="divides"):
+        ops.rms_norm_gated(x, x, x.clone(), torch.randn(40), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,7 @@ import torch
 
 from freetoken.kernel import ops, reference
 from freetoken.kernel.loader import get_function
+from tests.kernel.gated_norm_check import check_gated_norm
 from tests.tolerances import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -142,10 +143,19 @@ def test_embedding(dtype, dim):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,groups,width", [(1, 32, 128), (3, 2, 128), (5, 3, 20), (4, 1, 64)])
+def test_rms_norm_gated(dtype, t, groups, width):
+    check_gated_norm(_dev(), dtype, t, groups, width, ulps=FAST_MATH_ULPS)
+
+
+@gpu
 def test_bad_arguments_raise():
     x = torch.randn(4, 64, device=_dev())
     with pytest.raises(Exception, match="weight"):
         ops.rms_norm(torch.empty_like(x), x, torch.randn(32, device=_dev()), 1e-5)
+    with pytest.raises(Exception, match="divides"):
+        ops.rms_norm_gated(x, x, x.clone(), torch.randn(40, device=_dev()), 1e-5)
     with pytest.raises(Exception, match="GPU tensor"):
         ops.silu_and_mul(torch.empty(4, 32), x)
 

@@ -1,7 +1,8 @@
 """The fused GPU decode step (steps of up to 4 tokens) against transformers' float32 forward,
 beside the unfused step of the same bf16 weights: batched decode of sequences at different
 lengths and a short multi-token chunk, on a per-head q/k norm model (qwen3), one with a qkv bias
-(qwen2) and a MoE (qwen3_moe: fused attention, routed MLP). The fused step must be about as
+(qwen2), a MoE (qwen3_moe: fused attention, routed MLP) and a hybrid (qwen3_5_moe: Gated
+DeltaNet and gated attention layers). The fused step must be about as
 close to float32 as the unfused one is. Skipped without a CUDA GPU."""
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ pytestmark = [pytest.mark.gpu,
 SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=3,
              num_attention_heads=16, num_key_value_heads=4, head_dim=64,
              rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6)
+
+
+# qwen3_5_moe: three Gated DeltaNet layers and one gated attention layer, routed experts
+HYBRID = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=128, linear_num_key_heads=8,
+              linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+              num_experts=64, num_experts_per_tok=4, moe_intermediate_size=256,
+              shared_expert_intermediate_size=256, max_position_embeddings=4096,
+              rms_norm_eps=1e-6, layer_types=["linear_attention", "full_attention",
+                                              "linear_attention", "linear_attention"])
 
 
 def _rel(a, b) -> float:
@@ -40,10 +51,15 @@ def _run(folder, fused: bool, monkeypatch, prompts, steps):
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe", "qwen3_5_moe"])
 def test_fused_decode_matches_unfused_accuracy(arch, tmp_path, monkeypatch, moe_ops):
-    extra = dict(moe_intermediate_size=256) if arch == "qwen3_moe" else {}
-    hf = tiny_hf_model(arch, tmp_path, seed=5, **SHAPE, **extra).to("cuda")
+    if arch == "qwen3_5_moe":
+        from tests.models.test_hybrid_hf import build_hybrid
+
+        hf = build_hybrid(arch, tmp_path, seed=5, **HYBRID).to("cuda")
+    else:
+        extra = dict(moe_intermediate_size=256) if arch == "qwen3_moe" else {}
+        hf = tiny_hf_model(arch, tmp_path, seed=5, **SHAPE, **extra).to("cuda")
     gen = torch.Generator().manual_seed(3)
     vocab = hf.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 5, 80)]

@@ -58,6 +58,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _fn("fused_add_rms_norm", x.device)(x, residual, weight, eps)
 
 
+def rms_norm_gated(out: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> None:
+    """out = rms_norm(x) * weight * silu(z), normed over each weight-wide group of a row (the
+    Gated DeltaNet output norm: one group per value head); out, x, z [T, W] (rows may be
+    strided; out may be x), weight [G] with G dividing W. The norm is rounded to the dtype
+    before the gate multiplies it, and the product once."""
+    _fn("rms_norm_gated", x.device)(out, x, z, weight, eps)
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, is_neox: bool) -> None:
     """In place on q [T, Hq*D] and k [T, Hk*D]; positions int64 [T];

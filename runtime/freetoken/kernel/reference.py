@@ -24,6 +24,15 @@ def fused_add_rms_norm(x, residual, weight, eps):
     rms_norm(x, residual, weight, eps)
 
 
+def rms_norm_gated(out, x, z, weight, eps):
+    t, width, g = x.shape[0], x.shape[1], weight.shape[0]
+    groups = x.reshape(t * width // g, g)
+    normed = torch.empty_like(groups)
+    rms_norm(normed, groups, weight, eps)
+    gate = torch.nn.functional.silu(z.reshape(t * width // g, g).float())
+    out.copy_((normed.float() * gate).to(out.dtype).reshape(t, width))
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim, is_neox):
     rot = cos_sin_cache.shape[1]
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [T, rot/2]

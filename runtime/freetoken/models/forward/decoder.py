@@ -28,7 +28,7 @@ from freetoken.models.forward.workspace import Workspace, WorkViews
 _OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv", "paged_attention",
         "silu_and_mul")
 _MOE_OPS = ("moe_topk_softmax", "moe_experts")
-_GDN_OPS = ("gdn_conv1d", "gdn_recurrence")
+_GDN_OPS = ("gdn_conv1d", "gdn_recurrence", "rms_norm_gated")
 
 
 class Kernels:

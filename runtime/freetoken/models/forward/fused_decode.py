@@ -16,6 +16,10 @@ Here the residual alone is carried, and each projection norms its own input:
 6 launches per dense layer for steps of 1-2 tokens; 8 at 3-4 tokens, where each RMSNorm runs
 as its own kernel (see MAX_TOKENS). A MoE layer fuses its attention half; its MLP runs the routed
 kernels on the normed input (rms_norm, router, top-k, experts, then the residual add).
+Hybrid models (Qwen3-Next, Qwen3.5/3.6) fuse the same way: a Gated DeltaNet layer runs
+decode_gemv (input norm prologue) -> conv -> recurrence -> gated norm -> decode_gemv_add, and a
+gated attention layer adds a second normed-input GEMV for its output gate (sigmoid(gate) times
+the attention output, then decode_gemv_add) to the dense chain above.
 Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
 stores it, so the two paths differ only in the f32 summation order of the dot products.
 """
@@ -25,10 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from freetoken.arrays import array_view
 from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch
 from freetoken.models.checkpoint.weights import LayerWeights
 from freetoken.models.config import ModelConfig
+from freetoken.models.forward.attention import mul_sigmoid
 from freetoken.models.forward.workspace import WorkViews
 
 if TYPE_CHECKING:
@@ -159,16 +165,19 @@ def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) 
         return False
     if cfg.qk_norm not in (None, "head"):
         return False
-    # what the fused layer does not model: Gemma's GELU, block-output norms and scaled
-    # embedding, hybrid models' GDN layers and gated attention
-    if (cfg.activation != "silu" or cfg.block_out_norms or cfg.embed_scale != 1.0
-            or cfg.linear is not None or cfg.attn_output_gate):
+    # what the fused layer does not model: Gemma's GELU, block-output norms and scaled embedding
+    if cfg.activation != "silu" or cfg.block_out_norms or cfg.embed_scale != 1.0:
         return False
     widths = (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.q_size)
+    if cfg.linear is not None:
+        widths += (cfg.linear.projection_size, cfg.linear.value_dim)
     if any(w % 8 for w in widths):
         return False
-    names = ("qkv", "o")
     for i, lw in enumerate(layers):
+        if cfg.is_linear(i):
+            names: tuple[str, ...] = ("gdn.in", "gdn.out")
+        else:
+            names = ("qkv", "o") + (("o_gate",) if cfg.attn_output_gate else ())
         dense = ("gate_up", "down") if not cfg.is_sparse(i) else ()
         if not all(_plain(lw[n]) for n in names + dense):
             return False
@@ -191,13 +200,22 @@ class FusedLayer:
             ops.bind(name, device) for name in
             ("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu", "rope_store_kv"))
         self.input_norm, self.post_norm = w["input_norm"], w["post_norm"]
-        self.qkv, self.bias, self.o = _matrix(w["qkv"]), w.get("qkv_bias"), w["o"]
         self.rope, self.eps = rope, cfg.rms_norm_eps
-        self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
-        self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
         h = cfg.hidden_size
-        self.p_qkv = gemv_plan("qkv", self.qkv.shape[0], h, sms)
-        self.p_o = gemv_plan("add", h, cfg.q_size, sms)
+        self.linear = cfg.is_linear(index)
+        if self.linear:             # Gated DeltaNet: in projection, mix, out projection
+            self.gdn_in, self.gdn_out = _matrix(w["gdn.in"]), w["gdn.out"]
+            self.p_in = gemv_plan("qkv", self.gdn_in.shape[0], h, sms)
+            self.p_out = gemv_plan("add", h, self.gdn_out.shape[1], sms)
+        else:
+            self.qkv, self.bias, self.o = _matrix(w["qkv"]), w.get("qkv_bias"), w["o"]
+            self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
+            self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
+            self.p_qkv = gemv_plan("qkv", self.qkv.shape[0], h, sms)
+            self.p_o = gemv_plan("add", h, cfg.q_size, sms)
+            self.o_gate = w.get("o_gate")   # gated attention (hybrid models)
+            if self.o_gate is not None:
+                self.p_gate = gemv_plan("qkv", cfg.q_size, h, sms)
         self.dense = not cfg.is_sparse(index)
         if self.dense:
             self.gate_up, self.down = _matrix(w["gate_up"]), w["down"]
@@ -207,11 +225,33 @@ class FusedLayer:
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:
-        """w.residual holds this layer's input; on return, its output (neither normed)."""
+        """w.residual holds this layer's input; on return, its output (neither normed).
+        A GDN layer's two caches are its conv and recurrent states."""
+        if self.linear:
+            self._deltanet(w, batch, k_cache, v_cache)
+        else:
+            self._attention(w, batch, k_cache, v_cache, block_size)
+        self._mlp(w, batch)
+
+    def _deltanet(self, w: WorkViews, batch: ForwardBatch, conv_state: Array,
+                  ssm_state: Array) -> None:
+        t = batch.num_tokens
+        c = self.p_in[t]
+        x, norm = self._normed_input(w, c, self.input_norm)
+        self.gemv(w.gdn_in, x, self.gdn_in, None, norm, self.eps, c.group, c.variant)
+        self.attn.mix(w, batch, conv_state, ssm_state)
+        c = self.p_out[t]
+        self.gemv_add(w.residual, w.gdn_core, self.gdn_out, c.group, c.variant)
+
+    def _attention(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
+                   block_size: int) -> None:
         a, eps, t = self.attn, self.eps, batch.num_tokens
         c = self.p_qkv[t]
         x, norm = self._normed_input(w, c, self.input_norm)
         self.gemv(w.qkv, x, self.qkv, self.bias, norm, eps, c.group, c.variant)
+        if self.o_gate is not None:   # the same normed input (or prologue) as qkv's
+            g = self.p_gate[t]
+            self.gemv(w.attn_gate, x, self.o_gate, None, norm, eps, g.group, g.variant)
         q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
         self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
                            batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
@@ -219,7 +259,12 @@ class FusedLayer:
         self.ops.paged_attention(w.attn3, w.q3_cols, k_cache, v_cache, batch.block_tables,
                                  batch.seq_lens, batch.query_start_loc, block_size, a.scale,
                                  a.window, *self.ops.attn_extra)
+        if self.o_gate is not None:
+            mul_sigmoid(array_view(w.attn), array_view(w.attn_gate))
         self.gemv_add(w.residual, w.attn, self.o, self.p_o[t].group, self.p_o[t].variant)
+
+    def _mlp(self, w: WorkViews, batch: ForwardBatch) -> None:
+        eps, t = self.eps, batch.num_tokens
         if self.dense:
             c = self.p_up[t]
             x, norm = self._normed_input(w, c, self.post_norm)
@@ -228,7 +273,7 @@ class FusedLayer:
             self.gemv_add(w.residual, w.act, self.down, c.group, c.variant)
             return
         self.ops.rms_norm(w.hidden, w.residual, self.post_norm, eps)
-        if self.mlp.decode_applies(batch.num_tokens):   # moe_decode.py: adds into the residual
+        if self.mlp.decode_applies(t):   # moe_decode.py: adds into the residual
             self.mlp.decode(w.residual, w.hidden, w, accumulate=True)
             return
         y = self.mlp(w.hidden, w)

@@ -2,17 +2,15 @@
 
 One input projection gives [q k v | z | b a]; q, k, v go through the short causal conv (SiLU)
 and the gated delta-rule recurrence (ops.gdn_conv1d, ops.gdn_recurrence: both read and update
-the sequence's recurrent-state slot); the result is RMS-normed per value head, times silu(z),
-and projected back (out_proj), then the fused residual-add + post-attention norm.
+the sequence's recurrent-state slot); the result is RMS-normed per value head times silu(z)
+(ops.rms_norm_gated) and projected back (out_proj), then the fused residual-add +
+post-attention norm.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from freetoken.arrays import array_view, is_torch
 from freetoken.models.batch import Array, ForwardBatch
 from freetoken.models.checkpoint.weights import LayerWeights
 from freetoken.models.config import ModelConfig
@@ -27,7 +25,7 @@ class GatedDeltaNetBlock:
     """Same call as AttentionBlock; its two caches are the layer's conv and delta-rule states."""
 
     def __init__(self, w: LayerWeights, cfg: ModelConfig, kernels: Kernels):
-        lin, arg = cfg.linear, kernels.arg
+        arg = kernels.arg
         self.ops = kernels
         self.in_proj = make_linear(w["gdn.in"])
         self.out_proj = make_linear(w["gdn.out"])
@@ -36,33 +34,22 @@ class GatedDeltaNetBlock:
         self.norm = arg(w["gdn.norm"])
         self.post_norm = arg(w["post_norm"])
         self.eps = cfg.rms_norm_eps
-        self.conv_dim, self.value_dim, self.head_v_dim = lin.conv_dim, lin.value_dim, lin.head_v_dim
 
     def forward(self, x: Array, w: WorkViews, batch: ForwardBatch, conv_state: Array,
                 ssm_state: Array, block_size: int) -> None:
         """x holds the layer's normed input; on return, the normed input of its MLP."""
-        ops, arg = self.ops, self.ops.arg
-        c, vd = self.conv_dim, self.value_dim
         self.in_proj(w.gdn_in, x)
-        proj = array_view(w.gdn_in)
-        ops.gdn_conv1d(w.gdn_conv, arg(proj[:, :c]), conv_state, self.conv_w, batch.positions,
-                       batch.query_start_loc, batch.state_slots)
-        ops.gdn_recurrence(w.gdn_core, w.gdn_conv, arg(proj[:, c + vd:]), self.a_log,
-                           self.dt_bias, ssm_state, batch.positions, batch.query_start_loc,
-                           batch.state_slots)
-        core = array_view(w.gdn_core)
-        heads = arg(core.reshape(-1, self.head_v_dim))   # a view: normed in place per head
-        ops.rms_norm(heads, heads, self.norm, self.eps)
-        mul_silu(core, proj[:, c:c + vd])
+        self.mix(w, batch, conv_state, ssm_state)
         self.out_proj(x, w.gdn_core)
-        ops.fused_add_rms_norm(x, w.residual, self.post_norm, self.eps)
+        self.ops.fused_add_rms_norm(x, w.residual, self.post_norm, self.eps)
 
-
-def mul_silu(out: Array, z: Array) -> None:
-    """out *= silu(z), in place (z is left as it is)."""
-    if is_torch(out):
-        import torch
-
-        out.mul_(torch.nn.functional.silu(z))
-        return
-    out *= z / (1.0 + np.exp(-z))
+    def mix(self, w: WorkViews, batch: ForwardBatch, conv_state: Array,
+            ssm_state: Array) -> None:
+        """w.gdn_in (the input projection) -> w.gdn_core (the out projection's input): the
+        conv, the recurrence, the per-head norm gated by silu(z); updates both states."""
+        ops = self.ops
+        ops.gdn_conv1d(w.gdn_conv, w.gdn_qkv, conv_state, self.conv_w, batch.positions,
+                       batch.query_start_loc, batch.state_slots)
+        ops.gdn_recurrence(w.gdn_core, w.gdn_conv, w.gdn_ba, self.a_log, self.dt_bias, ssm_state,
+                           batch.positions, batch.query_start_loc, batch.state_slots)
+        ops.rms_norm_gated(w.gdn_core, w.gdn_core, w.gdn_z, self.norm, self.eps)

@@ -28,7 +28,8 @@ class WorkViews:
     moe_workspace (uint8 scratch of the experts kernel) and, with a shared expert,
     shared_gate_up [T, 2Is], shared_act [T, Is], shared_out [T, hidden], shared_gate [T, 1].
     Hybrid models add attn_gate [T, Hq*D] (the attention output gate) and, for their GDN
-    layers, gdn_in [T, projection], gdn_conv [T, conv channels], gdn_core [T, Hv*dv].
+    layers, gdn_in [T, projection] (column views gdn_qkv, gdn_z, gdn_ba: the conv's input, the
+    output gate, the decay inputs), gdn_conv [T, conv channels], gdn_core [T, Hv*dv].
     Every public field is a kernel argument (``arrays.kernel_arg``); ``split_qkv`` copies
     between the arrays it kept aside.
     """
@@ -57,6 +58,11 @@ class WorkViews:
             self.q_heads = view_as(self.q, (t * cfg.num_heads, d))
             self.k_heads = view_as(self.k, (t * cfg.num_kv_heads, d))
         self._copies = [(self.q, self._sources[0]), (self.k, self._sources[1])] if copy_qk else []
+        if cfg.linear is not None:
+            c, vd = cfg.linear.conv_dim, cfg.linear.value_dim
+            self.gdn_qkv = self.gdn_in[:, :c]
+            self.gdn_z = self.gdn_in[:, c:c + vd]
+            self.gdn_ba = self.gdn_in[:, c + vd:]
         for name, value in list(vars(self).items()):
             if name[0] != "_" and not callable(value):
                 setattr(self, name, arrays.kernel_arg(value))
