@@ -4,8 +4,8 @@
 // [0, S) (graph padding) is skipped rather than raised, which would need a sync.
 //
 // The recurrence runs token by token: a block owns one (sequence, value head, 16 value columns)
-// and keeps that slice of the f32 state in registers for the whole chunk; lane l of a warp holds
-// rows l, l+32, ... of 4 adjacent columns, so the k^T S and q^T S products are warp sums.
+// and keeps that slice of the f32 state in registers for the whole chunk; a lane holds a quarter
+// of one column's rows, so the k^T S and q^T S products are its own sums plus two shuffles.
 // A step with long prefill chunks runs the chunked form instead (gdn_chunked.cuh; the rule is
 // at use_chunked below); decode steps always run this sequential one.
 #include "freetoken/cuda_common.cuh"
@@ -16,9 +16,20 @@ namespace freetoken {
 namespace {
 
 constexpr int kConvThreads = 128;
-constexpr int kColsPerWarp = 4;
-constexpr int kWarpsPerBlock = 4;
+// Recurrence: a warp owns 8 value columns; lane l holds column l % 8 of the rows
+// l / 8, l / 8 + 4, ... (4 row groups), so a warp's state loads are whole 32-byte sectors
+// and a column's sum over rows is a lane's own partial sum plus two shuffles.
+constexpr int kColsPerWarp = 8;
+constexpr int kRowGroups = kWarp / kColsPerWarp;
+constexpr int kWarpsPerBlock = 2;
 constexpr int kColsPerBlock = kColsPerWarp * kWarpsPerBlock;
+
+// The sum of v over the lanes holding the same column (lanes kColsPerWarp apart).
+__device__ __forceinline__ float row_group_sum(float v) {
+#pragma unroll
+  for (int off = kColsPerWarp; off < kWarp; off <<= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
 
 struct SeqArgs {
   const int64_t* positions;
@@ -68,30 +79,31 @@ struct RecurArgs {
   float* state;
 };
 
-template <typename T, int ROWS>
+template <typename T, int RPT>
 __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
     recurrence_kernel(T* __restrict__ out, const T* __restrict__ qkv, const T* __restrict__ ba,
                       RecurArgs p, SeqArgs sa) {
-  constexpr int DK = ROWS * kWarp;
+  constexpr int DK = RPT * kRowGroups;
   __shared__ float s_q[DK], s_k[DK], s_gate[2];
   const int h = blockIdx.y, lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int rg = lane / kColsPerWarp;  // this lane's rows: rg, rg + kRowGroups, ...
   int64_t begin, end, slot;
   bool fresh;
   if (!seq_range(sa, blockIdx.z, begin, end, slot, fresh)) return;  // uniform over the block
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kColsPerBlock + warp * kColsPerWarp;
-  const bool active = col0 < p.dv;  // uniform over the warp
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColsPerBlock +
+                      warp * kColsPerWarp + lane % kColsPerWarp;
+  const bool active = col < p.dv;  // per lane: every lane still joins the shuffles
   const int64_t kh = h / (p.hv / p.hk);
-  float* st = p.state + (slot * p.hv + h) * DK * p.dv;
-  float s[ROWS][kColsPerWarp];
+  float* st = p.state + (slot * p.hv + h) * DK * p.dv + col;
+  float s[RPT];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float4 v{0.f, 0.f, 0.f, 0.f};
-    if (active && !fresh) v = *reinterpret_cast<const float4*>(st + (lane + r * kWarp) * p.dv + col0);
-    s[r][0] = v.x, s[r][1] = v.y, s[r][2] = v.z, s[r][3] = v.w;
+  for (int j = 0; j < RPT; ++j) {
+    s[j] = active && !fresh ? st[(rg + j * kRowGroups) * p.dv] : 0.f;
   }
   const float scale = rsqrtf(static_cast<float>(DK));
   for (int64_t t = begin; t < end; ++t) {
     const T* row = qkv + t * p.qkv_stride;
+    const float v = active ? to_float(row[2 * p.hk * DK + h * p.dv + col]) : 0.f;
     __syncthreads();  // the previous token is done with the shared vectors
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
       s_q[i] = to_float(row[kh * DK + i]);
@@ -103,45 +115,37 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
       s_gate[1] = gdn::decay(to_float(g[p.hv + h]), p.a_log[h], p.dt_bias[h]);
     }
     __syncthreads();
-    float q[ROWS], k[ROWS], qq = 0.f, kk = 0.f;
+    float qq = 0.f, kk = 0.f;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      q[r] = s_q[lane + r * kWarp];
-      k[r] = s_k[lane + r * kWarp];
-      qq += q[r] * q[r];
-      kk += k[r] * k[r];
+    for (int i = lane; i < DK; i += kWarp) {
+      qq += s_q[i] * s_q[i];
+      kk += s_k[i] * s_k[i];
     }
     const float qn = scale * rsqrtf(warp_sum(qq) + gdn::kL2Eps);
     const float kn = rsqrtf(warp_sum(kk) + gdn::kL2Eps);
     const float beta = s_gate[0], decay = s_gate[1];
-    if (!active) continue;
-    const T* v = row + 2 * p.hk * DK + h * p.dv + col0;
-    T* o = out + t * p.hv * p.dv + h * p.dv + col0;
+    // k^T S over this lane's rows, then over the row groups (lanes kColsPerWarp apart)
+    float mem = 0.f;
 #pragma unroll
-    for (int c = 0; c < kColsPerWarp; ++c) {
-      float mem = 0.f;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        s[r][c] *= decay;
-        mem += k[r] * kn * s[r][c];
-      }
-      const float delta = (to_float(v[c]) - warp_sum(mem)) * beta;
-      float acc = 0.f;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        s[r][c] += k[r] * kn * delta;
-        acc += q[r] * qn * s[r][c];
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) o[c] = from_float<T>(acc);
+    for (int j = 0; j < RPT; ++j) {
+      s[j] *= decay;
+      mem += s_k[rg + j * kRowGroups] * kn * s[j];
     }
+    mem = row_group_sum(mem);
+    const float delta = (v - mem) * beta;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+      const int r = rg + j * kRowGroups;
+      s[j] += s_k[r] * kn * delta;
+      acc += s_q[r] * qn * s[j];
+    }
+    acc = row_group_sum(acc);
+    if (active && rg == 0) out[t * p.hv * p.dv + h * p.dv + col] = from_float<T>(acc);
   }
   if (!active) return;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    *reinterpret_cast<float4*>(st + (lane + r * kWarp) * p.dv + col0) =
-        float4{s[r][0], s[r][1], s[r][2], s[r][3]};
-  }
+  for (int j = 0; j < RPT; ++j) st[(rg + j * kRowGroups) * p.dv] = s[j];
 }
 
 SeqArgs seq_args(const TensorView& positions, const TensorView& query_start_loc,
@@ -205,11 +209,11 @@ void launch_recurrence(int64_t dk, dim3 grid, cudaStream_t stream, T* out, const
                        const T* ba, const RecurArgs& p, const SeqArgs& sa) {
   const int threads = kWarp * kWarpsPerBlock;
   if (dk == 64) {
-    recurrence_kernel<T, 2><<<grid, threads, 0, stream>>>(out, qkv, ba, p, sa);
+    recurrence_kernel<T, 64 / kRowGroups><<<grid, threads, 0, stream>>>(out, qkv, ba, p, sa);
   } else if (dk == 128) {
-    recurrence_kernel<T, 4><<<grid, threads, 0, stream>>>(out, qkv, ba, p, sa);
+    recurrence_kernel<T, 128 / kRowGroups><<<grid, threads, 0, stream>>>(out, qkv, ba, p, sa);
   } else {
-    recurrence_kernel<T, 8><<<grid, threads, 0, stream>>>(out, qkv, ba, p, sa);
+    recurrence_kernel<T, 256 / kRowGroups><<<grid, threads, 0, stream>>>(out, qkv, ba, p, sa);
   }
 }
 
@@ -290,7 +294,7 @@ void gdn_recurrence(TensorView out, TensorView qkv, TensorView ba, TensorView a_
   p.hv = ssm_state.size(1), p.dk = ssm_state.size(2), p.dv = ssm_state.size(3);
   TVM_FFI_ICHECK(p.dk == 64 || p.dk == 128 || p.dk == 256)
       << "the key head dim must be 64, 128 or 256 on the GPU, got " << p.dk;
-  TVM_FFI_ICHECK(p.dv % kColsPerWarp == 0) << "the value head dim must be a multiple of 4";
+  TVM_FFI_ICHECK(p.dv % 4 == 0) << "the value head dim must be a multiple of 4";
   RowView qr = row_view(qkv, 1, "qkv"), br = row_view(ba, 1, "ba");
   const int64_t key_cols = qr.width - p.hv * p.dv;
   TVM_FFI_ICHECK(key_cols > 0 && key_cols % (2 * p.dk) == 0)

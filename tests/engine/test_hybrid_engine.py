@@ -107,8 +107,9 @@ def start_engine(loaded, config, overlap: bool):
 def test_state_snapshots_resume_turns_with_identical_output(tmp_path, moe_ops, overlap):
     """With the prefix cache on, each turn resumes from the snapshot at the last full page its
     predecessor's prompt and answer reached; the output equals the cache-off engine's (which
-    recomputes every turn) and transformers'. With overlap scheduling, a step whose publishing
-    snapshots waits for it, so every snapshot holds its own page's states."""
+    recomputes every turn) and transformers'. With overlap scheduling the next step is launched
+    before the snapshotting step is published: the states are copied first (queued before that
+    step, keyed at publishing), so every snapshot holds its own page's states."""
     hf = build_hybrid("qwen3_next", tmp_path)
     loaded = load_model(str(tmp_path))
     gen = torch.Generator().manual_seed(5)

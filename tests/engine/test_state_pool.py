@@ -63,3 +63,26 @@ def test_a_moving_snapshot_reuses_its_row_and_leaves_the_others():
     assert kv.k[0][0].max() == 12
     store.save(b"p4", 0, replaces=b"gone")            # its row was evicted: a fresh row
     assert store.has(b"p3") and store.has(b"p4") and store.has(b"prompt")
+
+
+def test_a_staged_snapshot_holds_the_states_of_when_it_was_staged():
+    """Overlap scheduling copies the states before the next step and keys them later: the
+    row holds the states at staging, a key already stored keeps its row (the staged one goes
+    back), and discarded rows are reused, so staging never leaks the store's capacity."""
+    kv = FakeKV(1)
+    store = StateSnapshots(kv, [0, 2], capacity=2, arrays=HostArrays())
+    kv.k[0][0] = 1
+    row = store.stage(0)
+    kv.k[0][0] = 2                          # the next step moves the states on
+    store.commit(b"a", row)
+    store.restore(b"a", 0)
+    assert kv.k[0][0].max() == 1
+    store.commit(b"a", store.stage(0))      # already stored: the new row is freed
+    assert store.stats()["state_snapshots"] == 1
+    for _ in range(5):
+        store.discard(store.stage(0))
+    kv.k[0][0] = 7
+    store.commit(b"b", store.stage(0))
+    assert store.has(b"a") and store.has(b"b")  # a free row was left for b: nothing evicted
+    store.restore(b"b", 0)
+    assert kv.k[0][0].max() == 7

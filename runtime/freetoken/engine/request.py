@@ -179,6 +179,8 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens reused at first admission
     state_slot: int = -1             # hybrid models: its recurrent-state slot while running
     turn_snapshot: bytes | None = None   # hybrid models: key of its latest end-of-turn snapshot
+    # hybrid models with overlap: (tokens covered, row) of a snapshot copied, not yet keyed
+    staged_snapshot: tuple[int, int] | None = None
     # prepare.py's int32 copy of `pages`: (the list it copies, the array, entries copied). The
     # scheduler only appends to a pages list or replaces it, so the copy stays valid.
     page_rows: tuple | None = field(default=None, repr=False)

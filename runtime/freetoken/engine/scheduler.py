@@ -100,17 +100,23 @@ class Scheduler:
         """The next step while the current one is still running (overlap scheduling): every
         running sequence decodes one token. None when that step would do anything else: admit
         a waiting request, continue a prefill or preempt (the caller then waits for the
-        current step and calls schedule()). None too when publishing the running step will
-        snapshot a hybrid request's states: the snapshot must see them before the next step."""
+        current step and calls schedule()). Where publishing the running step will snapshot
+        a hybrid request's states, they are copied here, queued before the next step changes
+        them, and keyed when that step is published (its tokens are known then)."""
         if not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return None
         if any(request.num_pending != 1 for request in self.running):
             return None
-        if any(self._snapshot_due(request, request.num_computed) for request in self.running):
-            return None
         for request in self.running:
             if not self.pool.extend(request.pages, request.num_computed + 1):
                 return None
+        for request in self.running:
+            done = request.num_computed
+            if self._snapshot_due(request, done):
+                self._discard_staged(request)
+                replaces = None if done == self._snapshot_point(request) else request.turn_snapshot
+                request.staged_snapshot = (done, self.snapshots.stage(request.state_slot,
+                                                                      replaces))
         return [ScheduledChunk(request, 1) for request in self.running]
 
     def publish(self, request: Request, num_known: int | None = None) -> None:
@@ -126,6 +132,16 @@ class Scheduler:
         for j in range(request.num_published, full):
             self.pool.publish(request.pages[j], keys[j])
         request.num_published = max(request.num_published, full)
+        staged = request.staged_snapshot
+        if staged is not None and staged[0] <= done:   # copied by schedule_decodes
+            request.staged_snapshot = None
+            at, row = staged
+            key = keys[at // self.pool.block_size - 1]
+            self.snapshots.commit(key, row)
+            if at != self._snapshot_point(request):
+                request.turn_snapshot = key
+            if at == done:
+                return
         if not self._snapshot_due(request, done):
             return
         key = keys[done // self.pool.block_size - 1]
@@ -227,6 +243,12 @@ class Scheduler:
         request.pages = []
         request.num_computed = request.num_published = 0
         request.turn_snapshot = None   # a recompute starts over; the stored row stays valid
+        self._discard_staged(request)
         if request.state_slot >= 0:
             self.states.free(request.state_slot)
             request.state_slot = -1
+
+    def _discard_staged(self, request: Request) -> None:
+        if request.staged_snapshot is not None:
+            self.snapshots.discard(request.staged_snapshot[1])
+            request.staged_snapshot = None

@@ -51,6 +51,13 @@ class StateSnapshots:
         if key in self._index:
             self._index.move_to_end(key)
             return
+        self.commit(key, self.stage(slot, replaces))
+
+    def stage(self, slot: int, replaces: bytes | None = None) -> int:
+        """Copy slot's states into a row now, keyed later by commit() (or given back by
+        discard()): with overlap scheduling the copy must be queued before the next step
+        changes the states, while the tokens it covers, which its key hashes, are still on the
+        device. Row choice as save()."""
         if replaces is not None and replaces in self._index:
             row = self._index.pop(replaces)
         else:
@@ -58,8 +65,20 @@ class StateSnapshots:
         for n, layer in enumerate(self.layers):
             self._conv[n][row] = self.kv.k[layer][slot]
             self._ssm[n][row] = self.kv.v[layer][slot]
+        return row
+
+    def commit(self, key: bytes, row: int) -> None:
+        """Key a staged row; a key already stored keeps its row and the staged one is freed."""
+        if key in self._index:
+            self._index.move_to_end(key)
+            self._free.append(row)
+            return
         self._index[key] = row
         self.num_saved += 1
+
+    def discard(self, row: int) -> None:
+        """Give back a staged row that will not be committed (its request ended)."""
+        self._free.append(row)
 
     def restore(self, key: bytes, slot: int) -> None:
         """Copy the snapshot under `key` into slot's states."""

@@ -123,6 +123,16 @@ TUNED: dict[tuple[str, int, int, int], GemvChoice] = {
     ('swiglu', 12288, 4096, 2): GemvChoice(1, 64, norm_prologue=False),  # qwen3-8b gate_up: 77.2 -> 59.3 us
     ('add', 4096, 12288, 1): GemvChoice(1, 64),  # qwen3-8b down: 41.4 -> 29.3 us
     ('add', 4096, 12288, 2): GemvChoice(1, 64),  # qwen3-8b down: 57.6 -> 35.1 us
+    # Qwen3.6-35B-A3B (benchmarks/results/h200-gemv_sweep-qwen3.6-b53ad0d.txt); its qkv and o
+    # shapes are Qwen3-30B-A3B's attention too
+    ('qkv', 12352, 2048, 1): GemvChoice(1, 64, norm_prologue=False),  # qwen3.6 gdn_in: 21.9 -> 17.3 us
+    ('qkv', 12352, 2048, 2): GemvChoice(1, 64, norm_prologue=False),  # qwen3.6 gdn_in: 31.6 -> 20.4 us
+    ('qkv', 5120, 2048, 1): GemvChoice(1, 64, norm_prologue=False),  # qwen3.6 qkv: 12.3 -> 10.3 us
+    ('qkv', 5120, 2048, 2): GemvChoice(1, 64, norm_prologue=False),  # qwen3.6 qkv: 15.4 -> 12.0 us
+    ('qkv', 4096, 2048, 1): GemvChoice(1, 32, norm_prologue=True),  # qwen3.6 gate: 9.3 -> 9.1 us
+    ('qkv', 4096, 2048, 2): GemvChoice(1, 32, norm_prologue=False),  # qwen3.6 gate: 13.8 -> 10.5 us
+    ('add', 2048, 4096, 1): GemvChoice(6, 64),  # qwen3.6 o: 7.9 -> 7.5 us
+    ('add', 2048, 4096, 2): GemvChoice(1, 64),  # qwen3.6 o: 9.6 -> 9.3 us
 }
 
 
