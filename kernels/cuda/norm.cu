@@ -20,14 +20,9 @@ __device__ __forceinline__ float row_sum(float v, float (*partial)[kWarp]) {
   return total;
 }
 
+// This thread's share of sum(x^2) over a row of nvec vectors (0 for an inactive row).
 template <typename T, int VEC>
-__global__ void rms_norm_kernel(T* out, const T* x, const T* __restrict__ weight, int64_t rows,
-                                int nvec, int64_t x_stride, int64_t out_stride, float eps,
-                                float inv_width) {
-  __shared__ float partial[kRowsPerBlockMax][kWarp];
-  int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  bool active = row < rows;  // inactive threads still join the reduction's barrier
-  const T* xr = x + (active ? row : 0) * x_stride;
+__device__ __forceinline__ float sum_squares(const T* xr, int nvec, bool active) {
   float ss = 0.f;
   for (int i = threadIdx.x; active && i < nvec; i += blockDim.x) {
     Vec<T, VEC> v = load_vec<T, VEC>(xr + i * VEC);
@@ -37,7 +32,18 @@ __global__ void rms_norm_kernel(T* out, const T* x, const T* __restrict__ weight
       ss += f * f;
     }
   }
-  float inv = rsqrtf(row_sum(ss, partial) * inv_width + eps);
+  return ss;
+}
+
+template <typename T, int VEC>
+__global__ void rms_norm_kernel(T* out, const T* x, const T* __restrict__ weight, int64_t rows,
+                                int nvec, int64_t x_stride, int64_t out_stride, float eps,
+                                float inv_width) {
+  __shared__ float partial[kRowsPerBlockMax][kWarp];
+  int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  bool active = row < rows;  // inactive threads still join the reduction's barrier
+  const T* xr = x + (active ? row : 0) * x_stride;
+  float inv = rsqrtf(row_sum(sum_squares<T, VEC>(xr, nvec, active), partial) * inv_width + eps);
   if (!active) return;
   T* orow = out + row * out_stride;
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
@@ -97,16 +103,7 @@ __global__ void rms_norm_gated_kernel(T* out, const T* x, const T* z, const T* _
   int64_t token = active ? row / groups : 0;
   int64_t col = (active ? row % groups : 0) * static_cast<int64_t>(nvec) * VEC;
   const T* xr = x + token * x_stride + col;
-  float ss = 0.f;
-  for (int i = threadIdx.x; active && i < nvec; i += blockDim.x) {
-    Vec<T, VEC> v = load_vec<T, VEC>(xr + i * VEC);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      float f = to_float(v.v[e]);
-      ss += f * f;
-    }
-  }
-  float inv = rsqrtf(row_sum(ss, partial) * inv_width + eps);
+  float inv = rsqrtf(row_sum(sum_squares<T, VEC>(xr, nvec, active), partial) * inv_width + eps);
   if (!active) return;
   const T* zr = z + token * z_stride + col;
   T* orow = out + token * out_stride + col;

@@ -58,20 +58,18 @@ EXTRA = {"qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=2),
          "mistral": dict(sliding_window=8)}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
-                                  "qwen2_moe"])
-def test_fused_decode_steps_match_transformers(arch, tmp_path, reference_ops):
-    hf = tiny_hf_model(arch, tmp_path, seed=11, **{**SHAPE, **EXTRA.get(arch, {})})
-    config, plain, fused = _models(tmp_path)
-    gen = torch.Generator().manual_seed(4)
+def _steps_match_transformers(hf, arch, plain, fused, config, prompt_lengths, seed):
+    """Prefill each prompt (unfused: longer than MAX_TOKENS), then decode steps of T = 3 and 4
+    (norms as kernels), 2 and 1 (norms in the GEMV prologues) and a 4-token chunk; every row's
+    logits of both models against transformers' float32 forward of the whole sequence."""
+    gen = torch.Generator().manual_seed(seed)
     vocab = hf.config.vocab_size
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 3, 20)]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in prompt_lengths]
     runners = [PagedRunner(m, num_blocks=16, block_size=4, seed=2) for m in (plain, fused)]
     seqs = [list(p) for p in prompts]
     for runner in runners:
         for seq, prompt in enumerate(prompts):
-            runner.step([(seq, prompt)])  # 20 tokens > MAX_TOKENS: unfused prefill
-    # T = 3 and 4 (norms as kernels), 2 and 1 (norms in the GEMV prologues), a 4-token chunk
+            runner.step([(seq, prompt)])
     steps = [[(0, [5]), (1, [6]), (2, [7])], [(2, [8]), (0, [9])], [(1, [10])],
              [(0, [11, 12, 13, 14])], [(0, [1]), (1, [2]), (2, [3])]]
     for chunks in steps:
@@ -84,37 +82,27 @@ def test_fused_decode_steps_match_transformers(arch, tmp_path, reference_ops):
             assert_logits_close(theirs[row], ref, config, msg=f"plain {arch} {chunks}")
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
+                                  "qwen2_moe"])
+def test_fused_decode_steps_match_transformers(arch, tmp_path, reference_ops):
+    hf = tiny_hf_model(arch, tmp_path, seed=11, **{**SHAPE, **EXTRA.get(arch, {})})
+    config, plain, fused = _models(tmp_path)
+    _steps_match_transformers(hf, arch, plain, fused, config, (9, 3, 20), seed=4)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 def test_fused_decode_steps_of_hybrid_models_match_transformers(arch, tmp_path, reference_ops):
     """Gated DeltaNet layers (in projection, conv, recurrence, gated norm, out projection over
     the residual) and gated attention (a second normed-input GEMV for the gate) on the fused
-    path; qwen3_next has a dense MLP layer too. Decode steps of 1-4 tokens of three sequences,
-    each step's logits against transformers' float32 forward of the whole sequence; the
-    recurrent states carry across the fused and unfused steps alike."""
+    path; qwen3_next has a dense MLP layer too. The recurrent states carry across the fused
+    and unfused steps alike."""
     from tests.models.test_hybrid_hf import build_hybrid
 
     hf = build_hybrid(arch, tmp_path, seed=3)
     config, plain, fused = _models(tmp_path)
     assert any(layer.linear for layer in fused._fused)
     assert any(getattr(layer, "o_gate", None) is not None for layer in fused._fused)
-    gen = torch.Generator().manual_seed(8)
-    vocab = hf.config.vocab_size
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 3, 12)]
-    runners = [PagedRunner(m, num_blocks=16, block_size=4, seed=2) for m in (plain, fused)]
-    seqs = [list(p) for p in prompts]
-    for runner in runners:
-        for seq, prompt in enumerate(prompts):
-            runner.step([(seq, prompt)])
-    steps = [[(0, [5]), (1, [6]), (2, [7])], [(2, [8]), (0, [9])], [(1, [10])],
-             [(0, [11, 12, 13, 14])], [(0, [1]), (1, [2]), (2, [3])]]
-    for chunks in steps:
-        theirs, ours = (r.step(chunks).clone() for r in runners)
-        for row, (seq, tokens) in enumerate(chunks):
-            seqs[seq] += tokens
-            with torch.no_grad():
-                ref = hf(torch.tensor([seqs[seq]])).logits[0, -1]
-            assert_logits_close(ours[row], ref, config, msg=f"fused {arch} {chunks} row {row}")
-            assert_logits_close(theirs[row], ref, config, msg=f"plain {arch} {chunks}")
+    _steps_match_transformers(hf, arch, plain, fused, config, (9, 3, 12), seed=8)
 
 
 def test_tuned_choices_reach_the_kernels(tmp_path, reference_ops, monkeypatch):
