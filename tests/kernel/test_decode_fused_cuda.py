@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -304,6 +305,10 @@ def test_fused_decode_is_gpu_16_bit_only(monkeypatch):
         def is_sparse(i):
             return False
 
+        @staticmethod
+        def is_linear(i):
+            return False
+
     w = torch.zeros(128, 64, dtype=torch.bfloat16)
     # as the loader stores them: "qkv" and "gate_up" are lists of row parts, one matrix when
     # the parts concatenate (checkpoint/weights.py's _fuse_rows)
@@ -318,10 +323,26 @@ def test_fused_decode_is_gpu_16_bit_only(monkeypatch):
     assert not fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev)
     monkeypatch.delenv("FREETOKEN_FUSED_DECODE")
     for field, value in (("activation", "gelu_tanh"), ("block_out_norms", True),
-                         ("embed_scale", 8.0), ("linear", object()), ("attn_output_gate", True)):
-        monkeypatch.setattr(Cfg, field, value)      # gemma3 and hybrid layers stay unfused
+                         ("embed_scale", 8.0)):
+        monkeypatch.setattr(Cfg, field, value)      # gemma3's layers stay unfused
         assert not fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev), field
         monkeypatch.undo()
+    # a hybrid: a Gated DeltaNet layer (plain in/out projections) and a gated attention layer
+    # (its o_gate plain too); a split in-projection or a width the GEMV cannot store is refused
+    lin = SimpleNamespace(projection_size=136, value_dim=32)
+    monkeypatch.setattr(Cfg, "linear", lin)
+    monkeypatch.setattr(Cfg, "attn_output_gate", True)
+    monkeypatch.setattr(Cfg, "is_linear", staticmethod(lambda i: i == 0))
+    gdn_in, gdn_out = torch.zeros(136, 64, dtype=torch.bfloat16), torch.zeros(64, 32)
+    gdn = {"gdn.in": [gdn_in], "gdn.out": gdn_out.to(torch.bfloat16), "gate_up": [w],
+           "down": layers[0]["down"]}
+    hybrid = [gdn, dict(layers[0], o_gate=w[:64])]
+    assert fused_decode.supported(Cfg, hybrid, "bfloat16", gpu_dev)
+    split_in = [dict(gdn, **{"gdn.in": [gdn_in[:64], gdn_in[64:]]}), hybrid[1]]
+    assert not fused_decode.supported(Cfg, split_in, "bfloat16", gpu_dev)
+    monkeypatch.setattr(lin, "projection_size", 130)
+    assert not fused_decode.supported(Cfg, hybrid, "bfloat16", gpu_dev)
+    monkeypatch.undo()
     Cfg.qk_norm = "full"
     assert not fused_decode.supported(Cfg, layers, "bfloat16", gpu_dev)
 
