@@ -150,3 +150,57 @@ def test_schedule_decodes_only_when_every_running_sequence_decodes():
     b.num_computed = len(b.token_ids) - 1
     assert sched.schedule_decodes() is None
     assert sched.num_preemptions == 0 and len(b.pages) == 6 and sched.pool.num_free == 2
+
+
+class RecordingSnapshots:
+    """StateSnapshots' scheduler-facing calls, recorded (rows handed out in order)."""
+
+    def __init__(self):
+        self.calls, self.rows = [], 0
+
+    def stage(self, slot, replaces=None):
+        self.rows += 1
+        self.calls.append(("stage", self.rows - 1))
+        return self.rows - 1
+
+    def commit(self, key, row):
+        self.calls.append(("commit", row))
+
+    def discard(self, row):
+        self.calls.append(("discard", row))
+
+    def save(self, key, slot, replaces=None):
+        self.calls.append(("save", None))
+
+
+def test_overlapped_snapshots_are_staged_before_the_next_step_and_never_leak():
+    """A hybrid request's state snapshot due after the running step is copied by
+    schedule_decodes (before the next step is launched) and keyed when that step is
+    published; a request that ends or is preempted in between gives its row back."""
+    config = EngineConfig(num_tokens=256, block_size=16, max_num_seqs=2, max_prefill_tokens=64,
+                          prefix_cache=True)
+    sched = Scheduler(config, PagePool(config.num_blocks, 16))
+    sched.snapshots = snaps = RecordingSnapshots()
+    a = make_request("a", 20)
+    sched.add(a)
+    run_step(sched.schedule())            # the prompt up to its snapshot point (16)
+    sched.publish(a)
+    assert snaps.calls == [("save", None)]
+    run_step(sched.schedule())            # the rest of the prompt: 20 computed
+    sched.publish(a)
+    while a.num_computed < 32:            # decode up to the next page boundary
+        run_step(sched.schedule_decodes())
+        sched.publish(a, num_known=a.num_computed - 1)
+    assert snaps.calls == [("save", None)]
+    plan = sched.schedule_decodes()       # 32 computed: a snapshot is due, staged now
+    assert snaps.calls[-1] == ("stage", 0) and a.staged_snapshot == (32, 0)
+    run_step(plan)                        # the next step was launched (33 computed)
+    sched.publish(a, num_known=32)        # publishing the step that reached 32 keys the row
+    assert snaps.calls[-1] == ("commit", 0) and a.staged_snapshot is None
+    while a.num_computed < 48:
+        run_step(sched.schedule_decodes())
+        sched.publish(a, num_known=a.num_computed - 1)
+    sched.schedule_decodes()              # due at 48: staged, then the request ends
+    assert a.staged_snapshot == (48, 1)
+    sched.finish(a)
+    assert snaps.calls[-1] == ("discard", 1) and a.staged_snapshot is None
