@@ -109,10 +109,10 @@ class Engine(OverlapSteps):
             self.graphs = self.recapture_graphs()
         # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
         # An offloaded model learns expert misses on the host mid-step, so it keeps
-        # synchronous steps (a hybrid model's state snapshots wait for their step: see
-        # Scheduler.schedule_decodes). Tests set it on the CPU, where it runs the same logic
-        # synchronously. Tensor parallelism neither: the other ranks never see the ids rank 0
-        # samples on its GPU.
+        # synchronous steps (a hybrid model's state snapshots are copied before the next step
+        # is launched: see Scheduler.schedule_decodes). Tests set it on the CPU, where it runs
+        # the same logic synchronously. Tensor parallelism neither: the other ranks never see
+        # the ids rank 0 samples on its GPU.
         self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
                         and self.expert_cache is None
                         and vision is None
