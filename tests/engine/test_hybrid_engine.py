@@ -175,3 +175,44 @@ def test_long_answers_move_the_turn_snapshot_and_the_next_turn_resumes_after_the
     # six rows saved at once (two a turn: a moving row replaces its predecessor) in a store
     # of 2 x 2 slots: the least recently used went
     assert on["state_snapshots"] == on["state_snapshots_total"] == 4
+
+
+def test_overlapped_snapshots_survive_preemption_and_keep_every_row(tmp_path, moe_ops):
+    """Overlap scheduling, the prefix cache and a KV pool small enough to preempt: six
+    concurrent conversations of two turns (the second resuming from snapshots) give the
+    tokens of the cache-off, synchronous engine, and every snapshot row is either keyed or
+    free at the end (a request that ends holding a staged row gives it back:
+    test_scheduler.py checks that path directly)."""
+    build_hybrid("qwen3_5_moe", tmp_path, max_position_embeddings=256)
+    loaded = load_model(str(tmp_path))
+    gen = torch.Generator().manual_seed(7)
+    vocab = loaded.config.vocab_size
+    shared = torch.randint(0, vocab, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, vocab, (n,), generator=gen).tolist()
+               for n in (3, 11, 17, 29, 5, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def two_turns(overlap: bool, cache: bool, num_tokens: int):
+        config = EngineConfig(num_tokens=num_tokens, block_size=8, max_num_seqs=4,
+                              max_prefill_tokens=16, prefix_cache=cache, kv_dtype="float32")
+        engine = start_engine(loaded, config, overlap)
+
+        async def one(prompt):
+            return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+        async def conversation():
+            first = await asyncio.gather(*(one(p) for p in prompts))
+            return first, await asyncio.gather(*(one(p + o + [5, 6, 7])
+                                                 for p, o in zip(prompts, first)))
+
+        try:
+            return asyncio.run(conversation()), engine.stats(), engine.scheduler
+        finally:
+            engine.shutdown()
+
+    expected, _, _ = two_turns(False, False, 2048)
+    got, stats, scheduler = two_turns(True, True, 160)
+    assert got == expected
+    assert scheduler.num_preemptions > 0 and stats["state_snapshots_restored"] > 0
+    store = scheduler.snapshots
+    assert len(store._index) + len(store._free) == store.capacity
