@@ -114,9 +114,9 @@ class Scheduler:
             done = request.num_computed
             if self._snapshot_due(request, done):
                 self._discard_staged(request)
-                replaces = None if done == self._snapshot_point(request) else request.turn_snapshot
-                request.staged_snapshot = (done, self.snapshots.stage(request.state_slot,
-                                                                      replaces))
+                row = self.snapshots.stage(request.state_slot,
+                                           self._snapshot_replaces(request, done))
+                request.staged_snapshot = (done, row)
         return [ScheduledChunk(request, 1) for request in self.running]
 
     def publish(self, request: Request, num_known: int | None = None) -> None:
@@ -135,23 +135,30 @@ class Scheduler:
         staged = request.staged_snapshot
         if staged is not None and staged[0] <= done:   # copied by schedule_decodes
             request.staged_snapshot = None
-            at, row = staged
-            key = keys[at // self.pool.block_size - 1]
-            self.snapshots.commit(key, row)
-            if at != self._snapshot_point(request):
-                request.turn_snapshot = key
-            if at == done:
+            self._store_snapshot(request, keys, *staged)
+            if staged[0] == done:
                 return
-        if not self._snapshot_due(request, done):
-            return
-        key = keys[done // self.pool.block_size - 1]
-        if done == self._snapshot_point(request):
-            self.snapshots.save(key, request.state_slot)
+        if self._snapshot_due(request, done):
+            self._store_snapshot(request, keys, done, None)
+
+    def _store_snapshot(self, request: Request, keys: list[bytes], at: int,
+                        row: int | None) -> None:
+        """Key the snapshot of the states after `at` tokens with that page's key: the `row`
+        schedule_decodes staged, or (None) a copy made now. Past the prompt's snapshot point
+        it is the turn's end, moved forward page by page (the request may stop at any token,
+        so each full page replaces the previous one)."""
+        key = keys[at // self.pool.block_size - 1]
+        if row is None:
+            self.snapshots.save(key, request.state_slot, self._snapshot_replaces(request, at))
         else:
-            # past the prompt's snapshot: the turn's end, moved forward page by page (the
-            # request may stop at any token, so each full page replaces the previous one)
-            self.snapshots.save(key, request.state_slot, replaces=request.turn_snapshot)
+            self.snapshots.commit(key, row)
+        if at != self._snapshot_point(request):
             request.turn_snapshot = key
+
+    def _snapshot_replaces(self, request: Request, at: int) -> bytes | None:
+        """The stored snapshot whose row a snapshot after `at` tokens takes over: the request's
+        previous turn end (none at the prompt's snapshot point)."""
+        return None if at == self._snapshot_point(request) else request.turn_snapshot
 
     def _snapshot_due(self, request: Request, done: int) -> bool:
         """Whether publishing `done` computed tokens snapshots the request's states: at the
