@@ -8,7 +8,8 @@ the D2D copy bandwidth measured in the same run.
 Under each row of up to 2 tokens (the steps the path takes), the new path's kernels one by one
 (each alone in its graph): rms_norm, router GEMV, top-k, then gate/up and down for every launch
 shape (moe_decode_kernels.cuh kVariants), each variant first checked against the torch
-reference of tests/kernel/moe_decode_ref.py (a variant off it prints FAIL and no time).
+reference of tests/kernel/moe_decode_ref.py (a variant off it prints FAIL and no time); last,
+gate/up + down of each variant together in one graph (the gap between them included).
 
 Both paths start from the post-attention residual and end with the MLP output added to it:
   old  rms_norm, router mm (cuBLAS), moe_topk_softmax, moe_experts (align, gate/up, down),
@@ -198,6 +199,13 @@ def breakdown(layers, bufs, reps: int) -> str:
             step = lambda ly, b, _v=v, _k=kernel: _k(ly, b, _v)  # noqa: E731
             times.append(f"v{v} {graph_ms(step, layers, bufs, reps) * 1e3:.1f}")
         parts.append(f"{kernel.__name__} " + " / ".join(times))
+    # gate/up then down of one variant in the same graph: what a decode step runs, with the gap
+    # between the two (which a programmatic-dependent down overlaps) included
+    pairs = []
+    for v in range(VARIANTS):
+        step = lambda ly, b, _v=v: (gate_up(ly, b, _v), down(ly, b, _v))  # noqa: E731
+        pairs.append(f"v{v} {graph_ms(step, layers, bufs, reps) * 1e3:.1f}")
+    parts.append("gate_up+down " + " / ".join(pairs))
     return "    us per layer: " + ", ".join(parts)
 
 

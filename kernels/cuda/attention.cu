@@ -479,23 +479,6 @@ __global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
 
 // ---------------------------------------------------------------- host side
 
-int sm_count(int device) {
-#if defined(__HIP_PLATFORM_AMD__)
-  // Only the decode split count depends on it: the gfx1201 part has 64 CUs, gfx1151 40.
-  (void)device;
-  return 64;
-#else
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int n = 0;
-    FT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    cached[device] = n > 0 ? n : 1;
-  }
-  return cached[device];
-#endif
-}
-
 template <typename T, int D>
 void launch_merge(const AttnParams& p, int num_tokens, cudaStream_t stream) {
   if (p.splits == 1) return;

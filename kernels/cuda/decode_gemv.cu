@@ -208,19 +208,6 @@ __global__ void __launch_bounds__(C::kThreads) gemv_kernel(GemvArgs a) {
 // ---------------------------------------------------------------- launches and checks
 // (tests/kernel/decode_gemv_emu.cc runs the kernel above on CPU threads, without this part)
 #if !defined(FT_HOST_EMULATION)
-#if !defined(__HIP_PLATFORM_AMD__)
-// Programmatic dependent launch needs sm_90 or newer (the attribute is refused before).
-bool has_pdl(int device) {
-  static int major[64] = {0};  // 0: not asked yet
-  if (device < 0 || device >= 64) return false;
-  if (major[device] == 0) {
-    FT_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor,
-                                         device));
-  }
-  return major[device] >= 9;
-}
-#endif
-
 template <typename T, int NT, int MODE, bool NORM, class C>
 void launch_kernel(const GemvArgs& a, bool pdl, int device, cudaStream_t stream) {
   dim3 grid(static_cast<unsigned>(ceil_div(a.n, C::kThreads / a.group)));

@@ -12,7 +12,10 @@
 //                      writes y = sum_k w_k * (down_s . act) [+ sigmoid(g) * shared], or adds
 //                      it to the residual stream.
 //
-// `variant` picks a launch shape (moe_decode_kernels.cuh kVariants; 0 the default).
+// `variant` picks a launch shape (moe_decode_kernels.cuh kVariants; 0 the default): kind 0 is
+// the layout above; kind 1 (streamed) runs gate/up as one wave of blocks whose warps take the
+// row pairs in turn, and down as blocks of whole rows whose warps split the (expert, row) dots,
+// launched as a programmatic dependent of gate/up on sm_90+ when the variant says so.
 // Slots come from topk_ids through expert_map (offload slot pools; an unmapped expert is
 // skipped, as in moe_experts). No host sync: the launch shape depends on (T, K, I) alone.
 // Rounding follows the unfused chain: gate, up and the shared products are rounded to the
@@ -25,8 +28,11 @@ namespace {
 
 using moe_decode::DecodeArgs;
 using moe_decode::down_kernel;
+using moe_decode::down_stream_kernel;
 using moe_decode::gate_up_blocks;
 using moe_decode::gate_up_kernel;
+using moe_decode::gate_up_stream_blocks;
+using moe_decode::gate_up_stream_kernel;
 using moe_decode::kMaxExperts;
 using moe_decode::kMaxTokens;
 using moe_decode::kMaxTopK;
@@ -38,52 +44,78 @@ using moe_decode::kThreads;
 // ---------------------------------------------------------------- host side
 
 template <typename T, int NT, int V>
-void launch_gate_up_shape(const DecodeArgs& a, cudaStream_t stream) {
-  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll, MB = kVariants[V].min_blocks;
-  dim3 grid(static_cast<unsigned>(gate_up_blocks(a, R)));
-  gate_up_kernel<T, NT, R, U, MB><<<grid, kThreads, 0, stream>>>(a);
+void launch_gate_up_shape(const DecodeArgs& a, int device, cudaStream_t stream) {
+  constexpr moe_decode::Variant k = kVariants[V];
+  if constexpr (k.kind == 1) {
+    dim3 grid(static_cast<unsigned>(gate_up_stream_blocks(a, sm_count(device), k.min_blocks)));
+    gate_up_stream_kernel<T, NT, k.unroll, k.min_blocks><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    dim3 grid(static_cast<unsigned>(gate_up_blocks(a, k.rows)));
+    gate_up_kernel<T, NT, k.rows, k.unroll, k.min_blocks><<<grid, kThreads, 0, stream>>>(a);
+  }
 }
 
-// Variants 1-3 are built for the steps models/forward/moe_decode.py sends here (1-2 tokens,
-// which also keeps the JIT build short); wider steps run variant 0.
-template <typename T>
-void launch_gate_up(const DecodeArgs& a, int variant, cudaStream_t stream) {
-  bool one = a.tokens <= 1;
-  if (a.tokens <= 2 && variant == 1) {
-    one ? launch_gate_up_shape<T, 1, 1>(a, stream) : launch_gate_up_shape<T, 2, 1>(a, stream);
-  } else if (a.tokens <= 2 && variant == 2) {
-    one ? launch_gate_up_shape<T, 1, 2>(a, stream) : launch_gate_up_shape<T, 2, 2>(a, stream);
-  } else if (a.tokens <= 2 && variant == 3) {
-    one ? launch_gate_up_shape<T, 1, 3>(a, stream) : launch_gate_up_shape<T, 2, 3>(a, stream);
-  } else if (a.tokens <= 2) {
-    one ? launch_gate_up_shape<T, 1, 0>(a, stream) : launch_gate_up_shape<T, 2, 0>(a, stream);
-  } else if (a.tokens <= 4) {
-    launch_gate_up_shape<T, 4, 0>(a, stream);
+// Variants 1.. are built for the steps models/forward/moe_decode.py sends here (1-2 tokens,
+// which also keeps the build short); wider steps run variant 0.
+template <typename T, int V = kNumVariants - 1>
+void launch_gate_up(const DecodeArgs& a, int variant, int device, cudaStream_t stream) {
+  if constexpr (V > 0) {
+    if (variant == V && a.tokens <= 2) {
+      a.tokens <= 1 ? launch_gate_up_shape<T, 1, V>(a, device, stream)
+                    : launch_gate_up_shape<T, 2, V>(a, device, stream);
+      return;
+    }
+    launch_gate_up<T, V - 1>(a, variant, device, stream);
   } else {
-    launch_gate_up_shape<T, 8, 0>(a, stream);
+    if (a.tokens <= 1) {
+      launch_gate_up_shape<T, 1, 0>(a, device, stream);
+    } else if (a.tokens <= 2) {
+      launch_gate_up_shape<T, 2, 0>(a, device, stream);
+    } else if (a.tokens <= 4) {
+      launch_gate_up_shape<T, 4, 0>(a, device, stream);
+    } else {
+      launch_gate_up_shape<T, 8, 0>(a, device, stream);
+    }
   }
-  check_launch("moe_decode_gate_up");
 }
 
 template <typename T, int V>
-void launch_down_variant(const DecodeArgs& a, cudaStream_t stream) {
-  constexpr int R = kVariants[V].rows, U = kVariants[V].unroll, MB = kVariants[V].min_blocks;
-  dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(ceil_div(a.hidden, kRows * R)));
-  down_kernel<T, R, U, MB><<<grid, kThreads, 0, stream>>>(a);
+void launch_down_variant(const DecodeArgs& a, int device, cudaStream_t stream) {
+  constexpr moe_decode::Variant k = kVariants[V];
+  const unsigned tokens = static_cast<unsigned>(a.tokens);
+  if constexpr (k.kind == 1) {
+    auto* kernel = down_stream_kernel<T, k.rows, k.units, k.vecs, k.down_blocks>;
+    dim3 grid(tokens, static_cast<unsigned>(ceil_div(a.hidden, k.rows)));
+#if !defined(__HIP_PLATFORM_AMD__)
+    if (k.pdl && has_pdl(device)) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(kThreads);
+      config.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      config.attrs = attr;
+      config.numAttrs = 1;
+      FT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
+      return;
+    }
+#endif
+    kernel<<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    dim3 grid(tokens, static_cast<unsigned>(ceil_div(a.hidden, kRows * k.rows)));
+    down_kernel<T, k.rows, k.unroll, k.min_blocks><<<grid, kThreads, 0, stream>>>(a);
+  }
 }
 
-template <typename T>
-void launch_down(const DecodeArgs& a, int variant, cudaStream_t stream) {
-  if (variant == 1) {
-    launch_down_variant<T, 1>(a, stream);
-  } else if (variant == 2) {
-    launch_down_variant<T, 2>(a, stream);
-  } else if (variant == 3) {
-    launch_down_variant<T, 3>(a, stream);
+template <typename T, int V = kNumVariants - 1>
+void launch_down(const DecodeArgs& a, int variant, int device, cudaStream_t stream) {
+  if constexpr (V > 0) {
+    if (variant == V) return launch_down_variant<T, V>(a, device, stream);
+    launch_down<T, V - 1>(a, variant, device, stream);
   } else {
-    launch_down_variant<T, 0>(a, stream);
+    launch_down_variant<T, 0>(a, device, stream);
   }
-  check_launch("moe_decode_down");
 }
 
 int check_variant(int64_t variant, int count) {
@@ -229,10 +261,11 @@ void moe_decode_gate_up(TensorView x, TensorView w13, TensorView w2, TensorView 
   if (a.tokens == 0) return;
   DeviceGuard guard(dev);
   if (float_type(x, "x") == FloatType::kBF16) {
-    launch_gate_up<bf16>(a, v, stream_for(x));
+    launch_gate_up<bf16>(a, v, dev, stream_for(x));
   } else {
-    launch_gate_up<f16>(a, v, stream_for(x));
+    launch_gate_up<f16>(a, v, dev, stream_for(x));
   }
+  check_launch("moe_decode_gate_up");
 }
 
 /*! \brief out[T, H] (+)= sum_k w_k down_s(act) [+ sigmoid(gate) * shared_down(shared_act)]. */
@@ -259,10 +292,11 @@ void moe_decode_down(TensorView out, TensorView w13, TensorView w2, TensorView t
   if (a.tokens == 0) return;
   DeviceGuard guard(dev);
   if (float_type(out, "out") == FloatType::kBF16) {
-    launch_down<bf16>(a, v, stream_for(out));
+    launch_down<bf16>(a, v, dev, stream_for(out));
   } else {
-    launch_down<f16>(a, v, stream_for(out));
+    launch_down<f16>(a, v, dev, stream_for(out));
   }
+  check_launch("moe_decode_down");
 }
 
 }  // namespace

@@ -47,24 +47,38 @@ void launch(unsigned gx, unsigned gy, unsigned threads, F body) {
   for (auto& th : pool) th.join();
 }
 
+// Kind 1's gate/up runs as a grid of kEmuSms SMs' worth of blocks, so that its warps take
+// several items each, as on a GPU with fewer SMs than the step has row tiles.
+constexpr int kEmuSms = 2;
+
 template <int NT, int V>
 void gate_up(const md::DecodeArgs& a) {
-  constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
-  constexpr int MB = md::kVariants[V].min_blocks;
-  unsigned blocks = static_cast<unsigned>(md::gate_up_blocks(a, R));
-  launch(blocks, 1, md::kThreads, [&] { md::gate_up_kernel<bf16, NT, R, U, MB>(a); });
+  constexpr md::Variant k = md::kVariants[V];
+  if constexpr (k.kind == 1) {
+    unsigned blocks = static_cast<unsigned>(md::gate_up_stream_blocks(a, kEmuSms, k.min_blocks));
+    launch(blocks, 1, md::kThreads,
+           [&] { md::gate_up_stream_kernel<bf16, NT, k.unroll, k.min_blocks>(a); });
+  } else {
+    unsigned blocks = static_cast<unsigned>(md::gate_up_blocks(a, k.rows));
+    launch(blocks, 1, md::kThreads,
+           [&] { md::gate_up_kernel<bf16, NT, k.rows, k.unroll, k.min_blocks>(a); });
+  }
 }
 
 template <int V>
 void down(const md::DecodeArgs& a) {
-  constexpr int R = md::kVariants[V].rows, U = md::kVariants[V].unroll;
-  constexpr int MB = md::kVariants[V].min_blocks;
-  launch(static_cast<unsigned>(a.tokens),
-         static_cast<unsigned>(freetoken::ceil_div(a.hidden, md::kRows * R)), md::kThreads,
-         [&] { md::down_kernel<bf16, R, U, MB>(a); });
+  constexpr md::Variant k = md::kVariants[V];
+  unsigned tokens = static_cast<unsigned>(a.tokens);
+  if constexpr (k.kind == 1) {
+    launch(tokens, static_cast<unsigned>(freetoken::ceil_div(a.hidden, k.rows)), md::kThreads,
+           [&] { md::down_stream_kernel<bf16, k.rows, k.units, k.vecs, k.down_blocks>(a); });
+  } else {
+    launch(tokens, static_cast<unsigned>(freetoken::ceil_div(a.hidden, md::kRows * k.rows)),
+           md::kThreads, [&] { md::down_kernel<bf16, k.rows, k.unroll, k.min_blocks>(a); });
+  }
 }
 
-// Both launches of variant V, as moe_decode.cu's dispatch (variants 1-3: up to 2 tokens).
+// Both launches of variant V, as moe_decode.cu's dispatch (variants 1..: up to 2 tokens).
 template <int V>
 void decode(const md::DecodeArgs& a) {
   if (a.tokens <= 1) {
@@ -80,6 +94,16 @@ void decode(const md::DecodeArgs& a) {
   if (a.sh_gate_w != nullptr) d.sh_gate_w = a.sh_gate;  // as moe_decode.cu's down: "gated"
   d.sh_w13 = nullptr;
   down<V>(d);
+}
+
+template <int V = md::kNumVariants - 1>
+void decode_variant(const md::DecodeArgs& a, int variant) {
+  if constexpr (V > 0) {
+    if (variant == V) return decode<V>(a);
+    decode_variant<V - 1>(a, variant);
+  } else {
+    decode<0>(a);
+  }
 }
 
 }  // namespace
@@ -119,13 +143,5 @@ extern "C" void ft_moe_decode_emu(uint16_t* out, const uint16_t* x, const uint16
   a.inter = I;
   a.sh_inter = Is;
   a.accumulate = accumulate != 0;
-  if (variant == 1) {
-    decode<1>(a);
-  } else if (variant == 2) {
-    decode<2>(a);
-  } else if (variant == 3) {
-    decode<3>(a);
-  } else {
-    decode<0>(a);
-  }
+  decode_variant(a, variant);
 }

@@ -190,6 +190,41 @@ class DeviceGuard {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/*! \brief The device's SM count, cached (HIP: 64, the gfx1201 part's CU count; only launch
+ * sizes depend on it there). */
+inline int sm_count(int device) {
+#if defined(__HIP_PLATFORM_AMD__)
+  (void)device;
+  return 64;
+#else
+  static int cached[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int n = 0;
+    FT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cached[device] = n > 0 ? n : 1;
+  }
+  return cached[device];
+#endif
+}
+
+/*! \brief Whether the device takes programmatic dependent launches: sm_90 or newer (the
+ * launch attribute is refused before), never on HIP. */
+inline bool has_pdl(int device) {
+#if defined(__HIP_PLATFORM_AMD__)
+  (void)device;
+  return false;
+#else
+  static int major[64] = {};  // 0: not asked yet
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0) {
+    FT_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor,
+                                         device));
+  }
+  return major[device] >= 9;
+#endif
+}
+
 // ---------------------------------------------------------------- device helpers
 
 __device__ __forceinline__ float to_float(float v) { return v; }

@@ -3,7 +3,7 @@
 // CPU threads through tests/kernel/emu/freetoken/cuda_common.cuh.
 #pragma once
 
-#include "freetoken/cuda_common.cuh"
+#include "freetoken/gemv_knobs.cuh"  // load_weight, wait_for_inputs, allow_dependents
 
 namespace freetoken {
 namespace moe_decode {
@@ -15,19 +15,34 @@ constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 1024;
 constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (variant 0)
 
-// Launch shapes the benchmark sweeps (benchmarks/moe_decode_kernels.py), picked per call:
-// `rows` output rows per warp (gate/up: rows of I, each a gate and an up row; down: rows of H,
-// sharing the act loads) and `unroll` 16-byte loads per lane and row issued before the FMAs.
-// Variant 0 is the default; 1 puts all of a lane's loads of a 2048-wide row in flight at
-// once; 2 gives a warp two rows (twice the loads in flight, half the blocks); 3 is 0 held to
-// 80 registers (`min_blocks` 3 resident per SM, 1.5x 0's warps: on sm_90a bf16 variant 0 takes
-// 87-106 registers at 1-2 tokens, 2 blocks per SM; held, it spills 6-112 bytes). moe_decode.cu
-// builds gate/up's variants 1-3 for steps of 1-2 tokens only (wider steps run variant 0).
+// Launch shapes the benchmark sweeps (benchmarks/moe_decode_kernels.py), picked per call.
+// Kind 0 (per-warp rows): gate/up one block per (pair, tile of kRows * rows rows of I), down one
+// block per (token, tile of kRows * rows rows of H), a warp owning `rows` rows and walking them
+// with `unroll` 16-byte loads per lane and row issued before the FMAs. Variant 0 is the
+// default; 1 puts all of a lane's loads of a 2048-wide row in flight at once; 2 gives a warp two
+// rows (twice the loads in flight, half the blocks); 3 is 0 held to 80 registers (`min_blocks`
+// 3 resident per SM). moe_decode.cu builds gate/up's variants 1-3 (and every kind-1 variant)
+// for steps of 1-2 tokens only (wider steps run variant 0).
+// Kind 1 (streamed): gate/up is one wave of `min_blocks` blocks per SM whose warps take the
+// row pairs of every routed expert in turn (no per-tile prologue, no partial last wave), weights
+// read past L1; down is one block per (token, `rows` rows of H), held to `down_blocks` per SM,
+// whose warps split the (expert, row) dot products, `units` at a time with `vecs` loads each per
+// lane in flight, and meet in shared memory, where one thread per row combines them in k order.
+// `pdl` launches down as a programmatic dependent of gate/up (sm_90+): its routing and first
+// weights load while gate/up drains. On sm_90a bf16, gate/up at 2 blocks per SM takes 108-115
+// registers (3 spill); down (8, 4, 3) at 2 per SM spills 48 bytes.
 struct Variant {
-  int rows, unroll, min_blocks;
+  int kind, rows, unroll, min_blocks;
+  int units, vecs, down_blocks;  // kind 1 down
+  bool pdl;
 };
 constexpr Variant kVariants[] = {
-    {1, kUnroll, 1}, {1, 2 * kUnroll, 1}, {2, kUnroll, 1}, {1, kUnroll, 3}};
+    {0, 1, kUnroll, 1, 0, 0, 0, false},      {0, 1, 2 * kUnroll, 1, 0, 0, 0, false},
+    {0, 2, kUnroll, 1, 0, 0, 0, false},      {0, 1, kUnroll, 3, 0, 0, 0, false},
+    {1, 8, kUnroll, 2, 4, 3, 2, false},      {1, 8, kUnroll, 2, 4, 3, 2, true},
+    {1, 8, 2 * kUnroll, 1, 2, 3, 2, true},   {1, 16, kUnroll, 2, 4, 3, 1, true},
+    {1, 8, kUnroll, 2, 8, 2, 1, true},       {1, 4, kUnroll, 2, 4, 3, 2, true},
+};
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
 struct DecodeArgs {
@@ -61,7 +76,7 @@ __device__ __forceinline__ float round_to(float v) {
 }
 
 // acc[r][i] += W_r[row] . x[tok[i]] over H, one warp, lanes striding 16-byte vectors.
-template <typename T, int NT, int NW, int U>
+template <typename T, int NT, int NW, int U, int LOAD = kLoadPlain>
 __device__ __forceinline__ void warp_dots(const DecodeArgs& a, const T* const (&w)[NW],
                                           const int* tok, int ntok, float (&acc)[NW][NT]) {
   constexpr int V = 16 / sizeof(T);
@@ -74,7 +89,7 @@ __device__ __forceinline__ void warp_dots(const DecodeArgs& a, const T* const (&
       int i = i0 + u * kWarp;
 #pragma unroll
       for (int r = 0; r < NW; ++r)
-        if (i < nvec) wv[u][r] = load_vec<T, V>(w[r] + static_cast<int64_t>(i) * V);
+        if (i < nvec) wv[u][r] = load_weight<LOAD, T, V>(w[r] + static_cast<int64_t>(i) * V);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -317,6 +332,184 @@ __global__ void __launch_bounds__(kThreads, MB) down_kernel(DecodeArgs a) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (h0 + r < a.hidden) finish_down<T>(a, t, h0 + r, ys[r], sh_act);
+}
+
+// ---------------------------------------------------------------- kind 1 (streamed)
+
+// The owner pairs of the step (owned_pairs' rule, decided once per block): owner o computes
+// s_pairs[o][0 .. s_count[o]) with the weights of slot s_slot[o]. Returns how many owners.
+template <int NT>
+__device__ int owner_table(const DecodeArgs& a, int (*s_pairs)[NT], int* s_count, int* s_slot) {
+  __shared__ int s_ids[kMaxTokens * kMaxTopK], s_pair_slot[kMaxTokens * kMaxTopK], s_owners;
+  int n = a.tokens * a.top_k;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    s_ids[i] = a.topk_ids[i];
+    s_pair_slot[i] = slot_of(a, s_ids[i]);  // the map loads run in parallel, not in the scan
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int owners = 0;
+    for (int p = 0; p < n; ++p) {
+      int e = s_ids[p], rank = 0;
+      for (int q = 0; q < p; ++q) rank += s_ids[q] == e;
+      if (s_pair_slot[p] < 0 || rank % NT != 0) continue;
+      int count = 0;
+      for (int q = p; q < n && count < NT; ++q)
+        if (s_ids[q] == e) s_pairs[owners][count++] = q;
+      s_count[owners] = count;
+      s_slot[owners++] = s_pair_slot[p];
+    }
+    s_owners = owners;
+  }
+  __syncthreads();
+  return s_owners;
+}
+
+// Kind-1 gate/up: warp gw of W (the whole grid) takes items gw, gw + W, ...: item o * I + j is
+// row j of owner o's gate and up, then come the shared expert's Is row pairs, then one item
+// with every token's shared-gate logit. Each item is warp_dots of variant 0 (same bits).
+template <typename T, int NT, int U, int MB>
+__global__ void __launch_bounds__(kThreads, MB) gate_up_stream_kernel(DecodeArgs a) {
+  __shared__ int s_pairs[kMaxTokens * kMaxTopK][NT], s_count[kMaxTokens * kMaxTopK],
+      s_slot[kMaxTokens * kMaxTopK];
+  int owners = owner_table<NT>(a, s_pairs, s_count, s_slot);
+  const int64_t H = a.hidden, I = a.inter, routed = int64_t{owners} * I;
+  const int64_t shared = a.sh_w13 != nullptr ? a.sh_inter : 0;
+  const int64_t items = routed + shared + (a.sh_gate_w != nullptr ? 1 : 0);
+  const int64_t warps = int64_t{gridDim.x} * kRows;
+  for (int64_t it = int64_t{blockIdx.x} * kRows + threadIdx.x / kWarp; it < items; it += warps) {
+    // one warp_dots for every kind of item (one register budget): the gate item's second row
+    // repeats its first and is not used
+    const T* w[2];
+    int tok[NT], count = a.tokens, o = 0;
+    int64_t j = 0;
+    if (it < routed) {
+      o = static_cast<int>(it / I), j = it - o * I, count = s_count[o];
+      const T* g = static_cast<const T*>(a.w13) + s_slot[o] * 2 * I * H;
+      w[0] = g + j * H, w[1] = g + (I + j) * H;
+    } else if (it < routed + shared) {
+      j = it - routed;
+      w[0] = static_cast<const T*>(a.sh_w13) + j * H, w[1] = w[0] + int64_t{a.sh_inter} * H;
+    } else {
+      w[0] = w[1] = static_cast<const T*>(a.sh_gate_w);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+      tok[n] = it >= routed ? (n < a.tokens ? n : 0) : n < count ? s_pairs[o][n] / a.top_k : 0;
+    float acc[2][NT] = {};
+    warp_dots<T, NT, 2, U, kLoadNoL1>(a, w, tok, count, acc);
+    if (threadIdx.x % kWarp != 0) continue;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      if (n >= count) break;
+      if (it < routed) {
+        static_cast<T*>(a.act)[s_pairs[o][n] * I + j] = swiglu<T>(acc[0][n], acc[1][n]);
+      } else if (it < routed + shared) {
+        static_cast<T*>(a.sh_act)[n * a.sh_act_stride + j] = swiglu<T>(acc[0][n], acc[1][n]);
+      } else {
+        static_cast<T*>(a.sh_gate)[n * a.sh_gate_stride] = from_float<T>(acc[0][n]);
+      }
+    }
+  }
+  allow_dependents();  // a programmatic-dependent down may start (it waits for these writes)
+}
+
+// The kind-1 gate/up grid: MB blocks per SM, no more than the items need.
+inline int64_t gate_up_stream_blocks(const DecodeArgs& a, int sms, int min_blocks) {
+  int64_t items = int64_t{a.tokens} * a.top_k * a.inter;
+  if (a.sh_w13 != nullptr) items += a.sh_inter + 1;
+  int64_t need = (items + kRows - 1) / kRows, wave = int64_t{sms} * min_blocks;
+  return need < wave ? need : wave;
+}
+
+// Kind-1 down: block (token t, rows h0 .. h0 + RB - 1 of H). Unit (s, r) is row h0 + r of
+// source s (s < K: the token's k-th routed expert, s == K: the shared expert) dotted with s's
+// activations; warp w takes the contiguous run of units [w * per, (w + 1) * per), UB at a time,
+// NV 16-byte weight loads per lane and unit in flight. Launched as a programmatic dependent,
+// only the routing (written before gate/up started) and the weights are read before
+// wait_for_inputs(); the activations, the shared gate and `out` after it.
+template <typename T, int RB, int UB, int NV, int MB>
+__global__ void __launch_bounds__(kThreads, MB) down_stream_kernel(DecodeArgs a) {
+  constexpr int V = 16 / sizeof(T);
+  __shared__ int s_slot[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  __shared__ float s_part[kMaxTopK + 1][RB];
+  const int64_t t = blockIdx.x, h0 = int64_t{blockIdx.y} * RB, H = a.hidden, I = a.inter;
+  load_routing(a, t, s_slot, s_w);
+  __syncthreads();
+  const int K = a.top_k, lane = threadIdx.x % kWarp;
+  const int units = (K + (a.sh_w2 != nullptr ? 1 : 0)) * RB, per = (units + kRows - 1) / kRows;
+  const int u_last = (threadIdx.x / kWarp + 1) * per, u_end = u_last < units ? u_last : units;
+  const T* w2 = static_cast<const T*>(a.w2);
+  const T* act = static_cast<const T*>(a.act) + t * K * I;
+  const T* sh_act = static_cast<const T*>(a.sh_act) + t * a.sh_act_stride;
+  bool waited = false;
+  for (int u0 = threadIdx.x / kWarp * per; u0 < u_end; u0 += UB) {
+    const T* wrow[UB];
+    const T* arow[UB];
+    int nvec[UB], most = 0;
+#pragma unroll
+    for (int b = 0; b < UB; ++b) {
+      int u = u0 + b, s = u / RB;
+      int64_t h = h0 + u % RB < H ? h0 + u % RB : H - 1;  // a row past H is not written
+      nvec[b] = 0, wrow[b] = w2, arow[b] = act;
+      if (u >= u_end) continue;
+      if (s < K && s_slot[s] >= 0) {
+        wrow[b] = w2 + (s_slot[s] * H + h) * I, arow[b] = act + s * I, nvec[b] = a.inter / V;
+      } else if (s == K) {
+        wrow[b] = static_cast<const T*>(a.sh_w2) + h * a.sh_inter, arow[b] = sh_act;
+        nvec[b] = a.sh_inter / V;
+      }
+      most = nvec[b] > most ? nvec[b] : most;
+    }
+    float acc[UB] = {};
+    for (int c0 = lane; c0 < most; c0 += NV * kWarp) {
+      Vec<T, V> wv[UB][NV];
+#pragma unroll
+      for (int b = 0; b < UB; ++b)
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          int i = c0 + v * kWarp;
+          if (i < nvec[b]) wv[b][v] = load_weight<kLoadNoL1, T, V>(wrow[b] + int64_t{i} * V);
+        }
+      if (!waited) wait_for_inputs();  // the activations are gate/up's output
+      waited = true;
+#pragma unroll
+      for (int b = 0; b < UB; ++b)
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          int i = c0 + v * kWarp;
+          if (i >= nvec[b]) continue;
+          Vec<T, V> av = load_vec<T, V>(arow[b] + int64_t{i} * V);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[b] += to_float(wv[b][v].v[e]) * to_float(av.v[e]);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < UB; ++b) {
+      float sum = warp_sum(acc[b]);
+      int u = u0 + b;
+      if (lane == 0 && u < u_end && nvec[b] > 0) s_part[u / RB][u % RB] = sum;
+    }
+  }
+  wait_for_inputs();  // a warp without units has not waited yet: the shared gate and out follow
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r >= RB || h0 + r >= H) return;
+  float routed = 0.f;
+  for (int k = 0; k < K; ++k)
+    if (s_slot[k] >= 0) routed += s_w[k] * s_part[k][r];
+  float y = round_to<T>(routed);
+  if (a.sh_w2 != nullptr) {
+    float s = round_to<T>(s_part[K][r]), g = 1.f;
+    if (a.sh_gate_w != nullptr) {
+      float logit = to_float(static_cast<const T*>(a.sh_gate)[t * a.sh_gate_stride]);
+      g = round_to<T>(1.f / (1.f + __expf(-logit)));
+    }
+    y = round_to<T>(y + g * s);
+  }
+  T* out = static_cast<T*>(a.out) + t * a.out_stride + h0 + r;
+  *out = from_float<T>(a.accumulate ? to_float(*out) + y : y);
 }
 
 }  // namespace moe_decode

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
-VARIANTS = 4            # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
+VARIANTS = 10           # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
 # The launch variant decode runs (benchmarks/moe_decode_kernels.py times them all; H200,
 # benchmarks/results/h200-moe_decode_kernels-d1cf359.txt): variant 0, except down at 2 tokens,
 # where two rows per warp (variant 2: the same per-row arithmetic, twice the loads in flight)
@@ -46,7 +46,8 @@ VARIANTS = 4            # launch shapes both kernels take (moe_decode_kernels.cu
 # Routing inside gate/up's prologue (every block running the top-k itself) lost to the separate
 # moe_topk_softmax launch: 29.2 us against 4.8 + 21.0 on Qwen3-30B-A3B
 # (h200-moe_decode_kernels-a608e1a.txt).
-DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent (and gate/up always): 0
+GATE_UP_VARIANT = {}        # tokens -> gate/up's variant; absent: 0
+DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent: 0
 ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
@@ -136,7 +137,7 @@ class MoEDecode:
         act = w.shared_act if shared else None
         gate = w.shared_gate if self.gate_w is not None else None
         self.gate_up(x, m.w13, m.w2, w.topk_ids, m.expert_map, w.moe_workspace, self.shared_w13,
-                     act, self.gate_w, gate, 0)
+                     act, self.gate_w, gate, GATE_UP_VARIANT.get(x.shape[0], 0))
         self.down(out, m.w13, m.w2, w.topk_ids, w.topk_weights, m.expert_map, w.moe_workspace,
                   self.shared_w2, act, gate, accumulate, DOWN_VARIANT.get(x.shape[0], 0))
 
