@@ -37,17 +37,19 @@ if TYPE_CHECKING:
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
 VARIANTS = 10           # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
-# The launch variant decode runs (benchmarks/moe_decode_kernels.py times them all; H200,
-# benchmarks/results/h200-moe_decode_kernels-d1cf359.txt): variant 0, except down at 2 tokens,
-# where two rows per warp (variant 2: the same per-row arithmetic, twice the loads in flight)
-# took Qwen3-30B-A3B from 37.6 to 24.3 us and Qwen3.6 from 28.7 to 19.7 us; at 1 token no
-# variant beat 0 by more than 2%, nor did a down that staged the activations in shared memory
-# (21.8 vs 21.0 and 17.7 vs 16.6 us, h200-moe_decode_kernels-97902f5.txt; since removed).
-# Routing inside gate/up's prologue (every block running the top-k itself) lost to the separate
-# moe_topk_softmax launch: 29.2 us against 4.8 + 21.0 on Qwen3-30B-A3B
-# (h200-moe_decode_kernels-a608e1a.txt).
-GATE_UP_VARIANT = {}        # tokens -> gate/up's variant; absent: 0
-DOWN_VARIANT = {2: 2}       # tokens -> down's variant; absent: 0
+# The launch variants decode runs (benchmarks/moe_decode_kernels.py times them all on the H200;
+# us per layer, gate/up + down in one graph, benchmarks/results/h200-moe_decode_kernels-0e9c8a0.txt):
+# - 1 token: the streamed kinds (moe_decode_kernels.cuh kVariants). Gate/up variant 5 (one wave
+#   of 2 blocks per SM) took Qwen3-30B-A3B 21.1 -> 19.3 us; down variant 6 (2 dots of 3 loads
+#   per lane in flight; its 4-dot siblings spill) 20.5 -> 12.8 us and Qwen3.6 16.4 -> 12.5,
+#   launched as a programmatic dependent of gate/up.
+# - 2 tokens: down variant 2 (two rows per warp), 37.6 -> 24.3 us (d1cf359); streamed gate/up
+#   lost there (38.7 -> 40.3 us), and Qwen3.6's down stayed faster on 2 (19.3 vs 21.7 us).
+# Older findings: a down staging the activations in shared memory lost (97902f5), and so did
+# routing inside gate/up's prologue, every block running the top-k itself (29.2 us against
+# 4.8 + 21.0 on Qwen3-30B-A3B, a608e1a).
+GATE_UP_VARIANT = {1: 5}    # tokens -> gate/up's variant; absent: 0
+DOWN_VARIANT = {1: 6, 2: 2}  # tokens -> down's variant; absent: 0
 ROUTER_GEMV_VARIANT = 0  # decode_gemv launch variant of the router (fused_decode.GEMV_VARIANTS)
 MAX_TOP_K = 16
 MAX_EXPERTS = 1024
