@@ -133,3 +133,12 @@ def test_launch_variants(emulated, variant):
     case = _case(2, 30 + variant, shared=True, gated=True, crowd=True, H=H_TAILS)
     residual = torch.randn(2, H_TAILS).to(torch.bfloat16)
     _check(_run(emulated, case, residual, variant), case, add=residual)
+
+
+@pytest.mark.parametrize("variant", [5, 6])
+def test_streamed_variants_at_one_token(emulated, variant):
+    """The 1-token launches decode runs (moe_decode.GATE_UP_VARIANT / DOWN_VARIANT): one token,
+    the gated shared expert, an unmapped expert, accumulate into the residual."""
+    case = _case(1, 60 + variant, shared=True, gated=True, H=H_TAILS)
+    residual = torch.randn(1, H_TAILS).to(torch.bfloat16)
+    _check(_run(emulated, case, residual, variant), case, add=residual)
