@@ -30,7 +30,8 @@ constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (
 // lane in flight, and meet in shared memory, where one thread per row combines them in k order.
 // `pdl` launches down as a programmatic dependent of gate/up (sm_90+): its routing and first
 // weights load while gate/up drains. On sm_90a bf16, gate/up at 2 blocks per SM takes 108-115
-// registers (3 spill); down (8, 4, 3) at 2 per SM spills 48 bytes.
+// registers (held to 3 per SM, or at 8 loads per row and 2 per SM, it spills); down
+// (rows 8, units 4, vecs 3) at 2 per SM spills 48 bytes, with 2 units it does not.
 struct Variant {
   int kind, rows, unroll, min_blocks;
   int units, vecs, down_blocks;  // kind 1 down
