@@ -31,7 +31,10 @@ constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane and row (
 // `pdl` launches down as a programmatic dependent of gate/up (sm_90+): its routing and first
 // weights load while gate/up drains. On sm_90a bf16, gate/up at 2 blocks per SM takes 108-115
 // registers (held to 3 per SM, or at 8 loads per row and 2 per SM, it spills); down
-// (rows 8, units 4, vecs 3) at 2 per SM spills 48 bytes, with 2 units it does not.
+// (rows 8, units 4, vecs 3) at 2 per SM spills 48 bytes, with 2 units it does not. Variant 4 is
+// 5 without the dependent launch. Three more shapes lost on both MoE shapes and were dropped
+// (16 rows at 1 block per SM, 8 dots of 2 vectors, 4 rows; h200-moe_decode_kernels-0e9c8a0.txt
+// numbers them 7-9).
 struct Variant {
   int kind, rows, unroll, min_blocks;
   int units, vecs, down_blocks;  // kind 1 down
@@ -41,8 +44,7 @@ constexpr Variant kVariants[] = {
     {0, 1, kUnroll, 1, 0, 0, 0, false},      {0, 1, 2 * kUnroll, 1, 0, 0, 0, false},
     {0, 2, kUnroll, 1, 0, 0, 0, false},      {0, 1, kUnroll, 3, 0, 0, 0, false},
     {1, 8, kUnroll, 2, 4, 3, 2, false},      {1, 8, kUnroll, 2, 4, 3, 2, true},
-    {1, 8, 2 * kUnroll, 1, 2, 3, 2, true},   {1, 16, kUnroll, 2, 4, 3, 1, true},
-    {1, 8, kUnroll, 2, 8, 2, 1, true},       {1, 4, kUnroll, 2, 4, 3, 2, true},
+    {1, 8, 2 * kUnroll, 1, 2, 3, 2, true},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
@@ -121,24 +123,30 @@ __device__ __forceinline__ T swiglu(float g, float u) {
   return from_float<T>(g / (1.f + __expf(-g)) * round_to<T>(u));
 }
 
-// The pairs whose activations this block computes: the block of pair p owns p's expert when p
-// is the first of every NT pairs routed to it (so at most NT tokens per owner, always true for
-// distinct ids per token). Fills pairs[] and returns how many, 0 when the block has no work.
+// The ownership rule: pair p owns its expert's activations when p is the first of every NT
+// pairs routed to it (so at most NT tokens per owner, always true for distinct ids per token).
+// Fills pairs[] with the pairs an owner computes and returns how many, 0 when p owns nothing.
+template <int NT>
+__device__ __forceinline__ int pairs_owned(const int* ids, int n, int p, int* pairs) {
+  int e = ids[p], rank = 0;
+  for (int q = 0; q < p; ++q) rank += ids[q] == e;
+  if (rank % NT != 0) return 0;
+  int count = 0;
+  for (int q = p; q < n && count < NT; ++q)
+    if (ids[q] == e) pairs[count++] = q;
+  return count;
+}
+
+// The pairs whose activations the block of pair p computes (pairs_owned), with p's slot; 0
+// when the block has no work.
 template <int NT>
 __device__ int owned_pairs(const DecodeArgs& a, int p, int* pairs, int* slot) {
   __shared__ int s_ids[kMaxTokens * kMaxTopK];
   int n = a.tokens * a.top_k;
   for (int i = threadIdx.x; i < n; i += kThreads) s_ids[i] = a.topk_ids[i];
   __syncthreads();
-  int e = s_ids[p];
-  *slot = slot_of(a, e);
-  int rank = 0;
-  for (int q = 0; q < p; ++q) rank += s_ids[q] == e;
-  if (*slot < 0 || rank % NT != 0) return 0;
-  int count = 0;
-  for (int q = p; q < n && count < NT; ++q)
-    if (s_ids[q] == e) pairs[count++] = q;
-  return count;
+  *slot = slot_of(a, s_ids[p]);
+  return *slot < 0 ? 0 : pairs_owned<NT>(s_ids, n, p, pairs);
 }
 
 // Warp w of a tile owns rows j0 .. j0 + R - 1 of I (a row past I re-reads row I - 1 and is
@@ -285,23 +293,30 @@ __device__ float shared_down(const DecodeArgs& a, const T* act, int64_t h) {
   return warp_sum(acc);
 }
 
-// y for row h of token t from its routed sum: + the gated shared expert, then out (+)= y.
+// out[t, h] (+)= y, y from row h's routed sum and its shared-expert dot (when there is one),
+// rounded as the unfused chain: the routed sum, the shared product and the gated sum once each.
 template <typename T>
-__device__ void finish_down(const DecodeArgs& a, int64_t t, int64_t h, float routed,
-                            const T* sh_act) {
+__device__ void store_down(const DecodeArgs& a, int64_t t, int64_t h, float routed,
+                           float shared) {
   float y = round_to<T>(routed);
   if (a.sh_w2 != nullptr) {
-    float s = round_to<T>(shared_down<T>(a, sh_act, h));
-    float g = 1.f;
+    float s = round_to<T>(shared), g = 1.f;
     if (a.sh_gate_w != nullptr) {
       float logit = to_float(static_cast<const T*>(a.sh_gate)[t * a.sh_gate_stride]);
       g = round_to<T>(1.f / (1.f + __expf(-logit)));
     }
     y = round_to<T>(y + g * s);
   }
-  if (threadIdx.x % kWarp != 0) return;
   T* out = static_cast<T*>(a.out) + t * a.out_stride + h;
   *out = from_float<T>(a.accumulate ? to_float(*out) + y : y);
+}
+
+// Row h of token t from its routed sum: the warp adds the shared expert's dot, lane 0 stores.
+template <typename T>
+__device__ void finish_down(const DecodeArgs& a, int64_t t, int64_t h, float routed,
+                            const T* sh_act) {
+  float shared = a.sh_w2 != nullptr ? shared_down<T>(a, sh_act, h) : 0.f;
+  if (threadIdx.x % kWarp == 0) store_down<T>(a, t, h, routed, shared);
 }
 
 // Token t's expert slots and weights into shared memory (read after the next barrier).
@@ -337,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, MB) down_kernel(DecodeArgs a) {
 
 // ---------------------------------------------------------------- kind 1 (streamed)
 
-// The owner pairs of the step (owned_pairs' rule, decided once per block): owner o computes
+// The owner pairs of the step (pairs_owned, decided once per block): owner o computes
 // s_pairs[o][0 .. s_count[o]) with the weights of slot s_slot[o]. Returns how many owners.
 template <int NT>
 __device__ int owner_table(const DecodeArgs& a, int (*s_pairs)[NT], int* s_count, int* s_slot) {
@@ -351,14 +366,9 @@ __device__ int owner_table(const DecodeArgs& a, int (*s_pairs)[NT], int* s_count
   if (threadIdx.x == 0) {
     int owners = 0;
     for (int p = 0; p < n; ++p) {
-      int e = s_ids[p], rank = 0;
-      for (int q = 0; q < p; ++q) rank += s_ids[q] == e;
-      if (s_pair_slot[p] < 0 || rank % NT != 0) continue;
-      int count = 0;
-      for (int q = p; q < n && count < NT; ++q)
-        if (s_ids[q] == e) s_pairs[owners][count++] = q;
-      s_count[owners] = count;
-      s_slot[owners++] = s_pair_slot[p];
+      if (s_pair_slot[p] < 0) continue;
+      s_count[owners] = pairs_owned<NT>(s_ids, n, p, s_pairs[owners]);
+      if (s_count[owners] > 0) s_slot[owners++] = s_pair_slot[p];
     }
     s_owners = owners;
   }
@@ -500,17 +510,7 @@ __global__ void __launch_bounds__(kThreads, MB) down_stream_kernel(DecodeArgs a)
   float routed = 0.f;
   for (int k = 0; k < K; ++k)
     if (s_slot[k] >= 0) routed += s_w[k] * s_part[k][r];
-  float y = round_to<T>(routed);
-  if (a.sh_w2 != nullptr) {
-    float s = round_to<T>(s_part[K][r]), g = 1.f;
-    if (a.sh_gate_w != nullptr) {
-      float logit = to_float(static_cast<const T*>(a.sh_gate)[t * a.sh_gate_stride]);
-      g = round_to<T>(1.f / (1.f + __expf(-logit)));
-    }
-    y = round_to<T>(y + g * s);
-  }
-  T* out = static_cast<T*>(a.out) + t * a.out_stride + h0 + r;
-  *out = from_float<T>(a.accumulate ? to_float(*out) + y : y);
+  store_down<T>(a, t, h0 + r, routed, a.sh_w2 != nullptr ? s_part[K][r] : 0.f);
 }
 
 }  // namespace moe_decode

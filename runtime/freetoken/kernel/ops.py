@@ -403,7 +403,7 @@ def moe_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out [T*K, I] by pair t*K + k, reading expert slot expert_map[topk_ids[t, k]] of w13 [S, 2I, H]
     (w2 [S, H, I] only for its shape); with the shared expert, shared_act [T, Is] =
     SwiGLU(x @ shared_w13[2Is, H].T) and shared_gate [T, 1] = x @ shared_gate_weight[1, H].T.
-    `variant` (0..9) picks a launch shape, same results up to the f32 summation order
+    `variant` (0..6) picks a launch shape, same results up to the f32 summation order
     (moe_decode_kernels.cuh kVariants)."""
     _fn("moe_decode_gate_up", x.device)(x, w13, w2, topk_ids, expert_map, workspace, shared_w13,
                                         shared_act, shared_gate_weight, shared_gate, variant)
@@ -418,7 +418,7 @@ def moe_decode_down(out: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """After moe_decode_gate_up: y[t] = sum_k topk_weights[t, k] * act[t*K + k] @ w2[slot].T
     (+ sigmoid(shared_gate[t]) * shared_act[t] @ shared_w2[H, Is].T), each rounded as the
     unfused chain; out = y, or out += y when `accumulate` (the residual stream); `variant` as
-    moe_decode_gate_up's (0..9)."""
+    moe_decode_gate_up's (0..6)."""
     _fn("moe_decode_down", out.device)(out, w13, w2, topk_ids, topk_weights, expert_map,
                                        workspace, shared_w2, shared_act, shared_gate, accumulate,
                                        variant)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 MAX_TOKENS = 8          # what the kernels take (kernels/cuda/moe_decode.cu kMaxTokens)
 NARROW_INTER = 640      # experts at most this wide also take 2-token steps (see the doc)
-VARIANTS = 10           # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
+VARIANTS = 7            # launch shapes both kernels take (moe_decode_kernels.cuh kVariants)
 # The launch variants decode runs (benchmarks/moe_decode_kernels.py times them all on the H200;
 # us per layer, gate/up + down in one graph, benchmarks/results/h200-moe_decode_kernels-0e9c8a0.txt):
 # - 1 token: the streamed kinds (moe_decode_kernels.cuh kVariants). Gate/up variant 5 (one wave
