@@ -88,7 +88,8 @@ def test_serve_prints_its_url_and_serves(tiny_model_dir):
         match = re.search(r"at (http://\S+)", lines[-1])
         assert match, "".join(lines)
         url = match.group(1)
-        assert httpx.get(url + "/health").json() == {"status": "ok", "model": "tiny"}
+        assert httpx.get(url + "/health").json() == {"status": "ok", "model": "tiny",
+                                                   "pid": proc.pid}
         headers = {"Authorization": f"Bearer {API_KEY}"}
         assert httpx.get(url + "/v1/models").status_code == 401
         stats = httpx.get(url + "/v1/stats", headers=headers).json()

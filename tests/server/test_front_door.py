@@ -164,3 +164,44 @@ def test_health_wait_stops_when_the_server_process_exits():
     result = ft("ctl", "health", "--wait", "60", "--pid", str(dead.pid),
                 "--url", closed_port_url(), timeout=30)
     assert result.returncode == 1 and "exited before it was ready" in result.stderr
+
+
+def _health_server(body: dict):
+    """A stand-in HTTP server answering /health with `body`; returns (server, url)."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            raw = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_health_wait_ignores_another_server_on_the_port():
+    """A server that failed to bind (its process exited) is not reported ready because an
+    older server answers on the same port; that one's pid is named."""
+    other, url = _health_server({"status": "ok", "model": "old", "pid": os.getpid()})
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        result = ft("ctl", "health", "--wait", "60", "--pid", str(dead.pid), "--url", url,
+                    timeout=30)
+        assert result.returncode == 1 and "exited before it was ready" in result.stderr
+        assert f"another server, pid {os.getpid()}" in result.stderr
+        # the same answer counts for the process that serves it
+        ok = ft("ctl", "health", "--wait", "5", "--pid", str(os.getpid()), "--url", url,
+                timeout=30)
+        assert ok.returncode == 0 and "ok: old" in ok.stdout
+    finally:
+        other.shutdown()

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import socket
 import time
 
@@ -101,7 +102,9 @@ def test_disconnect_during_non_stream_request_aborts_it(server, slow_steps):
 
 def test_health_reports_the_model(server):
     r = httpx.get(server.url + "/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "model": server.loaded.name}
+    # in this process: the fixture serves from a thread
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": server.loaded.name,
+                                                 "pid": os.getpid()}
 
 
 def test_stats_show_sampling_defaults_and_pool(server):

@@ -64,20 +64,47 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _runs_under(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants (a server started through
+    a wrapper such as `timeout`); True where /proc cannot tell."""
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 def wait_for_health(url: str, wait: float, pid: int | None) -> tuple[int, dict]:
-    """Poll /health until it answers 200, `wait` seconds pass, or process `pid` exits."""
+    """Poll /health until it answers 200, `wait` seconds pass, or process `pid` exits. With
+    `pid`, only an answer from that process (or one it started) counts: another server already
+    on the port does not make a server that failed to bind look ready."""
     deadline = time.monotonic() + wait
+    other = None  # the pid of another server answering at `url`
     while True:
         try:
             status, body = fetch_json(url, "/health", None, timeout=5.0)
-            if status == 200 or time.monotonic() >= deadline:
+            answered = body.get("pid") if isinstance(body, dict) else None
+            if (pid is not None and isinstance(answered, int)
+                    and not _runs_under(answered, pid)):
+                other = answered
+            elif status == 200 or time.monotonic() >= deadline:
                 return status, body
         except Unreachable:
             if time.monotonic() >= deadline:
                 raise
+        also = f" (another server, pid {other}, answers at {url})" if other else ""
         if pid is not None and not _alive(pid):
             raise click.ClickException(f"the server (pid {pid}) exited before it was ready; "
-                                       "its reason is printed above")
+                                       f"its reason is printed above{also}")
+        if other is not None and time.monotonic() >= deadline:
+            raise click.ClickException(f"the server (pid {pid}) is not ready after {wait:g} s"
+                                       f"{also}")
         time.sleep(0.2)
 
 

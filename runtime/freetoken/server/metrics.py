@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -135,10 +136,11 @@ def create_admin_router() -> APIRouter:
     @router.get("/health")
     async def health(request: Request) -> JSONResponse:
         ctx = request.app.state.ctx
+        # pid: `ft ctl health --pid` tells its own server from another one on the same port
         if not ctx.engine.is_alive:
-            return JSONResponse({"status": "error", "model": ctx.model_name,
+            return JSONResponse({"status": "error", "model": ctx.model_name, "pid": os.getpid(),
                                  "message": "the engine is not running"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": ctx.model_name})
+        return JSONResponse({"status": "ok", "model": ctx.model_name, "pid": os.getpid()})
 
     @router.get("/v1/stats")
     async def stats(request: Request) -> JSONResponse:
