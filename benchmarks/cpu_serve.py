@@ -210,9 +210,14 @@ def measure_rounds(live: dict, spec: dict, with_bench: bool) -> dict[str, dict]:
             for name in spec["prompts"]:
                 samples["llama_bench"][name].append(bench["prompt_tok_s"][name])
             samples["llama_bench"]["decode"].append(bench["decode_tok_s"])
+            if bench["prompt_note"]:
+                samples["llama_bench"]["note"] = bench["prompt_note"]
+    notes = {peer: {"note": got["note"]} for peer, got in samples.items() if "note" in got}
     return {peer: {"prompt_tok_s": {n: _spread(got[n]) for n in spec["prompts"]},
-                   "ttft_s": _spread(got["ttft"]), "decode_tok_s": _spread(got["decode"])}
+                   "ttft_s": _spread(got["ttft"]), "decode_tok_s": _spread(got["decode"]),
+                   **notes.get(peer, {})}
             for peer, got in samples.items()}
+
 
 
 def extra_starts(peers: list[str], spec: dict, repeats: int) -> dict[str, list[dict]]:
@@ -324,6 +329,8 @@ def print_ratios(results: dict[str, dict]) -> None:
                          f"{_ratio(ours, other, 'start_to_ready_s', inverse=True)}, load+warm-up "
                          f"{_ratio(ours, other, 'load_warm_s', inverse=True)}")
         print(f"FreeToken vs {LABELS[peer]}: " + ", ".join(parts))
+        if other.get("note"):
+            print(f"  ({LABELS[peer]}: {other['note']})")
     server = results.get("llama_server", {})
     if serve and "unavailable" not in serve and _med(server, "start_to_ready_s") is not None:
         print(f"ft serve vs llama-server: start->ready {_med(serve, 'start_to_ready_s'):.2f} s vs "

@@ -45,12 +45,10 @@ def _flash_attn_args(binary: Path) -> list[str]:
     return ["-fa"]
 
 
-def bench_round(model: str, threads: int, prompt_lens: list[int], gen_tokens: int) -> dict:
-    """One llama-bench repetition: {prompt_tok_s: {n: rate}, decode_tok_s: rate}."""
-    binary = tool("llama-bench")
+def _bench_rows(binary: Path, model: str, threads: int, prompt: str, gen: int,
+                extra: list[str]) -> list[dict]:
     command = [str(binary), "-m", model, "-t", str(threads), *_flash_attn_args(binary),
-               "-p", ",".join(map(str, prompt_lens)), "-n", str(gen_tokens), "-r", "1",
-               "-o", "json"]
+               "-p", prompt, "-n", str(gen), "-r", "1", "-o", "json", *extra]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise ToolUnavailable(f"llama-bench exited {result.returncode}: "
@@ -58,12 +56,28 @@ def bench_round(model: str, threads: int, prompt_lens: list[int], gen_tokens: in
     rows = json.loads(result.stdout)
     if not all(row.get("flash_attn") in (True, 1, "on", "enabled") for row in rows):
         raise ToolUnavailable(f"llama-bench ran without flash attention: {rows[0]}")
-    out: dict = {"prompt_tok_s": {}, "decode_tok_s": None}
-    for row in rows:
-        if row["n_gen"] == 0:
-            out["prompt_tok_s"][str(row["n_prompt"])] = row["avg_ts"]
-        else:
-            out["decode_tok_s"] = row["avg_ts"]
+    return rows
+
+
+def bench_round(model: str, threads: int, prompt_lens: list[int], gen_tokens: int) -> dict:
+    """One llama-bench repetition: {prompt_tok_s: {n: rate}, decode_tok_s: rate, prompt_note}.
+
+    Decode and prompt run separately: on some CPUs the prompt runs crash in ggml's AMX matmul
+    over weights repacked at load (its default), and then they are run again with `--repack 0`
+    (prompt_note says so) while decode keeps the repacked weights.
+    """
+    binary = tool("llama-bench")
+    out: dict = {"prompt_tok_s": {}, "decode_tok_s": None, "prompt_note": ""}
+    if gen_tokens:
+        out["decode_tok_s"] = _bench_rows(binary, model, threads, "0", gen_tokens, [])[0]["avg_ts"]
+    if prompt_lens:
+        lens = ",".join(map(str, prompt_lens))
+        try:
+            rows = _bench_rows(binary, model, threads, lens, 0, [])
+        except ToolUnavailable as crash:
+            rows = _bench_rows(binary, model, threads, lens, 0, ["--repack", "0"])
+            out["prompt_note"] = f"prompt runs with --repack 0 (with repacking: {crash})"
+        out["prompt_tok_s"] = {str(row["n_prompt"]): row["avg_ts"] for row in rows}
     return out
 
 

@@ -11,6 +11,7 @@
 
 #include "freetoken/cpu_common.h"
 #include "freetoken/quant_dispatch.h"
+#include "freetoken/quant_packed.h"
 
 namespace freetoken {
 namespace quant {
@@ -101,6 +102,60 @@ void quant_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
   run_matmul(best_isa(), out, x, qweight, qtype);
 }
 
+void check_packable(const TensorView& qweight, int64_t qtype) {
+  TVM_FFI_ICHECK(packable_type(qtype))
+      << "qtype " << qtype << " has no packed layout: only Q4_0 (2), Q4_1 (3) and Q8_0 (8) do";
+  TVM_FFI_ICHECK(best_isa() == Isa::kAvx512)
+      << "packed weights need AVX-512 VNNI, which this CPU lacks (best: "
+      << isa_name(best_isa()) << "); keep the GGUF layout (quant_matmul)";
+  TVM_FFI_ICHECK(qweight.size(0) % kPackRows == 0)
+      << "packed weights need a multiple of " << kPackRows << " rows, not " << qweight.size(0);
+}
+
+// out = qweight's GGUF rows in the packed layout (quant_packed.h); same shape and bytes.
+void quant_pack(TensorView out, TensorView qweight, int64_t qtype) {
+  check_contiguous(qweight, "qweight");
+  check_contiguous(out, "out");
+  check_dtype(qweight, kDLUInt, 8, "qweight", "uint8");
+  check_dtype(out, kDLUInt, 8, "out", "uint8");
+  check_ndim(qweight, 2, "qweight");
+  check_packable(qweight, qtype);
+  TVM_FFI_ICHECK(out.size(0) == qweight.size(0) && out.size(1) == qweight.size(1))
+      << "out must have qweight's shape [" << qweight.size(0) << ", " << qweight.size(1) << "]";
+  TVM_FFI_ICHECK(qweight.size(1) % block_bytes(qtype) == 0)
+      << "qweight rows (" << qweight.size(1) << " bytes) are not whole blocks of qtype " << qtype;
+  const uint8_t* src = data_of<uint8_t>(qweight);
+  uint8_t* dst = data_of<uint8_t>(out);
+  TVM_FFI_ICHECK(src != dst) << "quant_pack cannot work in place: out must be another buffer";
+  const int64_t row_bytes = qweight.size(1);
+  parallel_for(qweight.size(0) / kPackRows, 16, [&](int64_t t0, int64_t t1) {
+    pack_tiles(src, dst, row_bytes, qtype, t0, t1);
+  });
+}
+
+// quant_matmul over weights in the packed layout (quant_pack's out).
+void quant_matmul_packed(TensorView out, TensorView x, TensorView packed, int64_t qtype) {
+  const MatmulShape s = check_matmul(out, x, packed, qtype);
+  check_packable(packed, qtype);
+  if (s.m == 0 || s.n == 0) return;
+  const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
+  const int64_t threads = thread_pool().num_threads();
+  if (s.m < 8) {
+    quantize(Isa::kAvx512, qtype, data_of<float>(x), s.k, 0, s.m, xq);
+  } else {
+    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4), [&](int64_t r0, int64_t r1) {
+      quantize(Isa::kAvx512, qtype, data_of<float>(x), s.k, r0, r1, xq);
+    });
+  }
+  const int64_t tiles = s.n / kPackRows;
+  const int64_t grain = s.m == 1 ? (decode_grain(s, threads) + kPackRows - 1) / kPackRows : 1;
+  const uint8_t* wp = data_of<uint8_t>(packed);
+  float* op = data_of<float>(out);
+  parallel_for(tiles, grain, [&](int64_t t0, int64_t t1) {
+    packed::matmul_tiles(wp, s.row_bytes, qtype, t0, t1, xq, op, s.n);
+  });
+}
+
 void quant_matmul_isa(TensorView out, TensorView x, TensorView qweight, int64_t qtype,
                       std::string isa) {
   run_matmul(parse_isa(isa), out, x, qweight, qtype);
@@ -151,6 +206,8 @@ int64_t set_num_threads(int64_t n) {
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(quant_matmul, freetoken::quant::quant_matmul);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(quant_matmul_isa, freetoken::quant::quant_matmul_isa);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quant_pack, freetoken::quant::quant_pack);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quant_matmul_packed, freetoken::quant::quant_matmul_packed);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_rows, freetoken::quant::dequantize_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cpu_isa, freetoken::quant::cpu_isa);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_num_threads, freetoken::quant::set_num_threads);

@@ -128,6 +128,19 @@ def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtyp
     _fn("quant_matmul", x.device)(out, x, qweight, qtype)
 
 
+def quant_pack(out: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
+    """CPU: out (uint8, qweight's shape) = qweight's GGUF rows (Q4_0, Q4_1 or Q8_0; rows a
+    multiple of 16) packed 16 rows wide for AVX-512 VNNI (kernels/include/freetoken/quant_packed.h).
+    Raises on a CPU without AVX-512 VNNI."""
+    _fn("quant_pack", qweight.device)(out, qweight, qtype)
+
+
+def quant_matmul_packed(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor,
+                        qtype: int) -> None:
+    """quant_matmul over weights that quant_pack wrote."""
+    _fn("quant_matmul_packed", x.device)(out, x, packed, qtype)
+
+
 def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
                     qtype: int) -> None:
     """out[T, K] f32 = dequant(qweight[ids]) (a quantized embedding lookup)."""

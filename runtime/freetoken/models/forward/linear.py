@@ -4,6 +4,8 @@ called in the hot loop."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from freetoken.arrays import HostArrays, array_view, is_torch
@@ -39,20 +41,54 @@ class DenseLinear:
             out += self.bias
 
 
+# GGUF types whose rows the CPU repacks 16 wide at load (kernels/include/freetoken/quant_packed.h)
+PACKED_TYPES = (2, 3, 8)    # Q4_0, Q4_1, Q8_0
+
+
+@functools.cache
+def _cpu_has_vnni512() -> bool:
+    from freetoken.kernel import ops
+
+    return ops.cpu_isa() == "avx512"
+
+
+def packs_on_cpu(qtype: int, rows: int) -> bool:
+    """Whether a CPU projection of this GGUF type and row count is repacked at load: on an
+    AVX-512 VNNI CPU, for whole tiles of 16 rows, unless FREETOKEN_CPU_PACK=0 or a test runs
+    the reference quant_matmul in its place."""
+    from freetoken import env
+    from freetoken.kernel import ops
+
+    return (qtype in PACKED_TYPES and rows % 16 == 0 and env.read().cpu_pack
+            and getattr(ops.quant_matmul, "__module__", None) == ops.__name__
+            and _cpu_has_vnni512())
+
+
 class QuantLinear:
     """out[T, N] = x[T, K] @ dequant(W).T (+ bias) on GGUF blocks, never dequantized: f32 on the
-    CPU (quant_matmul); bf16 x and a bf16 or f32 out on a GPU (gguf_matmul, which also writes
-    into a column slice of a wider out: ``strided_out``)."""
+    CPU (quant_matmul, or quant_matmul_packed over a copy repacked at load: packs_on_cpu); bf16 x
+    and a bf16 or f32 out on a GPU (gguf_matmul, which also writes into a column slice of a
+    wider out: ``strided_out``)."""
 
     def __init__(self, weight: QuantWeight, bias: Array | None = None):
         from freetoken.kernel import ops
 
         self.strided_out = is_torch(weight.data)
+        self.packed = False
         self._gemv = None
         if self.strided_out:
             self._matmul = ops.bind("gguf_matmul", weight.data.device)
             self._gemv = quant_gemv.gguf_decode(weight.qtype, weight.data)
             self.data = weight.data
+        elif packs_on_cpu(weight.qtype, weight.shape[0]):
+            # a copy in anonymous memory; the file's pages stay mapped for whoever else reads
+            # them (a tied embedding)
+            packed = np.empty(weight.data.shape, dtype=np.uint8)
+            ops.bind("quant_pack", "cpu")(HostArrays.kernel_arg(packed),
+                                          HostArrays.kernel_arg(weight.data), weight.qtype)
+            self._matmul = ops.bind("quant_matmul_packed", "cpu")
+            self.packed = True
+            self.data = HostArrays.kernel_arg(packed)
         else:
             self._matmul = ops.bind("quant_matmul", "cpu")
             self.data = HostArrays.kernel_arg(weight.data)
