@@ -66,6 +66,8 @@ def instrument(model) -> None:
             for attr, value in list(vars(owner).items()):
                 if hasattr(value, "out_features") and callable(value):
                     setattr(owner, attr, timed(label(attr, value), value, weight_bytes(value)))
+        if getattr(layer.mlp, "experts_quant", None) is not None:   # bound at load: wrap it here
+            layer.mlp.experts_quant = timed("routed experts", layer.mlp.experts_quant)
     model._lm_head = timed(label("lm_head", model._lm_head), model._lm_head,
                            weight_bytes(model._lm_head))
 

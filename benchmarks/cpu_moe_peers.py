@@ -22,7 +22,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# appended, not first: transformers imports the installed `kernels` package (hub kernels) when
+# it is present, which this repository's kernels/ folder would otherwise shadow
+sys.path.append(str(REPO))
 
 from benchmarks import llama_tools  # noqa: E402
 

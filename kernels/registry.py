@@ -131,6 +131,12 @@ KERNELS: tuple[Kernel, ...] = (
             "16 wide for AVX-512 VNNI",
     ),
     Kernel(
+        name="float_gemm",
+        functions=("float_matmul",),
+        cpu=("cpu/float_gemm.cc",),
+        doc="small f32 x f32/f16/bf16 products (decode) on the kernels' thread pool",
+    ),
+    Kernel(
         name="sampling",
         functions=("sample_tokens",),
         cuda=("cuda/sampling.cu",),
@@ -140,7 +146,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="moe",
         functions=("moe_topk_softmax", "moe_experts"),
-        cpu_functions=("moe_experts_quant", "moe_experts_quant_isa"),
+        cpu_functions=("moe_experts_quant", "moe_experts_quant_isa", "moe_experts_quant_packed"),
         cpu=("cpu/moe.cc",),
         cuda=("cuda/moe.cu",),
         rocm=True,

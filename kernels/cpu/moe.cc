@@ -24,6 +24,7 @@
 #include "freetoken/moe_cpu_args.h"
 #include "freetoken/moe_cpu_plan.h"
 #include "freetoken/quant_dispatch.h"
+#include "freetoken/quant_packed.h"
 
 namespace freetoken {
 namespace moe {
@@ -43,7 +44,10 @@ float* task_scratch(int64_t floats) {
 // out[r * width + j] = activation row r . weight row j of `w`, for `rows` rows and j < width.
 void product(const Plan& p, const Format& f, const uint8_t* w, int64_t rb, int64_t width,
              int64_t k, const Acts& a, int64_t first, int64_t rows, float* out) {
-  if (f.quantized) {
+  if (f.packed) {  // tasks start on whole tiles: I and H are multiples of 16 (check_packed)
+    quant::packed::matmul_tiles(w, rb, f.type, 0, width / quant::kPackRows, a.rows(first, rows),
+                                out, width);
+  } else if (f.quantized) {
     quant::matmul_rows(p.isa, w, rb, f.type, 0, width, a.rows(first, rows), out, width);
   } else {
     floatrows::float_rows(p.isa != Isa::kScalar, w, rb, f.type, 0, width, a.f + first * k, k,
@@ -194,6 +198,36 @@ void moe_experts_quant(TensorView out, TensorView x, TensorView w13, TensorView 
                         workspace, quant::isa_name(quant::best_isa()));
 }
 
+// A GGUF expert tensor that quant_pack rewrote: its type has the packed layout, this CPU runs
+// it, and every task of run_experts starts on a whole tile (`rows_of_task` a multiple of 16).
+Format packed_format(int64_t type, const char* name, int64_t rows_of_task, const char* dim) {
+  Format f = format_of(type, name);
+  TVM_FFI_ICHECK(quant::packable_type(type))
+      << name << " = " << type << " has no packed layout: only Q4_0 (2), Q4_1 (3) and Q8_0 (8)";
+  TVM_FFI_ICHECK(quant::best_isa() == Isa::kAvx512)
+      << "packed experts need AVX-512 VNNI, which this CPU lacks (best: "
+      << quant::isa_name(quant::best_isa()) << "); keep the GGUF layout (moe_experts_quant)";
+  TVM_FFI_ICHECK(rows_of_task % quant::kPackRows == 0)
+      << "packed experts need " << dim << " to be a multiple of " << quant::kPackRows << ", not "
+      << rows_of_task;
+  f.packed = true;
+  return f;
+}
+
+// moe_experts_quant where w13 and/or w2 hold packed rows (packed13 / packed2).
+void moe_experts_quant_packed(TensorView out, TensorView x, TensorView w13, TensorView w2,
+                              int64_t qtype13, int64_t qtype2, bool packed13, bool packed2,
+                              TensorView topk_ids, TensorView topk_weights,
+                              TensorView expert_map, TensorView workspace) {
+  TVM_FFI_ICHECK(w13.ndim() == 3) << "w13 must be [S, 2I, row bytes], got " << dims_of(w13);
+  const Format f13 = packed13 ? packed_format(qtype13, "qtype13", w13.size(1) / 2, "I")
+                              : format_of(qtype13, "qtype13");
+  const Format f2 = packed2 ? packed_format(qtype2, "qtype2", x.size(1), "H")
+                            : format_of(qtype2, "qtype2");
+  run_experts(quant::best_isa(), out, x, w13, w2, f13, f2, true, topk_ids, topk_weights,
+              expert_map, workspace);
+}
+
 // ------------------------------------------------------------------ routing
 
 // Softmax over one row of E logits, then its K largest probabilities in descending order (ties:
@@ -263,5 +297,6 @@ void moe_topk_softmax(TensorView topk_weights, TensorView topk_ids, TensorView l
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_topk_softmax, freetoken::moe::moe_topk_softmax);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_experts, freetoken::moe::moe_experts);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_experts_quant_packed, freetoken::moe::moe_experts_quant_packed);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_experts_quant, freetoken::moe::moe_experts_quant);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_experts_quant_isa, freetoken::moe::moe_experts_quant_isa);

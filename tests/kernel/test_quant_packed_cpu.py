@@ -113,3 +113,68 @@ def test_pack_refuses_bad_input():
     with pytest.raises(Exception, match="multiple of 16 rows"):
         ops.quant_matmul_packed(torch.empty(1, 24), torch.randn(1, 64),
                                 torch.from_numpy(gb.random_rows(24, 64, gb.Q4_1, seed=2)), gb.Q4_1)
+
+
+# ------------------------------------------------------------------ routed experts
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+@pytest.mark.parametrize("q13,q2", [(gb.Q4_0, gb.Q8_0), (gb.Q4_1, gb.Q4_1), (gb.Q8_0, gb.Q4_K),
+                                    (gb.Q4_K, gb.Q4_0)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_packed_experts_against_gguf_dequantize(q13, q2, t):
+    """moe_experts_quant_packed with each packable tensor packed (a K-quant one stays as
+    stored) against float64 over the dequantized experts, allowing the int8 rounding of act."""
+    e, k, h, i = 6, 2, 256, 256
+    g = np.random.default_rng(q13 * 31 + q2 + t)
+    rows13 = gb.random_rows(2 * i, h, q13, seed=q13, lead=(e,))
+    rows2 = gb.random_rows(h, i, q2, seed=q2 + 100, lead=(e,))
+    w13 = gb.dequantize(rows13, q13).astype(np.float64)
+    w2 = gb.dequantize(rows2, q2).astype(np.float64)
+    packed13, packed2 = q13 in TYPES, q2 in TYPES
+    if packed13:
+        rows13 = packed(rows13.reshape(-1, rows13.shape[-1]), q13).numpy().reshape(rows13.shape)
+    if packed2:
+        rows2 = packed(rows2.reshape(-1, rows2.shape[-1]), q2).numpy().reshape(rows2.shape)
+    ids = np.stack([g.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    weights = g.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
+    x = int8_activations(t, h, seed=3).numpy() / 127.0   # int8-exact per 32-block
+    out = torch.full((t, h), float("nan"))
+    ops.moe_experts_quant_packed(
+        out, torch.from_numpy(x), torch.from_numpy(rows13), torch.from_numpy(rows2), q13, q2,
+        packed13, packed2, torch.from_numpy(ids), torch.from_numpy(weights),
+        torch.from_numpy(np.arange(e, dtype=np.int32)), torch.empty(0, dtype=torch.uint8))
+    group = 256 if q2 == gb.Q4_K else 32          # weights per int8 scale of act
+    eps = float(torch.finfo(torch.float32).eps)
+    want, allowed = np.zeros((t, h)), np.zeros((t, h))
+    for r in range(t):
+        for j in range(k):
+            ex = ids[r, j]
+            gate, up = w13[ex, :i] @ x[r], w13[ex, i:] @ x[r]
+            act = _silu(gate) * up
+            step = np.abs(act.reshape(-1, group)).max(-1, keepdims=True) / 127
+            half = np.broadcast_to(step / 2, (i // group, group)).reshape(i)
+            mag = np.abs(w13[ex]) @ np.abs(x[r])
+            act_err = (1.1 * 16 * eps * mag[:i] * np.abs(up)
+                       + np.abs(_silu(gate)) * 16 * eps * mag[i:])
+            want[r] += weights[r, j] * (w2[ex] @ act)
+            allowed[r] += weights[r, j] * (np.abs(w2[ex]) @ (half + act_err + np.abs(act) * 1e-6))
+    allowed += 8 * eps * np.sqrt(i) * np.abs(want).max()
+    excess = np.abs(out.double().numpy() - want) - allowed
+    assert excess.max() <= 0, f"worst excess over the bound: {excess.max():.3g}"
+
+
+def test_packed_experts_refuse_what_cannot_be_packed():
+    e, h, i = 2, 64, 40     # I = 40: a gate/up task of 32 rows would end mid-tile
+    rows13 = torch.from_numpy(gb.random_rows(2 * i, h, gb.Q8_0, seed=1, lead=(e,)))
+    rows2 = torch.from_numpy(gb.random_rows(h, 64, gb.Q8_0, seed=2, lead=(e,)))
+    routing = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
+               torch.arange(e, dtype=torch.int32), torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(Exception, match="I to be a multiple of 16"):
+        ops.moe_experts_quant_packed(torch.empty(1, h), torch.randn(1, h), rows13, rows2,
+                                     gb.Q8_0, gb.Q8_0, True, False, *routing)
+    with pytest.raises(Exception, match="qtype2 = 12 has no packed layout"):
+        ops.moe_experts_quant_packed(torch.empty(1, h), torch.randn(1, h), rows13, rows2,
+                                     gb.Q8_0, gb.Q4_K, False, True, *routing)

@@ -21,6 +21,7 @@ from freetoken.models.loader import load_model
 from tests.models.helpers import PagedRunner, assert_logits_close
 from tests.models.test_dense_hf import hf_last_logits, prompts
 from tests.models.test_gguf_tiny import REL_TOL, dequantized_reference
+from tests.conftest import registry_has_moe_kernel
 from tests.models.conftest import MOE_ARCHS
 from tests.models.tiny_gguf import write_gguf
 
@@ -65,12 +66,22 @@ def test_f16_gguf_matches_transformers_on_the_rounded_weights(moe_gguf, moe_ops)
                         hf_last_logits(reference, a), loaded.config)
 
 
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_q8_0_gguf_keeps_experts_quantized(arch, moe_gguf, moe_ops):
+def test_q8_0_gguf_keeps_experts_quantized(arch, pack, moe_gguf, moe_ops, monkeypatch):
+    """In the file's layout and (FREETOKEN_CPU_PACK, on AVX-512 VNNI CPUs running the
+    registry's kernels) repacked 16 rows wide at load."""
+    from freetoken.kernel import ops
+    from freetoken.models.forward.linear import packs_on_cpu
+
+    monkeypatch.setenv("FREETOKEN_CPU_PACK", "1" if pack else "0")
     path, _, _, reference = moe_gguf(arch, "q8_0")
     loaded = load_model(str(path))
     sparse = [layer.mlp for layer in loaded.model.layers if hasattr(layer.mlp, "qtypes")]
     assert sparse and all(mlp.qtypes == (Q8_0, Q8_0) for mlp in sparse)
+    packs = pack and packs_on_cpu(Q8_0, 16, "moe_experts_quant")
+    assert packs == (pack and ops.cpu_isa() == "avx512" and registry_has_moe_kernel())
+    assert all(mlp.packed == (packs, packs) for mlp in sparse)
     runner = PagedRunner(loaded.model)
     a, b = prompts(loaded.config.vocab_size)
     logits = runner.step([(0, a), (1, b)])

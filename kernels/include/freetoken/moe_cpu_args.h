@@ -17,6 +17,7 @@ namespace moe {
 struct Format {
   int64_t type = floatrows::kF32;
   bool quantized = false;  // GGUF blocks (else plain float elements)
+  bool packed = false;     // the blocks in quant_packed.h's 16-row layout (quant_pack)
 
   /*! \brief Bytes of one row of k weights. */
   int64_t row_bytes(int64_t k) const {

@@ -141,6 +141,12 @@ def quant_matmul_packed(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor
     _fn("quant_matmul_packed", x.device)(out, x, packed, qtype)
 
 
+def float_matmul(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """CPU: out[M, N] f32 = x[M, K] f32 @ w[N, K].T, w float32, float16 or bfloat16, on the
+    kernels' thread pool (decode-sized products; BLAS serves large ones)."""
+    _fn("float_matmul", x.device)(out, x, w)
+
+
 def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
                     qtype: int) -> None:
     """out[T, K] f32 = dequant(qweight[ids]) (a quantized embedding lookup)."""
@@ -277,6 +283,18 @@ def moe_experts_quant(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2:
     Q4_0 (2), Q4_1 (3), Q8_0 (8) (H and I multiples of 32), F16 (1), BF16 (30) or F32 (0)."""
     get_function("moe", "moe_experts_quant", "cpu")(
         out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
+
+
+def moe_experts_quant_packed(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
+                             w2: torch.Tensor, qtype13: int, qtype2: int, packed13: bool,
+                             packed2: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                             expert_map: torch.Tensor, workspace: torch.Tensor) -> None:
+    """``moe_experts_quant`` where w13 (packed13) and/or w2 (packed2) hold rows that quant_pack
+    rewrote (viewed as [S * rows, row_bytes]): Q4_0/Q4_1/Q8_0, I and H multiples of 16, on an
+    AVX-512 VNNI CPU."""
+    get_function("moe", "moe_experts_quant_packed", "cpu")(
+        out, x, w13, w2, qtype13, qtype2, packed13, packed2, topk_ids, topk_weights, expert_map,
+        workspace)
 
 
 def gdn_conv1d(out: torch.Tensor, x: torch.Tensor, conv_state: torch.Tensor,

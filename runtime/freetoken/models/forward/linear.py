@@ -15,18 +15,34 @@ from freetoken.models.quant.scaled import ScaledWeight
 from freetoken.models.checkpoint.weights import Array, Weight
 
 
+# A CPU float product of up to this many activation rows runs on the kernels' own pool
+# (float_matmul) instead of BLAS, whose threads spin for a while after every call and take the
+# cores from that pool's workers on a small machine; larger products (prefill) are BLAS's
+# strength, except through the small weights an MoE layer calls every step (router, shared-
+# expert gate: `every_step`), which would leave BLAS spinning into the decode that follows.
+SMALL_PRODUCT_ROWS = 8
+
+
 class DenseLinear:
     """out[T, N] = x[T, K] @ W.T (+ bias) for a float weight W [N, K]."""
 
-    def __init__(self, weight: Array, bias: Array | None = None):
+    def __init__(self, weight: Array, bias: Array | None = None, every_step: bool = False):
         self.weight_t = weight.T        # a view: the matmul reads the transposed layout directly
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self._torch = None
+        self._small = None
         if is_torch(weight):
             import torch
 
             self._torch = torch
+        elif weight.flags.c_contiguous and weight.dtype in (np.float32, np.float16):
+            from freetoken.kernel import ops
+
+            if getattr(ops.float_matmul, "__module__", None) == ops.__name__:  # not replaced
+                self._small = ops.bind("float_matmul", "cpu")
+                self._weight = HostArrays.kernel_arg(weight)
+                self._small_rows = 1 << 62 if every_step else SMALL_PRODUCT_ROWS
 
     def __call__(self, out: Array, x: Array) -> None:
         if self._torch is not None:
@@ -35,8 +51,13 @@ class DenseLinear:
             else:
                 self._torch.addmm(self.bias, x, self.weight_t, out=out)
             return
-        out = array_view(out)
-        np.matmul(array_view(x), self.weight_t, out=out)
+        out, x = array_view(out), array_view(x)
+        if (self._small is not None and x.shape[0] <= self._small_rows
+                and x.dtype == out.dtype == np.float32
+                and x.flags.c_contiguous and out.flags.c_contiguous):
+            self._small(out, x, self._weight)
+        else:
+            np.matmul(x, self.weight_t, out=out)
         if self.bias is not None:
             out += self.bias
 
@@ -52,16 +73,29 @@ def _cpu_has_vnni512() -> bool:
     return ops.cpu_isa() == "avx512"
 
 
-def packs_on_cpu(qtype: int, rows: int) -> bool:
-    """Whether a CPU projection of this GGUF type and row count is repacked at load: on an
-    AVX-512 VNNI CPU, for whole tiles of 16 rows, unless FREETOKEN_CPU_PACK=0 or a test runs
-    the reference quant_matmul in its place."""
+def packs_on_cpu(qtype: int, rows: int, op: str = "quant_matmul") -> bool:
+    """Whether CPU weights of this GGUF type are repacked at load for `op`: on an AVX-512 VNNI
+    CPU, where every product starts on a whole tile (`rows` a multiple of 16), unless
+    FREETOKEN_CPU_PACK=0 or a test runs the reference `op` in its place."""
     from freetoken import env
     from freetoken.kernel import ops
 
     return (qtype in PACKED_TYPES and rows % 16 == 0 and env.read().cpu_pack
-            and getattr(ops.quant_matmul, "__module__", None) == ops.__name__
+            and getattr(getattr(ops, op), "__module__", None) == ops.__name__
             and _cpu_has_vnni512())
+
+
+def packed_copy(data: np.ndarray, qtype: int) -> np.ndarray:
+    """GGUF rows (any leading axes; rows per leading index a multiple of 16) rewritten by
+    quant_pack into new memory: the file's pages stay mapped for whoever else reads them (a
+    tied embedding)."""
+    from freetoken.kernel import ops
+
+    packed = np.empty(data.shape, dtype=np.uint8)
+    rows = data.shape[-1]
+    ops.bind("quant_pack", "cpu")(HostArrays.kernel_arg(packed.reshape(-1, rows)),
+                                  HostArrays.kernel_arg(data.reshape(-1, rows)), qtype)
+    return packed
 
 
 class QuantLinear:
@@ -81,14 +115,9 @@ class QuantLinear:
             self._gemv = quant_gemv.gguf_decode(weight.qtype, weight.data)
             self.data = weight.data
         elif packs_on_cpu(weight.qtype, weight.shape[0]):
-            # a copy in anonymous memory; the file's pages stay mapped for whoever else reads
-            # them (a tied embedding)
-            packed = np.empty(weight.data.shape, dtype=np.uint8)
-            ops.bind("quant_pack", "cpu")(HostArrays.kernel_arg(packed),
-                                          HostArrays.kernel_arg(weight.data), weight.qtype)
             self._matmul = ops.bind("quant_matmul_packed", "cpu")
             self.packed = True
-            self.data = HostArrays.kernel_arg(packed)
+            self.data = HostArrays.kernel_arg(packed_copy(weight.data, weight.qtype))
         else:
             self._matmul = ops.bind("quant_matmul", "cpu")
             self.data = HostArrays.kernel_arg(weight.data)
@@ -134,8 +163,10 @@ class PartsLinear:
             out += self.bias
 
 
-def make_linear(weights: Weight | list[Weight], bias: Array | None = None):
-    """The projection for one weight, or for row parts that the loader kept apart."""
+def make_linear(weights: Weight | list[Weight], bias: Array | None = None,
+                every_step: bool = False):
+    """The projection for one weight, or for row parts that the loader kept apart; `every_step`:
+    a small float weight every step calls (see SMALL_PRODUCT_ROWS)."""
     if isinstance(weights, list):
         if len(weights) == 1:
             return make_linear(weights[0], bias)
@@ -146,4 +177,4 @@ def make_linear(weights: Weight | list[Weight], bias: Array | None = None):
         from freetoken.models.forward.scaled_linear import ScaledLinear
 
         return ScaledLinear(weights, bias)
-    return DenseLinear(weights, bias)
+    return DenseLinear(weights, bias, every_step)

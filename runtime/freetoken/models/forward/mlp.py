@@ -18,7 +18,7 @@ from freetoken.arrays import HostArrays, TorchArrays, array_view, is_torch
 from freetoken.models.batch import Array
 from freetoken.models.checkpoint.weights import LayerWeights, Weight
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.forward.linear import make_linear
+from freetoken.models.forward.linear import make_linear, packed_copy, packs_on_cpu
 from freetoken.models.forward.workspace import WorkViews
 from freetoken.models.quant.scaled import ScaledWeight
 
@@ -52,7 +52,7 @@ class MoEMLP:
                  arrays: HostArrays | TorchArrays):
         arg, moe = kernels.arg, cfg.moe
         self.ops = kernels
-        self.router = make_linear(w["router"])
+        self.router = make_linear(w["router"], every_step=True)
         self.renormalize = moe.renormalize
         w13, w2 = w["experts.gate_up"], w["experts.down"]
         self.scaled = None
@@ -62,9 +62,24 @@ class MoEMLP:
             self.scaled = ScaledExperts(w13, w2, moe.top_k)
             w13 = w2 = None
         self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
-        self.w13 = None if w13 is None else arg(w13.data if self.qtypes else w13)
-        self.w2 = None if w2 is None else arg(w2.data if self.qtypes else w2)
-        if self.qtypes:
+        # CPU: Q4_0/Q4_1/Q8_0 experts repacked 16 rows wide (linear.packs_on_cpu)
+        self.packed = (False, False)
+        if self.qtypes and arrays.device.is_cpu:
+            self.packed = (packs_on_cpu(w13.qtype, w13.shape[-2] // 2, "moe_experts_quant"),
+                           packs_on_cpu(w2.qtype, w2.shape[-2], "moe_experts_quant"))
+        self.w13 = None if w13 is None else arg(
+            (packed_copy(w13.data, w13.qtype) if self.packed[0] else w13.data) if self.qtypes
+            else w13)
+        self.w2 = None if w2 is None else arg(
+            (packed_copy(w2.data, w2.qtype) if self.packed[1] else w2.data) if self.qtypes
+            else w2)
+        if any(self.packed):
+            from freetoken.kernel import ops
+
+            run, flags = ops.bind("moe_experts_quant_packed", "cpu"), self.packed
+            self.experts_quant = (lambda out, x, w13, w2, q13, q2, *routing:
+                                  run(out, x, w13, w2, q13, q2, *flags, *routing))
+        elif self.qtypes:
             self.experts_quant = (kernels.moe_experts_quant if arrays.device.is_cpu
                                   else kernels.moe_experts_gguf)
         # every expert resident: slot e holds expert e (an offload cache remaps this later)
@@ -77,7 +92,7 @@ class MoEMLP:
         self.shared = None
         if moe.shared_intermediate_size:
             self.shared = DenseMLP(w["shared.gate_up"], w["shared.down"], kernels)
-            self.shared_gate = make_linear(w["shared_gate"])
+            self.shared_gate = make_linear(w["shared_gate"], every_step=True)
 
     def __call__(self, x: Array, w: WorkViews) -> Array:
         ops, out = self.ops, w.other(x)
