@@ -203,7 +203,8 @@ void moe_experts_quant(TensorView out, TensorView x, TensorView w13, TensorView 
 Format packed_format(int64_t type, const char* name, int64_t rows_of_task, const char* dim) {
   Format f = format_of(type, name);
   TVM_FFI_ICHECK(quant::packable_type(type))
-      << name << " = " << type << " has no packed layout: only Q4_0 (2), Q4_1 (3) and Q8_0 (8)";
+      << name << " = " << type << " has no packed layout: only Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+      << "Q5_1 (7) and Q8_0 (8)";
   TVM_FFI_ICHECK(quant::best_isa() == Isa::kAvx512)
       << "packed experts need AVX-512 VNNI, which this CPU lacks (best: "
       << quant::isa_name(quant::best_isa()) << "); keep the GGUF layout (moe_experts_quant)";

@@ -104,7 +104,8 @@ void quant_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
 
 void check_packable(const TensorView& qweight, int64_t qtype) {
   TVM_FFI_ICHECK(packable_type(qtype))
-      << "qtype " << qtype << " has no packed layout: only Q4_0 (2), Q4_1 (3) and Q8_0 (8) do";
+      << "qtype " << qtype << " has no packed layout: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7) "
+      << "and Q8_0 (8) do";
   TVM_FFI_ICHECK(best_isa() == Isa::kAvx512)
       << "packed weights need AVX-512 VNNI, which this CPU lacks (best: "
       << isa_name(best_isa()) << "); keep the GGUF layout (quant_matmul)";

@@ -1,4 +1,4 @@
-"""GGUF Q4_0/Q4_1/Q8_0 rows packed 16 wide for AVX-512 VNNI (quant_pack, quant_matmul_packed):
+"""GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 rows packed 16 wide for AVX-512 VNNI (quant_pack, quant_matmul_packed):
 the layout against a numpy restatement of quant_packed.h, the product against the `gguf`
 package's dequantizer, and bad input refused. Skipped on a CPU without AVX-512 VNNI, where
 nothing is packed."""
@@ -17,7 +17,7 @@ from tests.tolerances import assert_close
 pytestmark = pytest.mark.skipif(ops.cpu_isa() != "avx512",
                                 reason="packed weights need AVX-512 VNNI")
 
-TYPES = (gb.Q4_0, gb.Q4_1, gb.Q8_0)
+TYPES = (gb.Q4_0, gb.Q4_1, gb.Q5_0, gb.Q5_1, gb.Q8_0)
 # (M, K, N): decode (one tile; many tiles, so chunks prefetch into the next), prefill tiles of
 # four activation rows plus each remainder
 SHAPES = [(1, 32, 16), (1, 576, 960), (1, 64, 2048), (2, 96, 32), (3, 288, 48), (4, 64, 16),
@@ -28,15 +28,24 @@ def numpy_pack(rows: np.ndarray, qtype: int) -> np.ndarray:
     """The packed layout as quant_packed.h describes it, restated with numpy."""
     n, row_bytes = rows.shape
     bb = gb.block_bytes(qtype)[1]
-    heads = 2 if qtype == gb.Q4_1 else 1
+    heads = 2 if qtype in (gb.Q4_1, gb.Q5_1) else 1
+    fifth = 4 if qtype in (gb.Q5_0, gb.Q5_1) else 0
     blocks = rows.reshape(n // 16, 16, row_bytes // bb, bb).transpose(0, 2, 1, 3)  # [t, b, n, bb]
+    lead = blocks.shape[:2]
     scales = blocks[..., : 2 * heads].reshape(*blocks.shape[:3], heads, 2).transpose(0, 1, 3, 2, 4)
-    words = blocks[..., 2 * heads:].reshape(*blocks.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)
+    parts = [scales.reshape(*lead, -1)]
+    if fifth:
+        high = np.ascontiguousarray(blocks[..., 2 * heads:2 * heads + 4]).view("<u4")[..., 0]
+        masks = np.zeros((*lead, 8), dtype=np.uint64)
+        for j, first in enumerate([0, 4, 8, 12, 16, 20, 24, 28]):
+            nibbles = ((high >> first) & 0xF).astype(np.uint64)       # [t, b, 16 rows]
+            masks[..., j] = (nibbles << (4 * np.arange(16, dtype=np.uint64))).sum(-1)
+        parts.append(masks.astype("<u8").view(np.uint8).reshape(*lead, 64))
+    words = blocks[..., 2 * heads + fifth:].reshape(*blocks.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)
     if qtype == gb.Q8_0:
         words = words ^ 0x80
-    tile_blocks = np.concatenate([scales.reshape(*blocks.shape[:2], -1),
-                                  words.reshape(*blocks.shape[:2], -1)], axis=-1)
-    return np.ascontiguousarray(tile_blocks.reshape(n, row_bytes))
+    parts.append(words.reshape(*lead, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(n, row_bytes))
 
 
 def int8_activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -121,7 +130,7 @@ def _silu(v):
     return v / (1.0 + np.exp(-v))
 
 
-@pytest.mark.parametrize("q13,q2", [(gb.Q4_0, gb.Q8_0), (gb.Q4_1, gb.Q4_1), (gb.Q8_0, gb.Q4_K),
+@pytest.mark.parametrize("q13,q2", [(gb.Q4_0, gb.Q8_0), (gb.Q4_1, gb.Q5_0), (gb.Q5_1, gb.Q4_K),
                                     (gb.Q4_K, gb.Q4_0)])
 @pytest.mark.parametrize("t", [1, 5])
 def test_packed_experts_against_gguf_dequantize(q13, q2, t):

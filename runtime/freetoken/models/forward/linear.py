@@ -63,7 +63,7 @@ class DenseLinear:
 
 
 # GGUF types whose rows the CPU repacks 16 wide at load (kernels/include/freetoken/quant_packed.h)
-PACKED_TYPES = (2, 3, 8)    # Q4_0, Q4_1, Q8_0
+PACKED_TYPES = (2, 3, 6, 7, 8)    # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 
 @functools.cache
