@@ -67,3 +67,26 @@ def test_packed_and_gguf_layouts_both_match_transformers(monkeypatch):
         for i in range(head, len(ids)):
             got = runner.step([(0, [ids[i]])])[0]
             assert kl(want[i], got) < KL_LIMIT, (loaded is packed, i)
+
+
+def test_release_view_keeps_the_bytes_readable(tmp_path):
+    """Dropping a mapped view's pages (after its bytes were packed elsewhere) must not change
+    what a later read sees: the pages map again from the file. Owned arrays are left alone."""
+    import mmap
+
+    import numpy as np
+
+    from freetoken.models.checkpoint.gguf_file import release_view
+
+    data = np.random.default_rng(0).integers(0, 256, 5 * mmap.PAGESIZE, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
+    view = mapped[100:4 * mmap.PAGESIZE + 7].reshape(-1, 1)
+    assert np.array_equal(view[:, 0], data[100:4 * mmap.PAGESIZE + 7])
+    release_view(view)
+    assert np.array_equal(mapped, data)
+    owned = data.copy()
+    release_view(owned)
+    assert np.array_equal(owned, data)

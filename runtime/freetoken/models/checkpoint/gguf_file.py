@@ -57,6 +57,25 @@ class TensorInfo:
     nbytes: int | None     # None when the type is one this runtime does not know
 
 
+def release_view(array: np.ndarray) -> None:
+    """Drop from this process the whole pages of a view into a memory-mapped file, once its
+    bytes were copied elsewhere (a later read maps them again from the file); anything else
+    (an array that owns its memory) is left alone."""
+    owner = array
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    if isinstance(owner, memoryview):    # np.frombuffer's base: a view of the mapping
+        owner = owner.obj
+    if not isinstance(owner, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    offset = array.ctypes.data - np.frombuffer(owner, dtype=np.uint8).ctypes.data
+    page = mmap.PAGESIZE
+    start = -(-offset // page) * page
+    end = (offset + array.nbytes) // page * page
+    if end > start:
+        owner.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 class GGUFFile:
     """Metadata (``meta``) and tensor table (``tensors``) of one GGUF file.
 

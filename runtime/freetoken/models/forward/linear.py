@@ -87,14 +87,17 @@ def packs_on_cpu(qtype: int, rows: int, op: str = "quant_matmul") -> bool:
 
 def packed_copy(data: np.ndarray, qtype: int) -> np.ndarray:
     """GGUF rows (any leading axes; rows per leading index a multiple of 16) rewritten by
-    quant_pack into new memory: the file's pages stay mapped for whoever else reads them (a
-    tied embedding)."""
+    quant_pack into new memory. Rows read from the file's mapping have their pages dropped
+    from this process afterwards, so the model is not held twice; a tied embedding that reads
+    them later maps them again."""
     from freetoken.kernel import ops
+    from freetoken.models.checkpoint.gguf_file import release_view
 
     packed = np.empty(data.shape, dtype=np.uint8)
-    rows = data.shape[-1]
-    ops.bind("quant_pack", "cpu")(HostArrays.kernel_arg(packed.reshape(-1, rows)),
-                                  HostArrays.kernel_arg(data.reshape(-1, rows)), qtype)
+    row_bytes = data.shape[-1]
+    ops.bind("quant_pack", "cpu")(HostArrays.kernel_arg(packed.reshape(-1, row_bytes)),
+                                  HostArrays.kernel_arg(data.reshape(-1, row_bytes)), qtype)
+    release_view(data)
     return packed
 
 
