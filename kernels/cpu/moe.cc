@@ -202,9 +202,10 @@ void moe_experts_quant(TensorView out, TensorView x, TensorView w13, TensorView 
 // it, and every task of run_experts starts on a whole tile (`rows_of_task` a multiple of 16).
 Format packed_format(int64_t type, const char* name, int64_t rows_of_task, const char* dim) {
   Format f = format_of(type, name);
-  TVM_FFI_ICHECK(quant::packable_type(type))
-      << name << " = " << type << " has no packed layout: only Q4_0 (2), Q4_1 (3), Q5_0 (6), "
-      << "Q5_1 (7) and Q8_0 (8)";
+  // (a packed Q6_K would also need each 16 activations' sum, which these buffers do not keep)
+  TVM_FFI_ICHECK(quant::packable_type(type) && !quant::needs_sum16(type))
+      << name << " = " << type << " has no packed expert layout: only Q4_0 (2), Q4_1 (3), "
+      << "Q5_0 (6), Q5_1 (7), Q8_0 (8) and Q4_K (12)";
   TVM_FFI_ICHECK(quant::best_isa() == Isa::kAvx512)
       << "packed experts need AVX-512 VNNI, which this CPU lacks (best: "
       << quant::isa_name(quant::best_isa()) << "); keep the GGUF layout (moe_experts_quant)";

@@ -104,8 +104,8 @@ void quant_matmul(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
 
 void check_packable(const TensorView& qweight, int64_t qtype) {
   TVM_FFI_ICHECK(packable_type(qtype))
-      << "qtype " << qtype << " has no packed layout: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7) "
-      << "and Q8_0 (8) do";
+      << "qtype " << qtype << " has no packed layout: only Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), "
+      << "Q8_0 (8), Q4_K (12) and Q6_K (14) do";
   TVM_FFI_ICHECK(best_isa() == Isa::kAvx512)
       << "packed weights need AVX-512 VNNI, which this CPU lacks (best: "
       << isa_name(best_isa()) << "); keep the GGUF layout (quant_matmul)";
@@ -139,14 +139,22 @@ void quant_matmul_packed(TensorView out, TensorView x, TensorView packed, int64_
   const MatmulShape s = check_matmul(out, x, packed, qtype);
   check_packable(packed, qtype);
   if (s.m == 0 || s.n == 0) return;
-  const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
+  QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
+  thread_local std::vector<int32_t> sum16_storage;  // the calling thread's, as quantized_buffer
+  int32_t* sum16 = nullptr;  // a plain pointer: a worker naming a thread_local sees its own
+  if (needs_sum16(qtype)) {
+    sum16_storage.resize(2 * s.m * xq.blocks);
+    xq.sum16 = sum16 = sum16_storage.data();
+  }
   const int64_t threads = thread_pool().num_threads();
+  auto prepare = [&](int64_t r0, int64_t r1) {
+    quantize(Isa::kAvx512, qtype, data_of<float>(x), s.k, r0, r1, xq);
+    if (sum16 != nullptr) fill_sum16(xq, r0, r1, sum16);
+  };
   if (s.m < 8) {
-    quantize(Isa::kAvx512, qtype, data_of<float>(x), s.k, 0, s.m, xq);
+    prepare(0, s.m);
   } else {
-    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4), [&](int64_t r0, int64_t r1) {
-      quantize(Isa::kAvx512, qtype, data_of<float>(x), s.k, r0, r1, xq);
-    });
+    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4), prepare);
   }
   const int64_t tiles = s.n / kPackRows;
   const int64_t grain = s.m == 1 ? (decode_grain(s, threads) + kPackRows - 1) / kPackRows : 1;

@@ -72,6 +72,8 @@ struct QuantizedRows {
   int8_t* q = nullptr;   // [rows][blocks * 32]
   float* d = nullptr;    // [rows][blocks] scale
   float* s = nullptr;    // [rows][blocks] scale * sum of the block's int8 values
+  // [rows][2 * blocks]: 32 * the sum of each 16 int8 values (quant_packed.h's Q6_K only)
+  const int32_t* sum16 = nullptr;
 
   const int8_t* q_row(int64_t r) const { return q + r * blocks * kBlock; }
   const float* d_row(int64_t r) const { return d + r * blocks; }
