@@ -127,8 +127,8 @@ KERNELS: tuple[Kernel, ...] = (
         functions=("quant_matmul", "quant_matmul_isa", "quant_pack", "quant_matmul_packed",
                    "dequantize_rows", "cpu_isa", "set_num_threads"),
         cpu=("cpu/quant_gemm.cc",),
-        doc="GGUF block matrix product with runtime ISA dispatch; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 "
-            "rows packed 16 wide for AVX-512 VNNI",
+        doc="GGUF block matrix product with runtime ISA dispatch; GGUF rows packed 16 wide for "
+            "AVX-512 VNNI",
     ),
     Kernel(
         name="float_gemm",

@@ -53,9 +53,12 @@ void float_matmul(TensorView out, TensorView x, TensorView w) {
   // Tasks of (row block of x, chunk of weight rows): decode splits the weights; a longer x
   // (a prefill through a small weight, like an MoE router) splits its rows as well.
   const int64_t chunks = std::clamp<int64_t>(n * row_bytes / kChunkBytes, 1, threads * 8);
-  const int64_t grain = (std::max<int64_t>(4, (n + chunks - 1) / chunks) + 3) / 4 * 4;  // 4-row tiles
+  // whole tiles of 4 weight rows
+  const int64_t grain = (std::max<int64_t>(4, (n + chunks - 1) / chunks) + 3) / 4 * 4;
   const int64_t n_tasks = (n + grain - 1) / grain;
-  const int64_t m_grain = std::max<int64_t>(8, (m + threads * 4 - 1) / (threads * 4) + 1) / 2 * 2;
+  // x rows per task: about 4 tasks a thread, at least 8, even (float_rows takes 2 at a time)
+  const int64_t rows_per_task = (m + threads * 4 - 1) / (threads * 4);
+  const int64_t m_grain = std::max<int64_t>(8, (rows_per_task + 1) / 2 * 2);
   const int64_t m_tasks = (m + m_grain - 1) / m_grain;
   parallel_for(m_tasks * n_tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {

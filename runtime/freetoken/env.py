@@ -86,7 +86,7 @@ class Env:
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1/v2)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
-    cpu_pack: bool              # FREETOKEN_CPU_PACK: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 rows packed for AVX-512 VNNI
+    cpu_pack: bool              # FREETOKEN_CPU_PACK: GGUF rows packed 16 wide for AVX-512 VNNI
 
 
 VARIABLES = {
@@ -118,9 +118,9 @@ VARIABLES = {
                             "16-byte streaming, default) or v1 (gguf_matmul / scaled_gemv)",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
-    "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections and experts are repacked "
-                          "at load, 16 rows wide, on AVX-512 VNNI CPUs (default on; off: the "
-                          "GGUF layout, for comparison)",
+    "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
+                          "are repacked at load, 16 rows wide, on AVX-512 VNNI CPUs (default on; "
+                          "off: the GGUF layout, for comparison)",
 }
 
 QUANT_GEMV_VARIANTS = ("v1", "v2")

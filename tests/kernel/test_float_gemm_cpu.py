@@ -43,7 +43,8 @@ def test_dense_linear_small_products_on_the_pool(every_step):
     from freetoken.models.forward.linear import SMALL_PRODUCT_ROWS, DenseLinear
 
     g = np.random.default_rng(0)
-    w, bias = g.standard_normal((48, 64), dtype=np.float32), g.standard_normal(48).astype(np.float32)
+    w = g.standard_normal((48, 64), dtype=np.float32)
+    bias = g.standard_normal(48).astype(np.float32)
     linear = DenseLinear(w, bias, every_step=every_step)
     assert linear._small is not None
     assert linear._small_rows == (1 << 62 if every_step else SMALL_PRODUCT_ROWS)

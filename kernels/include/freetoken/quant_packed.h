@@ -79,12 +79,15 @@ inline void pack_ksuper(const uint8_t* src, uint8_t* out, int64_t row_bytes, int
         scale_min_k4(blk + 4, j, &sc, &m);
         scale_low |= static_cast<uint32_t>(sc & 0xF) << (4 * j);
         min_low |= static_cast<uint32_t>(m & 0xF) << (4 * j);
-        high |= static_cast<uint32_t>(sc >> 4) << (2 * j) | static_cast<uint32_t>(m >> 4) << (16 + 2 * j);
+        high |= static_cast<uint32_t>(sc >> 4) << (2 * j);
+        high |= static_cast<uint32_t>(m >> 4) << (16 + 2 * j);
       }
       std::memcpy(out + 64 + 4 * n, &scale_low, 4);
       std::memcpy(out + 128 + 4 * n, &min_low, 4);
       std::memcpy(out + 192 + 4 * n, &high, 4);
-      for (int g = 0; g < 32; ++g) std::memcpy(out + 256 + (g * kPackRows + n) * 4, blk + 16 + 4 * g, 4);
+      for (int g = 0; g < 32; ++g) {
+        std::memcpy(out + 256 + (g * kPackRows + n) * 4, blk + 16 + 4 * g, 4);
+      }
     } else {  // Q6_K: ql[128], qh[64], scales[16], d
       std::memcpy(out + 2 * n, blk + 208, 2);
       for (int k = 0; k < 16; ++k) out[32 + k * kPackRows + n] = blk[192 + k];
@@ -103,7 +106,8 @@ inline void pack_tiles(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int6
   if (is_kquant(qtype)) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t s = 0; s < blocks; ++s) {
-        pack_ksuper(src, dst + t * kPackRows * row_bytes + s * kPackRows * bb, row_bytes, qtype, t, s);
+        uint8_t* out = dst + t * kPackRows * row_bytes + s * kPackRows * bb;
+        pack_ksuper(src, out, row_bytes, qtype, t, s);
       }
     }
     return;
@@ -138,9 +142,14 @@ inline void pack_tiles(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int6
 
 namespace packed {
 
-#define FT_QP_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#define FT_QP_INLINE \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline)) inline
+#define FT_QP_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+#define FT_QP_FN __attribute__((target(FT_QP_TARGET)))
+#define FT_QP_INLINE __attribute__((target(FT_QP_TARGET), always_inline)) inline
+
+// 16 f16 values (one per packed row) as floats.
+FT_QP_INLINE __m512 halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 FT_QP_INLINE __m512i broadcast_word(const int8_t* p) {
   int v;
@@ -151,6 +160,13 @@ FT_QP_INLINE __m512i broadcast_word(const int8_t* p) {
 // How far ahead decode asks for the weight stream (bytes): one core keeps more misses in flight
 // than its hardware prefetcher does.
 constexpr int64_t kAheadBytes = 2048;
+
+// Asks for `bytes` of the weight stream kAheadBytes past p (a prefetch never faults).
+FT_QP_INLINE void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes + at), _MM_HINT_T0);
+  }
+}
 
 /*!
  * \brief out[(m0 + r) * ldo + n0 .. + 16] for the 16 packed rows of `tile` and activation rows
@@ -170,11 +186,11 @@ FT_QP_INLINE void tile_rows(const uint8_t* tile, const QuantizedRows& xq, int64_
   for (int64_t b = 0; b < xq.blocks; ++b) {
     const uint8_t* p = tile + b * kTileBlock;
     if (prefetch) {
-      for (int64_t at = 0; at < kTileBlock; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes + at), _MM_HINT_T0);
+      prefetch_ahead(p, kTileBlock);
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dw = halves(p);
     const __m512 offset =
-        kMin ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)))
+        kMin ? halves(p + 32)
              : _mm512_mul_ps(dw, _mm512_set1_ps(QT == kQ4_0 ? -8.f : QT == kQ5_0 ? -16.f : -128.f));
     const uint8_t* fifth = p + kHeads;
     const uint8_t* q = fifth + kMasks;
@@ -182,7 +198,8 @@ FT_QP_INLINE void tile_rows(const uint8_t* tile, const QuantizedRows& xq, int64_
     for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_si512();
     if constexpr (QT == kQ8_0) {
       for (int g = 0; g < 8; g += 2) {
-        const __m512i w0 = _mm512_loadu_si512(q + 64 * g), w1 = _mm512_loadu_si512(q + 64 * (g + 1));
+        const __m512i w0 = _mm512_loadu_si512(q + 64 * g);
+        const __m512i w1 = _mm512_loadu_si512(q + 64 * (g + 1));
         for (int r = 0; r < MR; ++r) {
           const int8_t* x = xq.q_row(m0 + r) + b * kBlock;
           even[r] = _mm512_dpbusd_epi32(even[r], w0, broadcast_word(x + 4 * g));
@@ -245,10 +262,9 @@ FT_QP_INLINE void q4k_tile_rows(const uint8_t* tile, const QuantizedRows& xq, in
   for (int64_t s = 0; s < xq.blocks / 8; ++s) {
     const uint8_t* p = tile + s * kTileSuper;
     if (prefetch) {
-      for (int64_t at = 0; at < kTileSuper; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes + at), _MM_HINT_T0);
+      prefetch_ahead(p, kTileSuper);
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    const __m512 d = halves(p), dmin = halves(p + 32);
     const __m512i scale_low = _mm512_loadu_si512(p + 64), min_low = _mm512_loadu_si512(p + 128);
     const __m512i high = _mm512_loadu_si512(p + 192);
     const uint8_t* q = p + 256;
@@ -308,9 +324,9 @@ FT_QP_INLINE void q6k_tile_rows(const uint8_t* tile, const QuantizedRows& xq, in
   for (int64_t s = 0; s < xq.blocks / 8; ++s) {
     const uint8_t* p = tile + s * kTileSuper;
     if (prefetch) {
-      for (int64_t at = 0; at < kTileSuper; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes + at), _MM_HINT_T0);
+      prefetch_ahead(p, kTileSuper);
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 d = halves(p);
     const uint8_t* scales = p + 32;
     const uint8_t* ql = p + 288;
     const uint8_t* qh = ql + 2048;
@@ -326,23 +342,31 @@ FT_QP_INLINE void q6k_tile_rows(const uint8_t* tile, const QuantizedRows& xq, in
           const __m512i l1 = _mm512_loadu_si512(ql + 64 * (16 * h + u));
           const __m512i l2 = _mm512_loadu_si512(ql + 64 * (16 * h + 8 + u));
           const __m512i hq = _mm512_loadu_si512(qh + 64 * (8 * h + u));
+          // weights 4u.. of the half's four 32-weight runs: low bits | high bits << 4
           const __m512i e[4] = {
-              _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_slli_epi16(_mm512_and_si512(hq, b01), 4)),
-              _mm512_or_si512(_mm512_and_si512(l2, low4), _mm512_slli_epi16(_mm512_and_si512(hq, b23), 2)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4), _mm512_and_si512(hq, b45)),
+              _mm512_or_si512(_mm512_and_si512(l1, low4),
+                              _mm512_slli_epi16(_mm512_and_si512(hq, b01), 4)),
+              _mm512_or_si512(_mm512_and_si512(l2, low4),
+                              _mm512_slli_epi16(_mm512_and_si512(hq, b23), 2)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4),
+                              _mm512_and_si512(hq, b45)),
               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l2, 4), low4),
                               _mm512_and_si512(_mm512_srli_epi16(hq, 2), b45))};
           for (int r = 0; r < MR; ++r) {
             const int8_t* x = xq.q_row(m0 + r) + s * kSuper + 128 * h + 4 * u;
-            for (int t = 0; t < 4; ++t) sum[t][r] = _mm512_dpbusd_epi32(sum[t][r], e[t], broadcast_word(x + 32 * t));
+            for (int t = 0; t < 4; ++t) {
+              sum[t][r] = _mm512_dpbusd_epi32(sum[t][r], e[t], broadcast_word(x + 32 * t));
+            }
           }
         }
         for (int t = 0; t < 4; ++t) {
           const int k = 8 * h + 2 * t + part;  // this group of 16 weights
-          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * k)));
+          const __m128i sc_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * k));
+          const __m512i sc = _mm512_cvtepi8_epi32(sc_bytes);
           for (int r = 0; r < MR; ++r) {
-            const __m512i offset = _mm512_set1_epi32(xq.sum16[(m0 + r) * 2 * xq.blocks + 16 * s + k]);
-            total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(_mm512_sub_epi32(sum[t][r], offset), sc));
+            const int32_t* sums = xq.sum16 + (m0 + r) * 2 * xq.blocks + 16 * s;
+            const __m512i centred = _mm512_sub_epi32(sum[t][r], _mm512_set1_epi32(sums[k]));
+            total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(centred, sc));
           }
         }
       }
@@ -417,6 +441,7 @@ FT_QP_FN inline void matmul_tiles(const uint8_t* w, int64_t row_bytes, int64_t q
 
 #undef FT_QP_FN
 #undef FT_QP_INLINE
+#undef FT_QP_TARGET
 
 }  // namespace packed
 }  // namespace quant

@@ -62,7 +62,7 @@ class MoEMLP:
             self.scaled = ScaledExperts(w13, w2, moe.top_k)
             w13 = w2 = None
         self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
-        # CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 experts repacked 16 rows wide (linear.packs_on_cpu)
+        # CPU: GGUF experts repacked 16 rows wide where linear.packs_on_cpu says so
         self.packed = (False, False)
         if self.qtypes and arrays.device.is_cpu:
             self.packed = (packs_on_cpu(w13.qtype, w13.shape[-2] // 2, "moe_experts_quant"),
