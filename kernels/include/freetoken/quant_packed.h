@@ -185,9 +185,7 @@ FT_QP_INLINE void tile_rows(const uint8_t* tile, const QuantizedRows& xq, int64_
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < xq.blocks; ++b) {
     const uint8_t* p = tile + b * kTileBlock;
-    if (prefetch) {
-      prefetch_ahead(p, kTileBlock);
-    }
+    if (prefetch) prefetch_ahead(p, kTileBlock);
     const __m512 dw = halves(p);
     const __m512 offset =
         kMin ? halves(p + 32)
@@ -261,9 +259,7 @@ FT_QP_INLINE void q4k_tile_rows(const uint8_t* tile, const QuantizedRows& xq, in
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < xq.blocks / 8; ++s) {
     const uint8_t* p = tile + s * kTileSuper;
-    if (prefetch) {
-      prefetch_ahead(p, kTileSuper);
-    }
+    if (prefetch) prefetch_ahead(p, kTileSuper);
     const __m512 d = halves(p), dmin = halves(p + 32);
     const __m512i scale_low = _mm512_loadu_si512(p + 64), min_low = _mm512_loadu_si512(p + 128);
     const __m512i high = _mm512_loadu_si512(p + 192);
@@ -323,9 +319,7 @@ FT_QP_INLINE void q6k_tile_rows(const uint8_t* tile, const QuantizedRows& xq, in
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < xq.blocks / 8; ++s) {
     const uint8_t* p = tile + s * kTileSuper;
-    if (prefetch) {
-      prefetch_ahead(p, kTileSuper);
-    }
+    if (prefetch) prefetch_ahead(p, kTileSuper);
     const __m512 d = halves(p);
     const uint8_t* scales = p + 32;
     const uint8_t* ql = p + 288;
