@@ -63,6 +63,7 @@ void prepare_rows(const Plan& p, const Format& f, const Acts& dst, int64_t width
     const float* row = from_x ? p.x + p.token[q] * width : dst.f + q * width;
     if (f.quantized) {
       quant::quantize(p.isa, f.type, row, width, 0, 1, dst.rows(q, 1));
+      if (dst.sum16 != nullptr) quant::fill_sum16(dst.q, q, q + 1, dst.sum16);
     } else if (from_x) {
       std::memcpy(dst.f + q * width, row, width * sizeof(float));
     }
@@ -202,10 +203,9 @@ void moe_experts_quant(TensorView out, TensorView x, TensorView w13, TensorView 
 // it, and every task of run_experts starts on a whole tile (`rows_of_task` a multiple of 16).
 Format packed_format(int64_t type, const char* name, int64_t rows_of_task, const char* dim) {
   Format f = format_of(type, name);
-  // (a packed Q6_K would also need each 16 activations' sum, which these buffers do not keep)
-  TVM_FFI_ICHECK(quant::packable_type(type) && !quant::needs_sum16(type))
-      << name << " = " << type << " has no packed expert layout: only Q4_0 (2), Q4_1 (3), "
-      << "Q5_0 (6), Q5_1 (7), Q8_0 (8) and Q4_K (12)";
+  TVM_FFI_ICHECK(quant::packable_type(type))
+      << name << " = " << type << " has no packed layout: only Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+      << "Q5_1 (7), Q8_0 (8), Q4_K (12) and Q6_K (14)";
   TVM_FFI_ICHECK(quant::best_isa() == Isa::kAvx512)
       << "packed experts need AVX-512 VNNI, which this CPU lacks (best: "
       << quant::isa_name(quant::best_isa()) << "); keep the GGUF layout (moe_experts_quant)";

@@ -19,7 +19,6 @@ pytestmark = pytest.mark.skipif(ops.cpu_isa() != "avx512",
                                 reason="packed weights need AVX-512 VNNI")
 
 TYPES = (gb.Q4_0, gb.Q4_1, gb.Q5_0, gb.Q5_1, gb.Q8_0, gb.Q4_K, gb.Q6_K)
-EXPERT_TYPES = TYPES[:-1]      # the routed experts' kernel packs all but Q6_K
 # (M, K, N): decode (one tile; many tiles, so chunks prefetch into the next), prefill tiles of
 # four activation rows plus each remainder
 SHAPES = [(1, 32, 16), (1, 576, 960), (1, 64, 2048), (2, 96, 32), (3, 288, 48), (4, 64, 16),
@@ -169,10 +168,10 @@ def _silu(v):
 
 
 @pytest.mark.parametrize("q13,q2", [(gb.Q4_0, gb.Q8_0), (gb.Q4_1, gb.Q5_0), (gb.Q5_1, gb.Q6_K),
-                                    (gb.Q4_K, gb.Q4_K)])
-@pytest.mark.parametrize("t", [1, 5])
+                                    (gb.Q4_K, gb.Q4_K), (gb.Q6_K, gb.Q5_K)])
+@pytest.mark.parametrize("t", [1, 5, 12])   # 12 tokens: activations quantized on the pool
 def test_packed_experts_against_gguf_dequantize(q13, q2, t):
-    """moe_experts_quant_packed with each packable tensor packed (a Q6_K one stays as
+    """moe_experts_quant_packed with each packable tensor packed (a Q5_K one stays as
     stored) against float64 over the dequantized experts, allowing the int8 rounding of act."""
     e, k, h, i = 6, 2, 256, 256
     g = np.random.default_rng(q13 * 31 + q2 + t)
@@ -180,7 +179,7 @@ def test_packed_experts_against_gguf_dequantize(q13, q2, t):
     rows2 = gb.random_rows(h, i, q2, seed=q2 + 100, lead=(e,))
     w13 = gb.dequantize(rows13, q13).astype(np.float64)
     w2 = gb.dequantize(rows2, q2).astype(np.float64)
-    packed13, packed2 = q13 in EXPERT_TYPES, q2 in EXPERT_TYPES
+    packed13, packed2 = q13 in TYPES, q2 in TYPES
     if packed13:
         rows13 = packed(rows13.reshape(-1, rows13.shape[-1]), q13).numpy().reshape(rows13.shape)
     if packed2:
@@ -193,7 +192,7 @@ def test_packed_experts_against_gguf_dequantize(q13, q2, t):
         out, torch.from_numpy(x), torch.from_numpy(rows13), torch.from_numpy(rows2), q13, q2,
         packed13, packed2, torch.from_numpy(ids), torch.from_numpy(weights),
         torch.from_numpy(np.arange(e, dtype=np.int32)), torch.empty(0, dtype=torch.uint8))
-    group = 256 if q2 in (gb.Q4_K, gb.Q6_K) else 32          # weights per int8 scale of act
+    group = 256 if q2 in (gb.Q4_K, gb.Q5_K, gb.Q6_K) else 32   # weights per int8 scale of act
     eps = float(torch.finfo(torch.float32).eps)
     want, allowed = np.zeros((t, h)), np.zeros((t, h))
     for r in range(t):
@@ -222,6 +221,6 @@ def test_packed_experts_refuse_what_cannot_be_packed():
     with pytest.raises(Exception, match="I to be a multiple of 16"):
         ops.moe_experts_quant_packed(torch.empty(1, h), torch.randn(1, h), rows13, rows2,
                                      gb.Q8_0, gb.Q8_0, True, False, *routing)
-    with pytest.raises(Exception, match="qtype2 = 14 has no packed expert layout"):
+    with pytest.raises(Exception, match="qtype2 = 13 has no packed layout"):
         ops.moe_experts_quant_packed(torch.empty(1, h), torch.randn(1, h), rows13, rows2,
-                                     gb.Q8_0, gb.Q6_K, False, True, *routing)
+                                     gb.Q8_0, gb.Q5_K, False, True, *routing)

@@ -9,6 +9,7 @@
 
 #include "freetoken/moe_cpu_args.h"
 #include "freetoken/quant_dispatch.h"
+#include "freetoken/quant_packed.h"
 
 namespace freetoken {
 namespace moe {
@@ -20,6 +21,7 @@ using quant::QuantizedRows;
 struct Acts {
   float* f = nullptr;  // [pairs, width]
   QuantizedRows q;     // [pairs, width / 32 blocks]
+  int32_t* sum16 = nullptr;  // [pairs, 2 * blocks] for packed Q6_K weights (q.sum16 reads it)
 
   QuantizedRows rows(int64_t first, int64_t count) const {
     QuantizedRows v = q;
@@ -27,6 +29,7 @@ struct Acts {
     v.q += first * q.blocks * quant::kBlock;
     v.d += first * q.blocks;
     v.s += first * q.blocks;
+    if (sum16 != nullptr) v.sum16 = sum16 + first * 2 * q.blocks;
     return v;
   }
 };
@@ -60,12 +63,15 @@ struct Carver {
   }
 };
 
-inline void carve_blocks(Carver& c, Acts& a, int64_t pairs, int64_t width) {
+inline void carve_blocks(Carver& c, Acts& a, int64_t pairs, int64_t width, const Format& f) {
   a.q.rows = pairs;
   a.q.blocks = width / quant::kBlock;
   a.q.q = c.take<int8_t>(pairs * width);
   a.q.d = c.take<float>(pairs * a.q.blocks);
   a.q.s = c.take<float>(pairs * a.q.blocks);
+  a.sum16 = f.packed && quant::needs_sum16(f.type) ? c.take<int32_t>(pairs * 2 * a.q.blocks)
+                                                   : nullptr;
+  a.q.sum16 = a.sum16;
 }
 
 inline size_t carve(Plan& p, uintptr_t base) {
@@ -75,12 +81,12 @@ inline size_t carve(Plan& p, uintptr_t base) {
   p.token = c.take<int32_t>(p.pairs);
   p.weight = c.take<float>(p.pairs);
   if (p.f13.quantized) {
-    carve_blocks(c, p.xs, p.pairs, p.sh.h);
+    carve_blocks(c, p.xs, p.pairs, p.sh.h, p.f13);
   } else {
     p.xs.f = c.take<float>(p.pairs * p.sh.h);
   }
   p.act.f = c.take<float>(p.pairs * p.sh.i);
-  if (p.f2.quantized) carve_blocks(c, p.act, p.pairs, p.sh.i);
+  if (p.f2.quantized) carve_blocks(c, p.act, p.pairs, p.sh.i, p.f2);
   return c.used;
 }
 

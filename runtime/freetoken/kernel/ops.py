@@ -290,8 +290,8 @@ def moe_experts_quant_packed(out: torch.Tensor, x: torch.Tensor, w13: torch.Tens
                              packed2: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                              expert_map: torch.Tensor, workspace: torch.Tensor) -> None:
     """``moe_experts_quant`` where w13 (packed13) and/or w2 (packed2) hold rows that quant_pack
-    rewrote (viewed as [S * rows, row_bytes]): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K, I and H multiples
-    of 16, on an AVX-512 VNNI CPU."""
+    rewrote (viewed as [S * rows, row_bytes]), any type quant_pack takes, I and H multiples of
+    16, on an AVX-512 VNNI CPU."""
     get_function("moe", "moe_experts_quant_packed", "cpu")(
         out, x, w13, w2, qtype13, qtype2, packed13, packed2, topk_ids, topk_weights, expert_map,
         workspace)

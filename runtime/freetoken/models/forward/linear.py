@@ -64,7 +64,6 @@ class DenseLinear:
 
 # GGUF types whose rows the CPU repacks 16 wide at load (kernels/include/freetoken/quant_packed.h)
 PACKED_TYPES = (2, 3, 6, 7, 8, 12, 14)    # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K
-PACKED_EXPERT_TYPES = (2, 3, 6, 7, 8, 12)  # the routed experts' kernel: all but Q6_K
 
 
 @functools.cache
@@ -81,8 +80,7 @@ def packs_on_cpu(qtype: int, rows: int, op: str = "quant_matmul") -> bool:
     from freetoken import env
     from freetoken.kernel import ops
 
-    types = PACKED_EXPERT_TYPES if op == "moe_experts_quant" else PACKED_TYPES
-    return (qtype in types and rows % 16 == 0 and env.read().cpu_pack
+    return (qtype in PACKED_TYPES and rows % 16 == 0 and env.read().cpu_pack
             and getattr(getattr(ops, op), "__module__", None) == ops.__name__
             and _cpu_has_vnni512())
 
