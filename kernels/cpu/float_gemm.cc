@@ -15,13 +15,14 @@
 namespace freetoken {
 namespace {
 
+// w's dtype as float_rows' type id (cpu_common's float_type names a wrong dtype).
 int64_t weight_type(const TensorView& w) {
-  const DLDataType t = w.dtype();
-  if (t.code == kDLFloat && t.bits == 32) return floatrows::kF32;
-  if (t.code == kDLFloat && t.bits == 16) return floatrows::kF16;
-  if (t.code == kDLBfloat && t.bits == 16) return floatrows::kBF16;
-  TVM_FFI_THROW(TypeError) << "w must be float32, float16 or bfloat16";
-  return -1;
+  switch (float_type(w, "w")) {
+    case FloatType::kF32: return floatrows::kF32;
+    case FloatType::kF16: return floatrows::kF16;
+    case FloatType::kBF16: return floatrows::kBF16;
+  }
+  return floatrows::kF32;
 }
 
 // Weight bytes a chunk holds at least: fewer chunks than that cost more in hand-offs than they

@@ -74,20 +74,37 @@ int64_t decode_grain(const MatmulShape& s, int64_t threads) {
   return std::max<int64_t>(16, (s.n + chunks - 1) / chunks);
 }
 
+// x's rows as int8 blocks for weights of `qtype` (on the pool from 8 rows), in the calling
+// thread's buffers; with `sum16` (packed Q6_K) each 16 values' sum as well.
+QuantizedRows quantize_x(Isa isa, int64_t qtype, const MatmulShape& s, const float* x,
+                         bool sum16) {
+  QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
+  thread_local std::vector<int32_t> sum16_storage;
+  int32_t* sums = nullptr;  // a plain pointer: a worker naming the thread_local sees its own
+  if (sum16) {
+    sum16_storage.resize(2 * s.m * xq.blocks);
+    xq.sum16 = sums = sum16_storage.data();
+  }
+  auto rows = [&](int64_t r0, int64_t r1) {
+    quantize(isa, qtype, x, s.k, r0, r1, xq);
+    if (sums != nullptr) fill_sum16(xq, r0, r1, sums);
+  };
+  const int64_t threads = thread_pool().num_threads();
+  if (s.m < 8) {
+    rows(0, s.m);
+  } else {
+    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4), rows);
+  }
+  return xq;
+}
+
 void run_matmul(Isa isa, TensorView out, TensorView x, TensorView qweight, int64_t qtype) {
   const MatmulShape s = check_matmul(out, x, qweight, qtype);
   if (s.m == 0 || s.n == 0) return;
-  const float* xp = data_of<float>(x);
   const uint8_t* wp = data_of<uint8_t>(qweight);
   float* op = data_of<float>(out);
-  const QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
+  const QuantizedRows xq = quantize_x(isa, qtype, s, data_of<float>(x), false);
   const int64_t threads = thread_pool().num_threads();
-  if (s.m < 8) {
-    quantize(isa, qtype, xp, s.k, 0, s.m, xq);
-  } else {
-    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4),
-                 [&](int64_t r0, int64_t r1) { quantize(isa, qtype, xp, s.k, r0, r1, xq); });
-  }
   // Prefill keeps a chunk's weight rows (<= 16) in L1 while every activation tile passes over
   // them; decode streams the weights once (decode_grain).
   int64_t grain = s.m == 1 ? decode_grain(s, threads)
@@ -139,23 +156,9 @@ void quant_matmul_packed(TensorView out, TensorView x, TensorView packed, int64_
   const MatmulShape s = check_matmul(out, x, packed, qtype);
   check_packable(packed, qtype);
   if (s.m == 0 || s.n == 0) return;
-  QuantizedRows xq = quantized_buffer(s.m, s.k / kBlock);
-  thread_local std::vector<int32_t> sum16_storage;  // the calling thread's, as quantized_buffer
-  int32_t* sum16 = nullptr;  // a plain pointer: a worker naming a thread_local sees its own
-  if (needs_sum16(qtype)) {
-    sum16_storage.resize(2 * s.m * xq.blocks);
-    xq.sum16 = sum16 = sum16_storage.data();
-  }
+  const QuantizedRows xq =
+      quantize_x(Isa::kAvx512, qtype, s, data_of<float>(x), needs_sum16(qtype));
   const int64_t threads = thread_pool().num_threads();
-  auto prepare = [&](int64_t r0, int64_t r1) {
-    quantize(Isa::kAvx512, qtype, data_of<float>(x), s.k, r0, r1, xq);
-    if (sum16 != nullptr) fill_sum16(xq, r0, r1, sum16);
-  };
-  if (s.m < 8) {
-    prepare(0, s.m);
-  } else {
-    parallel_for(s.m, (s.m + threads * 4 - 1) / (threads * 4), prepare);
-  }
   const int64_t tiles = s.n / kPackRows;
   const int64_t grain = s.m == 1 ? (decode_grain(s, threads) + kPackRows - 1) / kPackRows : 1;
   const uint8_t* wp = data_of<uint8_t>(packed);

@@ -57,23 +57,28 @@ class TensorInfo:
     nbytes: int | None     # None when the type is one this runtime does not know
 
 
+def _drop_pages(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+    """madvise(DONTNEED) the whole pages of mapping[offset:offset + nbytes]: they leave this
+    process, and a later read maps them again from the file."""
+    page = mmap.PAGESIZE
+    start = -(-offset // page) * page
+    end = (offset + nbytes) // page * page
+    if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def release_view(array: np.ndarray) -> None:
-    """Drop from this process the whole pages of a view into a memory-mapped file, once its
-    bytes were copied elsewhere (a later read maps them again from the file); anything else
-    (an array that owns its memory) is left alone."""
+    """Drop the pages of a view into a memory-mapped file once its bytes were copied elsewhere
+    (as GGUFFile.release does for a named tensor); an array that owns its memory is left
+    alone."""
     owner = array
     while isinstance(owner, np.ndarray) and owner.base is not None:
         owner = owner.base
     if isinstance(owner, memoryview):    # np.frombuffer's base: a view of the mapping
         owner = owner.obj
-    if not isinstance(owner, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    offset = array.ctypes.data - np.frombuffer(owner, dtype=np.uint8).ctypes.data
-    page = mmap.PAGESIZE
-    start = -(-offset // page) * page
-    end = (offset + array.nbytes) // page * page
-    if end > start:
-        owner.madvise(mmap.MADV_DONTNEED, start, end - start)
+    if isinstance(owner, mmap.mmap):
+        start = np.frombuffer(owner, dtype=np.uint8).ctypes.data
+        _drop_pages(owner, array.ctypes.data - start, array.nbytes)
 
 
 class GGUFFile:
@@ -110,11 +115,7 @@ class GGUFFile:
     def release(self, info: TensorInfo) -> None:
         """Drop the tensor's pages from this process (after it was copied elsewhere); a later
         read maps them again from the file. Whole pages inside the tensor only."""
-        page = mmap.PAGESIZE
-        start = -(-info.offset // page) * page
-        end = (info.offset + (info.nbytes or 0)) // page * page
-        if end > start and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        _drop_pages(self._map, info.offset, info.nbytes or 0)
 
     # ---- parsing ---------------------------------------------------------------------------
 

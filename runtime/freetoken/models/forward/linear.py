@@ -5,6 +5,7 @@ called in the hot loop."""
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -42,7 +43,7 @@ class DenseLinear:
             if getattr(ops.float_matmul, "__module__", None) == ops.__name__:  # not replaced
                 self._small = ops.bind("float_matmul", "cpu")
                 self._weight = HostArrays.kernel_arg(weight)
-                self._small_rows = 1 << 62 if every_step else SMALL_PRODUCT_ROWS
+                self._small_rows = math.inf if every_step else SMALL_PRODUCT_ROWS
 
     def __call__(self, out: Array, x: Array) -> None:
         if self._torch is not None:

@@ -62,17 +62,17 @@ class MoEMLP:
             self.scaled = ScaledExperts(w13, w2, moe.top_k)
             w13 = w2 = None
         self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
-        # CPU: GGUF experts repacked 16 rows wide where linear.packs_on_cpu says so
+        # CPU: GGUF experts repacked 16 rows wide where linear.packs_on_cpu says so (every task
+        # of the kernel starts on a whole tile: I rows of w13, H rows of w2)
         self.packed = (False, False)
-        if self.qtypes and arrays.device.is_cpu:
-            self.packed = (packs_on_cpu(w13.qtype, w13.shape[-2] // 2, "moe_experts_quant"),
-                           packs_on_cpu(w2.qtype, w2.shape[-2], "moe_experts_quant"))
-        self.w13 = None if w13 is None else arg(
-            (packed_copy(w13.data, w13.qtype) if self.packed[0] else w13.data) if self.qtypes
-            else w13)
-        self.w2 = None if w2 is None else arg(
-            (packed_copy(w2.data, w2.qtype) if self.packed[1] else w2.data) if self.qtypes
-            else w2)
+        if self.qtypes:
+            if arrays.device.is_cpu:
+                self.packed = (packs_on_cpu(w13.qtype, w13.shape[-2] // 2, "moe_experts_quant"),
+                               packs_on_cpu(w2.qtype, w2.shape[-2], "moe_experts_quant"))
+            w13, w2 = (packed_copy(w.data, w.qtype) if pack else w.data
+                       for w, pack in zip((w13, w2), self.packed))
+        self.w13 = None if w13 is None else arg(w13)
+        self.w2 = None if w2 is None else arg(w2)
         if any(self.packed):
             from freetoken.kernel import ops
 
