@@ -1,22 +1,25 @@
 """GGUF blocks on the GPU against bf16: an 8B-shaped model, decode at batch 1 beside each
 format's own bandwidth ceiling measured in the same run, and prefill.
 
-    python benchmarks/gpu_quant.py [--layers 8] [--formats bf16,q4_k] [--kernels-only]
+    python benchmarks/gpu_quant.py [--layers 8] [--formats bf16,q4_k,q4_k-v3] [--kernels-only]
 
 Qwen3-8B's shapes at `--layers` of its 36 layers, random weights, written as GGUF files: BF16
 tensors, and Q4_K blocks for every matrix (embedding and head too). gguf's numpy quantizer has
 no K-quants, so the Q4_K blocks are random bytes with finite f16 scales (tests/kernel/
 gguf_random.py): the same bytes move and decode as with a real file. Both files go through the
-engine (`ft bench`'s code, CUDA graphs). Ceiling = D2D copy bandwidth (read + write, as
+engine (`ft bench`'s code, CUDA graphs); `q4_k-v3` runs the Q4_K file again with
+FREETOKEN_QUANT_GEMV=v3 (gguf_gemv_q8 on the fused decode chain). Ceiling = D2D copy bandwidth (read + write, as
 benchmarks/gpu_decode.py) / bytes one decode step reads (every tensor but the embedding, which
 is gathered by row, plus the bf16 KV of the context). A kernel table first: the GEMV at batch
-1 and the GEMM at 2048 rows on an [12288, 4096] matrix of every GGUF type, against torch bf16.
+1 (gguf_matmul, and for Q4_K gguf_gemv and gguf_gemv_q8 too) and the GEMM at 2048 rows on an
+[12288, 4096] matrix of every GGUF type, against torch bf16.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -68,11 +71,17 @@ def kernel_table(bandwidth: float) -> list[dict]:
         blocks = torch.from_numpy(random_blocks(qtype, n, k, rng)).cuda()
         cases.append((NAMES[qtype], blocks.nbytes,
                       lambda o, x, b=blocks, t=qtype: ops.gguf_matmul(o, x, b, t)))
+        if qtype == Q4_K:   # the decode GEMVs (one row of x only)
+            cases.append(("Q4_K v2 gemv", blocks.nbytes,
+                          lambda o, x, b=blocks: ops.gguf_gemv(o, x, b, Q4_K, 0)))
+            cases.append(("Q4_K v3 q8", blocks.nbytes,
+                          lambda o, x, b=blocks: ops.gguf_gemv_q8(o, x, b, Q4_K)))
     for name, nbytes, fn in cases:
         o1 = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
         ob = torch.empty(2048, n, device="cuda", dtype=torch.bfloat16)
         t1 = graph_time(lambda: fn(o1, x1))
-        tb = graph_time(lambda: fn(ob, xb), reps=5)
+        gemm = " v" not in name
+        tb = graph_time(lambda: fn(ob, xb), reps=5) if gemm else float("nan")
         rows.append({"weight": name, "bytes": nbytes, "gemv_us": t1 * 1e6,
                      "gemv_GBps": nbytes / t1 / 1e9,
                      "gemv_pct_of_read_bw": 100 * nbytes / t1 / (bandwidth / 2),
@@ -157,13 +166,15 @@ def write_model(path: Path, layers: int, qtype: int) -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--formats", default="bf16,q4_k")
+    p.add_argument("--formats", default="bf16,q4_k,q4_k-v3")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--kernels-only", action="store_true")
     args = p.parse_args()
     from freetoken.cli.bench import run_bench
+
+    gemv_default = os.environ.get("FREETOKEN_QUANT_GEMV", "v2")
 
     t_start = time.perf_counter()
     bandwidth = d2d_bandwidth()
@@ -176,8 +187,13 @@ def main() -> None:
               f"{r['gemv_pct_of_read_bw']:5.0f}%   {r['gemm_TFLOPs']:7.1f}", flush=True)
     results = {"bandwidth_Bps": bandwidth, "kernels": kernels, "models": {}}
     kv_per_token = 2 * args.layers * QWEN3_8B["kv_heads"] * QWEN3_8B["head_dim"] * 2
+    formats = {"bf16": BF16, "q4_k": Q4_K, "q4_k-v3": Q4_K}
+    unknown = set(args.formats.split(",")) - set(formats)
+    if unknown:
+        p.error(f"--formats: unknown {', '.join(sorted(unknown))}; known: {', '.join(formats)}")
     for fmt in ([] if args.kernels_only else args.formats.split(",")):
-        qtype = {"bf16": BF16, "q4_k": Q4_K}[fmt]
+        qtype = formats[fmt]
+        os.environ["FREETOKEN_QUANT_GEMV"] = "v3" if fmt.endswith("-v3") else gemv_default
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / f"qwen3-8b-{args.layers}l-{fmt}.gguf"
             t = time.perf_counter()
@@ -196,10 +212,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if results["models"]:
         print(f"\nQwen3-8B shapes, {args.layers} layers, batch 1, context {args.prompt}+{args.gen}")
-        print(f"{'format':<7} {'GB/step':>8} {'ceiling':>9} {'decode':>9} {'% ceil':>7} "
+        print(f"{'format':<8} {'GB/step':>8} {'ceiling':>9} {'decode':>9} {'% ceil':>7} "
               f"{'prefill ' + str(args.prefill):>14}")
         for fmt, r in results["models"].items():
-            print(f"{fmt:<7} {r['bytes_per_step'] / 1e9:8.3f} {r['ceiling_tok_s']:9.0f} "
+            print(f"{fmt:<8} {r['bytes_per_step'] / 1e9:8.3f} {r['ceiling_tok_s']:9.0f} "
                   f"{r['decode_tok_s']:9.1f} {100 * r['decode_tok_s'] / r['ceiling_tok_s']:6.1f}% "
                   f"{r['prefill_tok_s']:14.0f}")
     print(f"\n(total {time.perf_counter() - t_start:.0f} s)")

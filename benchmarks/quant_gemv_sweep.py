@@ -6,8 +6,9 @@
 Qwen3-8B's projection shapes (fused qkv, o, fused gate/up, down, and a lone 1024-row k or v),
 T = 1, 4, 8 activation rows, random weights: GGUF blocks with finite f16 scales
 (tests/kernel/gguf_random.py) and FP8 e4m3 bytes with 128x128, per-channel and per-tensor
-float32 scales. Variants: v1 (gguf_matmul / scaled_gemv, today's default) and v2 (gguf_gemv /
-fp8_gemv) at 1, 2 and 4 weight rows per warp. Each is timed as a CUDA graph of 20 launches
+float32 scales. Variants: v1 (gguf_matmul / scaled_gemv) and v2 (gguf_gemv / fp8_gemv, the
+default) at 1, 2 and 4 weight rows per warp, and for Q4_K at 1-2 tokens v3 (gguf_gemv_q8: int8
+activations) at 1 and 2 rows per warp, plain and as a programmatic dependent launch. Each is timed as a CUDA graph of 20 launches
 (CUDA events, median of 7) and reported as GB/s of quantized bytes read (blocks, or e4m3 bytes
 plus scales) and as a percentage of the device-to-device copy rate (bytes read + written per
 second, benchmarks/gpu_decode.py) measured in the same run: the decode byte ceiling.
@@ -15,7 +16,8 @@ second, benchmarks/gpu_decode.py) measured in the same run: the decode byte ceil
 Every output is checked against dequantize-then-matmul in float64 (GGUF dequantized by
 gguf_dequantize_rows, FP8 by torch's float8 conversion times the expanded scales): the GEMV
 rounds each of its K products and sums in float32, so the bound is 2 K eps32 |x| @ |W|.T plus
-two roundings of the bf16 output. A variant over the bound is reported as FAILED and never best.
+two roundings of the bf16 output. v3 is checked against its own int8 activations
+(kernel/reference.py's quantize_activations) in place of x. A variant over the bound is reported as FAILED and never best.
 The best variant per type and T is the one with the least time summed over the four shapes of
 a layer. Under 3 minutes on an H200 once the kernels are built.
 """
@@ -34,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.gpu_decode import d2d_bandwidth  # noqa: E402
 from benchmarks.gpu_quant import graph_time  # noqa: E402
+from freetoken.kernel import reference  # noqa: E402
+from freetoken.models.forward import quant_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "k|v": (1024, 4096)}
@@ -41,6 +45,8 @@ LAYER = ("qkv", "o", "gate_up", "down")
 GGUF = {"q4_k": 12, "q6_k": 14, "q8_0": 8, "q4_0": 2}
 FP8 = {"fp8_block": (128, 128), "fp8_channel": (1, None), "fp8_tensor": (None, None)}
 VARIANTS = (("v1", None), ("v2/r1", 1), ("v2/r2", 2), ("v2/r4", 4))
+Q8_VARIANTS = (("v3/r1", 1, False), ("v3/r2", 2, False), ("v3/r1+pdl", 1, True),
+               ("v3/r2+pdl", 2, True))
 EPS32, EPS_BF16 = 2.0 ** -23, 2.0 ** -7
 
 
@@ -55,6 +61,10 @@ def gguf_case(qtype: int, n: int, k: int):
     fns = {"v1": lambda o, x: ops.gguf_matmul(o, x, blocks, qtype)}
     for name, rows in VARIANTS[1:]:
         fns[name] = lambda o, x, r=rows: ops.gguf_gemv(o, x, blocks, qtype, r)
+    if qtype in quant_gemv.Q8_TYPES:
+        for name, rows, pdl in Q8_VARIANTS:
+            fns[name] = lambda o, x, r=rows, d=pdl: ops.gguf_gemv_q8(o, x, blocks, qtype, None,
+                                                                      None, 0.0, 0, r, d)
     return blocks.nbytes, w.double(), fns
 
 
@@ -92,9 +102,14 @@ def sweep(types: list[str], tokens: list[int], copy_bw: float) -> list[dict]:
             for t in tokens:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
                 for variant, fn in fns.items():
+                    x_ref = x
+                    if variant.startswith("v3"):
+                        if not quant_gemv.q8_reads(GGUF[tname], k, t):
+                            continue
+                        x_ref = reference.quantize_activations(x)
                     out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
                     fn(out, x)
-                    worst = check(out, x, w)
+                    worst = check(out, x_ref, w)
                     sec = graph_time(lambda: fn(out, x))
                     rows.append({"type": tname, "shape": shape, "n": n, "k": k, "tokens": t,
                                  "variant": variant, "us": sec * 1e6,
@@ -140,10 +155,10 @@ def main() -> None:
     copy_bw = d2d_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     rows = sweep(types, tokens, copy_bw)
-    print(f"{'type':12} {'shape':8} {'T':>2} {'variant':8} {'us':>8} {'GB/s':>7} {'%copy':>6}")
+    print(f"{'type':12} {'shape':8} {'T':>2} {'variant':10} {'us':>8} {'GB/s':>7} {'%copy':>6}")
     for r in rows:
         flag = "" if r["ok"] else f"  FAILED ({r['error_over_bound']:.1f}x the bound)"
-        print(f"{r['type']:12} {r['shape']:8} {r['tokens']:>2} {r['variant']:8} {r['us']:8.1f} "
+        print(f"{r['type']:12} {r['shape']:8} {r['tokens']:>2} {r['variant']:10} {r['us']:8.1f} "
               f"{r['GBps']:7.0f} {r['pct_of_copy']:6.1f}{flag}")
     winners = best(rows)
     print("\nbest per type and T (time over qkv + o + gate_up + down):")

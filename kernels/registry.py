@@ -225,6 +225,15 @@ KERNELS: tuple[Kernel, ...] = (
             "loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
     ),
     Kernel(
+        name="gguf_gemv_q8",
+        functions=("gguf_gemv_q8",),
+        cuda=("cuda/gguf_gemv_q8.cu",),
+        rocm=True,
+        doc="decode GEMV (T <= 2) over GGUF Q4_K rows on int8 activations quantized in its "
+            "prologue (optionally RMS-normed), dp4a sums; store (+ bias), residual-add and "
+            "SwiGLU epilogues (FREETOKEN_QUANT_GEMV=v3)",
+    ),
+    Kernel(
         name="fp8_gemv",
         functions=("fp8_gemv",),
         cuda=("cuda/fp8_gemv.cu",),

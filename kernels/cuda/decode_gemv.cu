@@ -211,22 +211,8 @@ __global__ void __launch_bounds__(C::kThreads) gemv_kernel(GemvArgs a) {
 template <typename T, int NT, int MODE, bool NORM, class C>
 void launch_kernel(const GemvArgs& a, bool pdl, int device, cudaStream_t stream) {
   dim3 grid(static_cast<unsigned>(ceil_div(a.n, C::kThreads / a.group)));
-#if !defined(__HIP_PLATFORM_AMD__)
-  if (pdl && has_pdl(device)) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(C::kThreads);
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    FT_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<T, NT, MODE, NORM, C>, a));
-    return;
-  }
-#endif
-  gemv_kernel<T, NT, MODE, NORM, C><<<grid, C::kThreads, 0, stream>>>(a);
+  launch_maybe_pdl(gemv_kernel<T, NT, MODE, NORM, C>, grid, dim3(C::kThreads), stream, pdl,
+                   device, a);
 }
 
 template <typename T, int NT, int MODE, int VARIANT>
@@ -266,16 +252,6 @@ void launch(const GemvArgs& a, int variant, int device, cudaStream_t stream) {
   }
 }
 
-void check_matrix(const TensorView& t, int dev, const char* name, int64_t cols) {
-  check_gpu(t, name, dev);
-  check_ndim(t, 2, name);
-  RowView rv = row_view(t, 1, name);
-  TVM_FFI_ICHECK(rv.width == cols) << name << " must have " << cols << " columns, got "
-                                   << rv.width;
-  TVM_FFI_ICHECK(rv.stride % 8 == 0 && aligned16(t))
-      << name << " rows must start on 16-byte boundaries (row stride a multiple of 8)";
-}
-
 void check_vector(const TensorView& t, int dev, const TensorView& like, int64_t size,
                   const char* name) {
   check_gpu(t, name, dev);
@@ -300,8 +276,8 @@ void run_gemv(TensorView out, TensorView x, TensorView w, tvm::ffi::Optional<Ten
   TVM_FFI_ICHECK(k % 8 == 0 && aligned16(w)) << "weight: K must be a multiple of 8 and aligned";
   int64_t n = mode == kSwiGLU ? n_rows / 2 : n_rows;
   TVM_FFI_ICHECK(mode != kSwiGLU || n_rows % 2 == 0) << "gate_up must have 2*I rows";
-  check_matrix(x, dev, "x", k);
-  check_matrix(out, dev, "out", n);
+  check_aligned_rows(x, dev, "x", k);
+  check_aligned_rows(out, dev, "out", n);
   int64_t tokens = x.size(0);
   TVM_FFI_ICHECK(out.size(0) == tokens) << "out and x must have the same number of rows";
   TVM_FFI_ICHECK(tokens <= kMaxTokens) << "decode GEMV takes at most " << kMaxTokens

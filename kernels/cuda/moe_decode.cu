@@ -86,22 +86,7 @@ void launch_down_variant(const DecodeArgs& a, int device, cudaStream_t stream) {
   if constexpr (k.kind == 1) {
     auto* kernel = down_stream_kernel<T, k.rows, k.units, k.vecs, k.down_blocks>;
     dim3 grid(tokens, static_cast<unsigned>(ceil_div(a.hidden, k.rows)));
-#if !defined(__HIP_PLATFORM_AMD__)
-    if (k.pdl && has_pdl(device)) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = grid;
-      config.blockDim = dim3(kThreads);
-      config.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      config.attrs = attr;
-      config.numAttrs = 1;
-      FT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
-      return;
-    }
-#endif
-    kernel<<<grid, kThreads, 0, stream>>>(a);
+    launch_maybe_pdl(kernel, grid, dim3(kThreads), stream, k.pdl, device, a);
   } else {
     dim3 grid(tokens, static_cast<unsigned>(ceil_div(a.hidden, kRows * k.rows)));
     down_kernel<T, k.rows, k.unroll, k.min_blocks><<<grid, kThreads, 0, stream>>>(a);

@@ -152,10 +152,12 @@ __device__ inline float __expf(float x) { return __builtin_expf(x); }
 __device__ inline float rsqrtf(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ inline float __frcp_rn(float x) { return 1.f / x; }
 __device__ inline float __fdividef(float a, float b) { return a / b; }
-// llvm.exp2 / llvm.maxnum / llvm.ceil lower to single amdgcn instructions (no device library).
+// llvm.exp2 / maxnum / ceil / fabs / rint lower to single amdgcn instructions (no device library).
 __device__ inline float exp2f(float x) { return __builtin_exp2f(x); }
 __device__ inline float fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
 __device__ inline double ceil(double x) { return __builtin_ceil(x); }
+__device__ inline float fabsf(float x) { return __builtin_fabsf(x); }
+__device__ inline float rintf(float x) { return __builtin_rintf(x); }  // to nearest even
 __device__ inline int min(int a, int b) { return a < b ? a : b; }
 __device__ inline int max(int a, int b) { return a > b ? a : b; }
 

@@ -84,7 +84,7 @@ class Env:
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
     gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
-    quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1/v2)
+    quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
     cpu_pack: bool              # FREETOKEN_CPU_PACK: GGUF rows packed 16 wide for AVX-512 VNNI
 
@@ -123,7 +123,7 @@ VARIABLES = {
                           "off: the GGUF layout, for comparison)",
 }
 
-QUANT_GEMV_VARIANTS = ("v1", "v2")
+QUANT_GEMV_VARIANTS = ("v1", "v2", "v3")
 
 
 def read(environ: dict[str, str] | None = None) -> Env:
@@ -134,7 +134,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
         raise EnvError(f"FREETOKEN_LOG_LEVEL={level!r}; use debug, info, warning or error")
     quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v2").strip().lower() or "v2"
     if quant_gemv not in QUANT_GEMV_VARIANTS:
-        raise EnvError(f"FREETOKEN_QUANT_GEMV={quant_gemv!r}; use v1 or v2")
+        raise EnvError(f"FREETOKEN_QUANT_GEMV={quant_gemv!r}; use v1, v2 or v3")
     return Env(
         cache_root=cache_root,
         kernel_cache_dir=_path(e.get("FREETOKEN_KERNEL_CACHE_DIR"), None),

@@ -5,9 +5,7 @@
 // instantiation, epilogue and the norm prologue, checked by
 // tests/kernel/test_decode_gemv_emulated.py.
 #include <cmath>
-#include <thread>
-
-#include "freetoken/cuda_common.cuh"  // the host stand-in (tests/kernel/emu first on the path)
+#include "emu_launch.h"  // the host stand-in (tests/kernel/emu first on the path)
 
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 
@@ -19,44 +17,9 @@ using freetoken::bf16;
 
 namespace {
 
-// Runs body() as gx blocks of `threads` threads, one block at a time (as moe_gguf_emu.cc):
-// after each block every thread meets at `next`, whose completion gives the next block fresh
-// barriers (a thread that left the kernel early dropped out of the old ones).
-template <typename F>
-void launch(unsigned gx, unsigned threads, F body) {
-  std::unique_ptr<std::barrier<>> all;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<float> lanes(threads);
-  fe::BlockState state{nullptr, &warps, lanes.data()};
-  auto fresh = [&]() noexcept {
-    all = std::make_unique<std::barrier<>>(threads);
-    warps.clear();
-    for (unsigned w = 0; w * 32 < threads; ++w)
-      warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w * 32)));
-    state.all = all.get();
-  };
-  fresh();
-  std::barrier next(threads, fresh);
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      fe::thread_idx = {t, 0, 0};
-      fe::block_dim = {threads, 1, 1};
-      fe::grid_dim = {gx, 1, 1};
-      fe::block = &state;
-      for (unsigned b = 0; b < gx; ++b) {
-        fe::block_idx = {b, 0, 0};
-        body();
-        warps[t / 32]->arrive_and_drop();
-        all->arrive_and_drop();
-        next.arrive_and_wait();
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
-}
+using freetoken::emu::launch;
 
-// decode_gemv.cu's launch_nt, launch_variant and launch, with the host launcher above.
+// decode_gemv.cu's launch_nt, launch_variant and launch, with the host launcher.
 template <int NT, int MODE, int VARIANT>
 void run_nt(const ft::GemvArgs& a) {
   constexpr ft::GemvKnobs k = ft::kGemvVariants[VARIANT];
@@ -64,9 +27,9 @@ void run_nt(const ft::GemvArgs& a) {
   auto grid = static_cast<unsigned>(ft::ceil_div(a.n, C::kThreads / a.group));
   if (MODE != ft::kAddResidual && a.norm != nullptr) {
     constexpr bool norm = MODE != ft::kAddResidual;
-    launch(grid, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, norm, C>(a); });
+    launch(grid, 1, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, norm, C>(a); });
   } else {
-    launch(grid, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, false, C>(a); });
+    launch(grid, 1, C::kThreads, [&] { ft::gemv_kernel<bf16, NT, MODE, false, C>(a); });
   }
 }
 

@@ -1,9 +1,7 @@
 // Host run of the small-step MoE decode kernels (kernels/include/freetoken/moe_decode_kernels.cuh)
 // on CPU threads through the stand-in tests/kernel/emu/freetoken/cuda_common.cuh, launched as
 // moe_decode.cu launches them; checked by tests/kernel/test_moe_decode_emulated.py.
-#include <thread>
-
-#include "freetoken/cuda_common.cuh"  // the host stand-in (tests/kernel/emu first on the path)
+#include "emu_launch.h"  // the host stand-in (tests/kernel/emu first on the path)
 #include "freetoken/moe_decode_kernels.cuh"
 
 namespace fe = freetoken::emu;
@@ -12,40 +10,7 @@ using freetoken::bf16;
 
 namespace {
 
-// Runs body() as gx * gy blocks of `threads` threads, one block at a time (as moe_gguf_emu.cc).
-template <typename F>
-void launch(unsigned gx, unsigned gy, unsigned threads, F body) {
-  std::unique_ptr<std::barrier<>> all;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<float> lanes(threads);
-  fe::BlockState state{nullptr, &warps, lanes.data()};
-  auto fresh = [&]() noexcept {
-    all = std::make_unique<std::barrier<>>(threads);
-    warps.clear();
-    for (unsigned w = 0; w * 32 < threads; ++w)
-      warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w * 32)));
-    state.all = all.get();
-  };
-  fresh();
-  std::barrier next(threads, fresh);
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      fe::thread_idx = {t, 0, 0};
-      fe::block_dim = {threads, 1, 1};
-      fe::grid_dim = {gx, gy, 1};
-      fe::block = &state;
-      for (unsigned b = 0; b < gx * gy; ++b) {
-        fe::block_idx = {b % gx, b / gx, 0};
-        body();
-        warps[t / 32]->arrive_and_drop();
-        all->arrive_and_drop();
-        next.arrive_and_wait();
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
-}
+using freetoken::emu::launch;
 
 // Kind 1's gate/up runs as a grid of kEmuSms SMs' worth of blocks, so that its warps take
 // several items each, as on a GPU with fewer SMs than the step has row tiles.

@@ -3,9 +3,7 @@
 // bodies (alignment, GEMV and tiled paths, combine) in the launch order of moe_gguf.cu's
 // run_experts, checked by tests/kernel/test_moe_gguf_emulated.py against a float64 reference.
 // Tensor cores are not emulated: the tiled path takes its HIP (CUDA-core) tile.
-#include <thread>
-
-#include "freetoken/cuda_common.cuh"  // the host stand-in (tests/kernel/emu first on the path)
+#include "emu_launch.h"  // the host stand-in (tests/kernel/emu first on the path)
 #include "freetoken/moe_gguf_kernels.cuh"
 
 namespace fe = freetoken::emu;
@@ -21,42 +19,7 @@ namespace mg = freetoken::moe_gguf;
 
 namespace {
 
-// Runs body() as gx * gy blocks of `threads` threads, one block at a time, on one pool of
-// threads: after each block every thread meets at `next`, whose completion gives the next
-// block fresh barriers (a thread that left the kernel early dropped out of the old ones).
-template <typename F>
-void launch(unsigned gx, unsigned gy, unsigned threads, F body) {
-  std::unique_ptr<std::barrier<>> all;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<float> lanes(threads);
-  fe::BlockState state{nullptr, &warps, lanes.data()};
-  auto fresh = [&]() noexcept {
-    all = std::make_unique<std::barrier<>>(threads);
-    warps.clear();
-    for (unsigned w = 0; w * 32 < threads; ++w)
-      warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - w * 32)));
-    state.all = all.get();
-  };
-  fresh();
-  std::barrier next(threads, fresh);
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      fe::thread_idx = {t, 0, 0};
-      fe::block_dim = {threads, 1, 1};
-      fe::grid_dim = {gx, gy, 1};
-      fe::block = &state;
-      for (unsigned b = 0; b < gx * gy; ++b) {
-        fe::block_idx = {b % gx, b / gx, 0};
-        body();
-        warps[t / 32]->arrive_and_drop();
-        all->arrive_and_drop();
-        next.arrive_and_wait();
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
-}
+using freetoken::emu::launch;
 
 template <typename F>
 bool dispatch(int qtype, F f) {

@@ -11,38 +11,24 @@ from __future__ import annotations
 
 import ctypes
 import math
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from freetoken.kernel import reference
 from freetoken.models.forward import fused_decode
+from tests.kernel.emulation import build_emulation
 from tests.tolerances import EPS, assert_close
 
-REPO = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
 ULPS = 32  # f32 ulps of sum |x w| per sqrt(K), the fast-math allowance of the GPU tests
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    so = tmp_path_factory.mktemp("decode-gemv-emu") / "decode_gemv_emu.so"
-    subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-Wall",
-                    "-Werror", "-Wno-unknown-pragmas", f"-I{REPO / 'tests/kernel/emu'}",
-                    f"-I{REPO / 'kernels/include'}",
-                    str(Path(__file__).with_name("decode_gemv_emu.cc")), "-o", str(so)],
-                   check=True)
-    fn = ctypes.CDLL(str(so)).ft_decode_gemv_emu
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] + [ctypes.c_int] * 6 + [
-        ctypes.c_float]
-    return fn
+    return build_emulation(tmp_path_factory, "decode_gemv_emu", ctypes.c_int,
+                           [ctypes.c_void_p] * 5 + [ctypes.c_long] + [ctypes.c_int] * 6
+                           + [ctypes.c_float])
 
 
 def _ptr(t):

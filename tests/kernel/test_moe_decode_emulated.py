@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import math
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kernel.emulation import build_emulation
 from tests.kernel.moe_decode_ref import assert_within, reference_decode
 
-REPO = Path(__file__).resolve().parents[2]
 # I: 17 16-byte vectors, so the down loop over K * I / 8 = 136 vectors takes two unrolled passes
 # of a warp (4 x 32), the second partial; H = 1096 (137 vectors) does the same for gate/up in
 # one test (H = 264 elsewhere: the emulation runs ~60 blocks a second).
@@ -29,19 +26,8 @@ H_SMALL, H_TAILS = 264, 1096
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    so = tmp_path_factory.mktemp("moe-decode-emu") / "moe_decode_emu.so"
-    subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-Wall",
-                    "-Werror", "-Wno-unknown-pragmas", f"-I{REPO / 'tests/kernel/emu'}",
-                    f"-I{REPO / 'kernels/include'}",
-                    str(Path(__file__).with_name("moe_decode_emu.cc")), "-o", str(so)],
-                   check=True)
-    fn = ctypes.CDLL(str(so)).ft_moe_decode_emu
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 9
-    return fn
+    return build_emulation(tmp_path_factory, "moe_decode_emu", None,
+                           [ctypes.c_void_p] * 13 + [ctypes.c_int] * 9)
 
 
 def _bits(t):

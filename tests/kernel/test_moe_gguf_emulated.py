@@ -11,18 +11,15 @@ is not emulated (the HIP CUDA-core tile runs instead). Same bounds as test_moe_g
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kernel.emulation import build_emulation
 from tests.kernel.gguf_random import NAMES, dequantize, random_blocks
 from tests.kernel.test_moe_cuda import UNIT, check_experts, reference_experts
 
-REPO = Path(__file__).resolve().parents[2]
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 E, K, H, INTER = 4, 2, 256, 256
 DECODE_T, PREFILL_T = 3, 12          # 6 pairs take the GEMV path, 24 the tiled one (> 4 * E)
@@ -30,20 +27,9 @@ DECODE_T, PREFILL_T = 3, 12          # 6 pairs take the GEMV path, 24 the tiled 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    so = tmp_path_factory.mktemp("moe-gguf-emu") / "moe_gguf_emu.so"
-    subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-Wall",
-                    "-Werror", "-Wno-unknown-pragmas", f"-I{REPO / 'tests/kernel/emu'}",
-                    f"-I{REPO / 'kernels/include'}",
-                    str(Path(__file__).with_name("moe_gguf_emu.cc")), "-o", str(so)],
-                   check=True)
-    fn = ctypes.CDLL(str(so)).ft_moe_gguf_emu
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3 + [
-        ctypes.c_int] * 6
-    return fn
+    return build_emulation(tmp_path_factory, "moe_gguf_emu", ctypes.c_int,
+                           [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3
+                           + [ctypes.c_int] * 6)
 
 
 def make_case(T, q13, q2, slots, seed):

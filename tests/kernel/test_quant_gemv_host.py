@@ -69,12 +69,20 @@ def test_fp8_gemv_reads_power_of_two_or_whole_row_blocks():
     assert not quant_gemv.fp8_reads(0, (128, 128), 4104)     # rows not whole words
 
 
+def test_gguf_gemv_q8_reads_q4k_steps_within_its_staging():
+    assert quant_gemv.q8_reads(12, 4096, 1) and quant_gemv.q8_reads(12, 12288, 2)
+    assert quant_gemv.q8_reads(12, 32768, 1) and not quant_gemv.q8_reads(12, 32768, 2)
+    assert not quant_gemv.q8_reads(12, 4096, 3)               # 3 tokens: gguf_gemv
+    assert not quant_gemv.q8_reads(14, 4096, 1)               # Q6_K: gguf_gemv
+
+
 def test_variant_is_read_and_checked(monkeypatch):
     assert env.read({}).quant_gemv == "v2"
     assert env.read({"FREETOKEN_QUANT_GEMV": " V1 "}).quant_gemv == "v1"
     assert env.read({"FREETOKEN_QUANT_GEMV": " V2 "}).quant_gemv == "v2"
-    with pytest.raises(env.EnvError, match="FREETOKEN_QUANT_GEMV='v3'; use v1 or v2"):
-        env.read({"FREETOKEN_QUANT_GEMV": "v3"})
+    assert env.read({"FREETOKEN_QUANT_GEMV": "v3"}).quant_gemv == "v3"
+    with pytest.raises(env.EnvError, match="FREETOKEN_QUANT_GEMV='v4'; use v1, v2 or v3"):
+        env.read({"FREETOKEN_QUANT_GEMV": "v4"})
     assert "FREETOKEN_QUANT_GEMV" in env.VARIABLES
     assert "FREETOKEN_QUANT_GEMV" in (REPO / "README.md").read_text()
 
@@ -102,7 +110,25 @@ def test_v2_binds_only_weights_it_reads(monkeypatch):
     assert quant_gemv.fp8_decode(0, (128, 128), on_gpu(4, 128)) == "fp8_gemv"
     # host tensors (the CPU path, or a test's stand-in for a GPU placement) keep v1
     assert quant_gemv.gguf_decode(12, torch.zeros(4, 144, dtype=torch.uint8)) is None
+    assert quant_gemv.q8_decode(12, 256, on_gpu(4, 144)) is None      # v3 only
     assert bound == ["gguf_gemv", "fp8_gemv"]
+
+
+def test_v3_adds_the_int8_gemv_for_q4k_only(monkeypatch):
+    from types import SimpleNamespace
+
+    def on_gpu(rows, cols):
+        return SimpleNamespace(shape=(rows, cols), device=torch.device("cuda"))
+
+    bound = []
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
+    monkeypatch.setattr("freetoken.kernel.ops.bind", lambda name, dev: bound.append(name) or name)
+    assert quant_gemv.q8_decode(12, 256, on_gpu(4, 144)) == "gguf_gemv_q8"
+    assert quant_gemv.gguf_decode(12, on_gpu(4, 144)) == "gguf_gemv"     # T 3-8 keep v2
+    assert quant_gemv.q8_decode(14, 256, on_gpu(4, 210)) is None
+    assert quant_gemv.q8_decode(12, 65536, on_gpu(4, 36864)) is None     # past the staging
+    assert quant_gemv.q8_decode(12, 256, torch.zeros(4, 144, dtype=torch.uint8)) is None
+    assert bound == ["gguf_gemv_q8", "gguf_gemv"]
 
 
 def test_sweep_picks_the_fastest_variant_that_passed():

@@ -7,6 +7,7 @@ against the same references on the GPU (tests/kernel/test_decode_fused_cuda.py).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from freetoken.kernel import ops, reference
 from freetoken.models.checkpoint.hf import read_hf_dir
 from freetoken.models.checkpoint.weights import Placement, build_decoder_weights
 from freetoken.models.forward import fused_decode
+from freetoken.models.config import QuantWeight
 from freetoken.models.forward.decoder import _MOE_OPS, _OPS, Decoder
 from tests.models.helpers import PagedRunner, assert_logits_close, tiny_hf_model
 
@@ -37,19 +39,25 @@ def reference_ops(monkeypatch):
         monkeypatch.setattr(ops, name, getattr(reference, name))
 
 
-def _models(folder):
-    """(unfused, fused) Decoders over the same float32 torch CPU weights."""
+def _models(folder, q4k_blocks: dict | None = None):
+    """(unfused, fused) Decoders over the same float32 torch CPU weights; with q4k_blocks
+    (to_q4k's), the dense projections are those Q4_K blocks instead of floats."""
     config, tensors, _, _ = read_hf_dir(folder)
     arrays = _CopyingArrays(parse_device("cpu"))
     weights = build_decoder_weights(tensors, config, Placement(arrays, "float32"))
+    for i, lw in enumerate(weights.layers if q4k_blocks else ()):
+        for name, parts in Q4K_PARTS.items():
+            rows = np.concatenate([q4k_blocks[f"model.layers.{i}.{p}.weight"] for p in parts])
+            cols = rows.shape[1] // 144 * 256
+            lw[name] = QuantWeight(12, torch.from_numpy(rows), (rows.shape[0], cols))
     # the load-time rule accepts this layout (one matrix per fused entry) on a GPU
     assert fused_decode.supported(config, weights.layers, "bfloat16", parse_device("cuda:0"))
     plain = Decoder(config, weights, arrays, "float32")
     fused = Decoder(config, weights, arrays, "float32")
     assert plain._fused is None and fused._fused is None  # CPU: the rule says no
-    fused._fused = [fused_decode.FusedLayer(layer, lw, config, i, fused._rope, fused._k, 132,
-                                            fused.device)
-                    for i, (layer, lw) in enumerate(zip(fused.layers, weights.layers))]
+    fused.use_fused_layers([fused_decode.FusedLayer(layer, lw, config, i, fused._rope, fused._k,
+                                                    132, fused.device)
+                            for i, (layer, lw) in enumerate(zip(fused.layers, weights.layers))])
     return config, plain, fused
 
 
@@ -141,3 +149,80 @@ def test_tuned_choices_reach_the_kernels(tmp_path, reference_ops, monkeypatch):
                 ("decode_gemv_swiglu", min(128, group(inter, h, 132)), 4),
                 ("decode_gemv_add", 128, 2)]
     assert calls == expected * SHAPE["num_hidden_layers"]
+
+
+# our fused entry -> the HF projections whose rows it stacks
+Q4K_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+             "down": ("mlp.down_proj",)}
+
+
+def to_q4k(hf, folder, seed: int) -> dict:
+    """Every projection of `hf` set to the values of random Q4_K blocks (saved again to
+    `folder`, so transformers and the float load see the dequantized weights); the blocks by
+    parameter name. Norm weights are drawn far from 1, so that a norm weight used in the wrong
+    place moves the logits by much more than the activation rounding."""
+    from tests.kernel.gguf_random import dequantize, random_blocks
+
+    rng, blocks = np.random.default_rng(seed), {}
+    for name, param in hf.named_parameters():
+        if name.endswith("layernorm.weight"):
+            with torch.no_grad():
+                param.copy_(torch.from_numpy(rng.uniform(0.25, 2.0, param.shape)))
+        if any(f".{p}.weight" in name for parts in Q4K_PARTS.values() for p in parts):
+            rows, cols = param.shape
+            blocks[name] = random_blocks(12, rows, cols, rng, size=0.5)
+            with torch.no_grad():
+                param.copy_(torch.from_numpy(dequantize(blocks[name], 12)))
+    hf.save_pretrained(folder)
+    return blocks
+
+
+def test_fused_q4k_steps_match_transformers(tmp_path, reference_ops, monkeypatch):
+    """Q4_K projections on the fused path (gguf_gemv_q8, v3): the same chain with int8
+    activations, at steps of 1-2 tokens (3-4 take the unfused chain, whose Q4_K products keep
+    float activations). Against transformers' float32 forward of the dequantized weights the
+    fused logits differ by the activation rounding alone, a small fraction of their spread; a
+    wrong buffer, norm weight or residual add moves them by about their size."""
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
+    monkeypatch.setattr(ops, "gguf_matmul", reference.quant_matmul)
+    monkeypatch.setattr(ops, "gguf_gemv_q8", reference.gguf_gemv_q8)
+    calls = []
+    monkeypatch.setattr(reference, "gguf_gemv_q8", lambda *a, f=reference.gguf_gemv_q8: (
+        calls.append(a[7]), f(*a))[1])
+    monkeypatch.setattr(ops, "gguf_gemv_q8", reference.gguf_gemv_q8)
+    hf = tiny_hf_model("qwen3", tmp_path, seed=11, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    blocks = to_q4k(hf, tmp_path, seed=5)
+    config, plain, fused = _models(tmp_path, blocks)
+    assert all(layer.max_tokens == fused_decode.QUANT_MAX_TOKENS for layer in fused._fused)
+    assert all(isinstance(layer.qkv, fused_decode.Q4KProjection) for layer in fused._fused)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (9, 5)]
+    runners = [PagedRunner(m, num_blocks=16, block_size=4, seed=2) for m in (plain, fused)]
+    seqs = [list(p) for p in prompts]
+    for runner in runners:
+        for seq, prompt in enumerate(prompts):
+            runner.step([(seq, prompt)])
+    for chunks in ([(0, [5]), (1, [6])], [(1, [7])], [(0, [8, 9, 10])], [(0, [11])]):
+        calls.clear()
+        theirs, ours = (r.step(chunks).clone() for r in runners)
+        fused_step = sum(len(tokens) for _, tokens in chunks) <= fused_decode.QUANT_MAX_TOKENS
+        # store (qkv), add (o), SwiGLU (gate_up), add (down) per layer on the fused steps only
+        assert calls == ([0, 1, 2, 1] * config.num_layers if fused_step else []), calls
+        for row, (seq, tokens) in enumerate(chunks):
+            seqs[seq] += tokens
+            with torch.no_grad():
+                ref = hf(torch.tensor([seqs[seq]])).logits[0, -1]
+            assert_logits_close(theirs[row], ref, config, msg=f"plain {chunks} row {row}")
+            spread = float(ref.max() - ref.min())
+            err = float((ours[row] - ref).abs().max())
+            assert err < Q8_LOGIT_SHARE * spread, (chunks, row, err, spread)
+
+
+# The fused Q4_K step's largest logit error as a share of the logits' spread: the int8 rounding
+# moves each activation by at most 1/254 of its group's largest value, and summing K rounded
+# products only averages that down (here: 4e-4 at most). A norm weight in the wrong place moves
+# them by 2-3x the bound here, a wrong buffer or a missing norm by the spread itself.
+Q8_LOGIT_SHARE = 1 / 254

@@ -26,11 +26,13 @@ Q8_0, Q4_K, Q5_K, Q6_K = 8, 12, 13, 14
 # A Q4_K_M-like mix: Q6_K for v, the head and the embedding, Q5_K for down, Q4_K elsewhere.
 K_MIX = {"attn_q": Q4_K, "attn_k": Q4_K, "attn_v": Q6_K, "attn_output": Q4_K,
          "ffn_gate": Q4_K, "ffn_up": Q4_K, "ffn_down": Q5_K}
+# Every projection Q4_K: one matrix per fused entry, so FREETOKEN_QUANT_GEMV=v3 fuses the step
+K_ALL = dict.fromkeys(K_MIX, Q4_K)
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
 
 
-def _k_quant_file(tmp_path) -> tuple:
+def _k_quant_file(tmp_path, mix: dict = K_MIX) -> tuple:
     hf = tiny_hf_model("llama", tmp_path, seed=3, **SHAPE)
     rng = np.random.default_rng(0)
     raw = {"token_embd.weight": (random_blocks(Q6_K, hf.config.vocab_size, 256, rng), Q6_K),
@@ -41,7 +43,7 @@ def _k_quant_file(tmp_path) -> tuple:
         from tests.models.tiny_gguf import gguf_name
 
         gname = gguf_name(name)
-        qtype = K_MIX[gname.split(".")[2]]
+        qtype = mix[gname.split(".")[2]]
         raw[gname] = (random_blocks(qtype, param.shape[0], param.shape[1], rng), qtype)
     path = tmp_path / "k-mix.gguf"
     write_gguf(hf, tmp_path, path, "llama", None, raw=raw)
@@ -87,6 +89,22 @@ def test_k_quant_mix_stays_in_vram_and_matches_the_dequantized_float_path(tmp_pa
     _compare(gpu.model, reference.model, gpu.config.vocab_size)
 
 
+def test_q4k_fused_decode_v3_matches_the_dequantized_float_path(tmp_path, monkeypatch):
+    """FREETOKEN_QUANT_GEMV=v3: every Q4_K projection of a 1-2 token step runs gguf_gemv_q8
+    on the fused chain (int8 activations: a rounding far inside REL_TOL)."""
+    from freetoken.models.forward import fused_decode
+
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
+    path, _ = _k_quant_file(tmp_path, K_ALL)
+    gpu = load_model(str(path), device="cuda")
+    reference = load_model(str(path), device="cuda", dtype="float32")
+    assert gpu.model._fused is not None and reference.model._fused is None
+    assert all(isinstance(layer.qkv, fused_decode.Q4KProjection) and layer.max_tokens == 2
+               for layer in gpu.model._fused)
+    assert gpu.model._lm_head._q8 is None           # Q6_K head: gguf_gemv
+    _compare(gpu.model, reference.model, gpu.config.vocab_size, steps=6)
+
+
 def test_q8_0_model_on_the_gpu_matches_the_cpu(tmp_path):
     hf = tiny_hf_model("qwen3", tmp_path, seed=5, **SHAPE)
     path = tmp_path / "q8.gguf"
@@ -96,14 +114,17 @@ def test_q8_0_model_on_the_gpu_matches_the_cpu(tmp_path):
     _compare(gpu.model, cpu.model, gpu.config.vocab_size)
 
 
-def test_k_quant_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("variant, mix", [("v2", K_MIX), ("v3", K_ALL)])
+def test_k_quant_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path, monkeypatch, variant,
+                                                              mix):
     import asyncio
 
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import Engine
     from freetoken.engine.request import SamplingParams
 
-    path, _ = _k_quant_file(tmp_path)
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", variant)
+    path, _ = _k_quant_file(tmp_path, mix)
     loaded = load_model(str(path), device="cuda")
     prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)

@@ -144,6 +144,18 @@ inline RowView row_view(const TensorView& t, int inner_dims, const char* name) {
   return {rows, width, row_stride};
 }
 
+/*! \brief A [rows, cols] GPU matrix whose rows start on 16-byte boundaries (vector loads). */
+inline void check_aligned_rows(const TensorView& t, int device_id, const char* name,
+                               int64_t cols) {
+  check_gpu(t, name, device_id);
+  check_ndim(t, 2, name);
+  RowView rv = row_view(t, 1, name);
+  TVM_FFI_ICHECK(rv.width == cols) << name << " must have " << cols << " columns, got "
+                                   << rv.width;
+  TVM_FFI_ICHECK(rv.stride % 8 == 0 && aligned16(t))
+      << name << " rows must start on 16-byte boundaries (row stride a multiple of 8)";
+}
+
 /*! \brief The stream tvm-ffi holds for the device (torch's current stream, from torch). */
 inline cudaStream_t stream_for(const TensorView& t) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kGpuDeviceType, t.device().device_id));
@@ -223,6 +235,30 @@ inline bool has_pdl(int device) {
   }
   return major[device] >= 9;
 #endif
+}
+
+/*! \brief kernel<<<grid, block, 0, stream>>>(args...), as a programmatic dependent launch
+ * where `pdl` asks for one and the device takes it (the kernel itself then waits for its
+ * inputs: gemv_knobs.cuh's wait_for_inputs). */
+template <typename... Params, typename... Args>
+inline void launch_maybe_pdl(void (*kernel)(Params...), dim3 grid, dim3 block,
+                             cudaStream_t stream, bool pdl, int device, Args... args) {
+#if !defined(__HIP_PLATFORM_AMD__)
+  if (pdl && has_pdl(device)) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    FT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+    return;
+  }
+#endif
+  kernel<<<grid, block, 0, stream>>>(args...);
 }
 
 // ---------------------------------------------------------------- device helpers

@@ -169,6 +169,18 @@ def gguf_gemv(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: 
     _fn("gguf_gemv", x.device)(out, x, qweight, qtype, rows)
 
 
+def gguf_gemv_q8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+                 bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0, mode: int = 0, rows: int = 0, pdl: bool = False) -> None:
+    """GPU decode product over Q4_K rows (x rows T <= 2, T * K <= 32768) on int8 activations
+    that each block quantizes from x (RMS-normed by norm_weight when given). mode 0: out = xn @
+    W.T (+ bias), bf16 or f32, may be a column slice; 1: out (the bf16 residual) += xn @ W.T;
+    2: out = silu(g) * u for [g | u] = xn @ W.T, W [2I, K]. rows: weight rows per warp (0 by T,
+    1, 2); pdl: launch as a programmatic dependent where the GPU has it."""
+    _fn("gguf_gemv_q8", x.device)(out, x, qweight, qtype, bias, norm_weight, eps, mode, rows,
+                                  pdl)
+
+
 def gguf_dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
                          qtype: int) -> None:
     """GPU: out[T, K] (bf16 or f32) = dequant(qweight[ids]), the quantized embedding lookup

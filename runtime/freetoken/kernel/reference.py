@@ -287,6 +287,29 @@ def decode_gemv_swiglu(out, x, gate_up, norm_weight, eps, group, variant=0):
     silu_and_mul(out, (_normed(x, norm_weight, eps).float() @ gate_up.float().T).to(out.dtype))
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """gguf_gemv_q8's int8 activations, dequantized (float32, x's shape): per 32 values of a
+    row, d = amax / 127 and q = rint(x * 127 / amax) (round half to even), in float32."""
+    v = x.float().reshape(x.shape[0], -1, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(v * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def gguf_gemv_q8(out, x, qweight, qtype, bias=None, norm_weight=None, eps=0.0, mode=0, rows=0,
+                 pdl=False):
+    """The unfused chain on int8 activations: [rms_norm], quantize, mm over the dequantized
+    blocks, then the mode's epilogue (0: + bias, 1: residual add, 2: SwiGLU)."""
+    xq = quantize_activations(_normed(x, norm_weight, eps))
+    y = xq @ dequantize(qweight.cpu(), qtype).T.to(xq.device)
+    if mode == 0:
+        out.copy_((y + bias.float() if bias is not None else y).to(out.dtype))
+    elif mode == 1:
+        out.copy_((out.float() + y.to(out.dtype).float()).to(out.dtype))
+    else:
+        silu_and_mul(out, y.to(out.dtype))
+
+
 def rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm,
                   k_norm, eps, head_dim, is_neox):
     """The unfused chain: [per-head rms_norm of q and k], rotary_embedding, store_kv; q is

@@ -71,7 +71,7 @@ class RankModel:
         self.vocab_size = vocab_size
         # NOTE: the fused GPU decode layers run o and down inside their own kernels, where no
         # all-reduce can follow: a sharded model takes the unfused chain.
-        decoder._fused = None
+        decoder.use_fused_layers(None)
         for layer in decoder.layers:
             layer.attn.o = ReducedLinear(layer.attn.o, comm)
             layer.mlp = ReducedMLP(layer.mlp, comm)

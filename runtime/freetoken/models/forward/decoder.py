@@ -110,7 +110,7 @@ class Decoder:
                        for i, (lw, nxt) in enumerate(zip(weights.layers, norms))]
         self._first_norm = kernels.arg(weights.layers[0]["input_norm"])
         self._final_norm = kernels.arg(weights.final_norm)
-        self._fused = self._fused_layers(weights)
+        self.use_fused_layers(self._fused_layers(weights))
         moe_decode.attach(self.layers, weights.layers, config, dtype, arrays)
         self._embed = weights.embed
         self._embed_arg = kernels.arg(weights.embed.data if quantized_embedding else weights.embed)
@@ -120,6 +120,11 @@ class Decoder:
         self._workspace = Workspace(config, dtype, arrays)
         if self.device.is_cpu:
             _apply_kernel_threads()
+
+    def use_fused_layers(self, layers: list | None) -> None:
+        """Decode steps of up to the layers' max_tokens take these fused layers (None: none)."""
+        self._fused = layers
+        self._fused_tokens = min((f.max_tokens for f in layers or ()), default=0)
 
     def _fused_layers(self, weights: DecoderWeights) -> list | None:
         """The fused decode layers (fused_decode.py), where the rule there allows them."""
@@ -145,7 +150,7 @@ class Decoder:
         write_embeds(w.residual, embeds, hidden)
         levels = deepstack_levels(embeds, hidden)
         caches = zip(*self._kv_caches(kv))
-        if (self._fused is not None and batch.num_tokens <= fused_decode.MAX_TOKENS
+        if (self._fused is not None and batch.num_tokens <= self._fused_tokens
                 and not levels):
             for layer, (k_cache, v_cache) in zip(self._fused, caches):
                 layer.forward(w, batch, k_cache, v_cache, kv.block_size)

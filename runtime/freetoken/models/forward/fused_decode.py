@@ -22,6 +22,10 @@ gated attention layer adds a second normed-input GEMV for its output gate (sigmo
 the attention output, then decode_gemv_add) to the dense chain above.
 Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
 stores it, so the two paths differ only in the f32 summation order of the dot products.
+
+GGUF Q4_K projections (one matrix each, FREETOKEN_QUANT_GEMV=v3, bf16 activations) take the same
+chain through gguf_gemv_q8, whose blocks quantize their input to int8 after the RMSNorm prologue
+(quant_gemv.py): the same launches, for steps of up to QUANT_MAX_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from freetoken.arrays import array_view
 from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch
 from freetoken.models.checkpoint.weights import LayerWeights
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import ModelConfig, QuantWeight
+from freetoken.models.forward import quant_gemv
 from freetoken.models.forward.attention import mul_sigmoid
 from freetoken.models.forward.workspace import WorkViews
 
@@ -48,6 +53,11 @@ if TYPE_CHECKING:
 # tensor cores do the work of 8 tokens at the cost of one.
 MAX_TOKENS = 4
 NORM_IN_PROLOGUE_TOKENS = 2
+QUANT_MAX_TOKENS = quant_gemv.Q8_MAX_TOKENS   # steps a layer with Q4_K projections takes
+Q4_K = 12
+# gguf_gemv_q8 launched as a programmatic dependent (sm_90+): its first weights stream in
+# while the previous kernel drains, as decode_gemv's pdl variants
+Q8_PDL = True
 _GROUPS = (32, 64, 128, 256)
 _BLOCK = 256
 
@@ -163,10 +173,21 @@ def _plain(weight) -> bool:
             and weight.dim() == 2 and weight.shape[1] % 8 == 0 and weight.data_ptr() % 16 == 0)
 
 
+def _q4k(weight) -> bool:
+    """A Q4_K weight that gguf_gemv_q8 reads at every step the fused layer takes (v3 selected,
+    one matrix of blocks in a torch tensor)."""
+    from freetoken import env
+
+    weight = _matrix(weight)
+    return (isinstance(weight, QuantWeight) and hasattr(weight.data, "data_ptr")
+            and env.read().quant_gemv == "v3"
+            and quant_gemv.q8_reads(weight.qtype, weight.shape[1], QUANT_MAX_TOKENS))
+
+
 def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) -> bool:
     """The rule, decided once at load: GPU, bf16/f16 activations, per-head or no q/k norm, and
-    every projection weight a plain tensor the GEMV can read (GGUF blocks and split parts keep
-    the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
+    every projection weight a plain tensor the GEMV can read or, with bf16 activations, a Q4_K
+    matrix gguf_gemv_q8 reads (other GGUF blocks and split parts keep the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
     streams each weight once in 16-byte loads is bandwidth-bound, while cuBLAS pads M to its
     smallest tile and cannot fuse the epilogues."""
     from freetoken import env
@@ -189,7 +210,8 @@ def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) 
         else:
             names = ("qkv", "o") + (("o_gate",) if cfg.attn_output_gate else ())
         dense = ("gate_up", "down") if not cfg.is_sparse(i) else ()
-        if not all(_plain(lw[n]) for n in names + dense):
+        if not all(_plain(lw[n]) or (dtype == "bfloat16" and _q4k(lw[n]))
+                   for n in names + dense):
             return False
         bias = lw.get("qkv_bias")
         if bias is not None and not (hasattr(bias, "data_ptr") and bias.is_contiguous()
@@ -200,38 +222,92 @@ def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) 
     return True
 
 
+class FloatProjection:
+    """A float weight through decode_gemv (kind "qkv": store, + bias), decode_gemv_add ("add":
+    residual +=) or decode_gemv_swiglu ("swiglu"), with the plan's choice per token count."""
+
+    _KERNELS = {"qkv": "decode_gemv", "add": "decode_gemv_add", "swiglu": "decode_gemv_swiglu"}
+
+    def __init__(self, weight, kind: str, n: int, k: int, sms: int, device):
+        self.weight, self.kind = weight, kind
+        self.plan = gemv_plan(kind, n, k, sms)
+        self._fn = ops.bind(self._KERNELS[kind], device)
+
+    def __call__(self, out: Array, x: Array, tokens: int, norm: Array | None = None,
+                 eps: float = 0.0, bias: Array | None = None) -> None:
+        c = self.plan[tokens]
+        if self.kind == "qkv":
+            self._fn(out, x, self.weight, bias, norm, eps, c.group, c.variant)
+        elif self.kind == "add":
+            self._fn(out, x, self.weight, c.group, c.variant)
+        else:
+            self._fn(out, x, self.weight, norm, eps, c.group, c.variant)
+
+
+class Q4KProjection:
+    """A Q4_K weight through gguf_gemv_q8 in the mode of its kind; the norm always rides in the
+    prologue (each block normalises x while it quantizes it)."""
+
+    plan = (GemvChoice(norm_prologue=True),) * (QUANT_MAX_TOKENS + 1)
+    _MODES = {"qkv": quant_gemv.Q8_STORE, "add": quant_gemv.Q8_ADD,
+              "swiglu": quant_gemv.Q8_SWIGLU}
+
+    def __init__(self, weight: QuantWeight, kind: str, device):
+        self.data, self.mode = weight.data, self._MODES[kind]
+        self._fn = ops.bind("gguf_gemv_q8", device)
+
+    def __call__(self, out: Array, x: Array, tokens: int, norm: Array | None = None,
+                 eps: float = 0.0, bias: Array | None = None) -> None:
+        self._fn(out, x, self.data, Q4_K, bias, norm, eps, self.mode, 0, Q8_PDL)
+
+
+def projection(weight, kind: str, n: int, k: int, sms: int, device):
+    """The fused step's projection for one weight (supported() has accepted it)."""
+    weight = _matrix(weight)
+    if isinstance(weight, QuantWeight):
+        return Q4KProjection(weight, kind, device)
+    return FloatProjection(weight, kind, n, k, sms, device)
+
+
 class FusedLayer:
     """One decoder layer's decode step over the residual stream (see the module doc)."""
 
     def __init__(self, layer: DecoderLayer, w: LayerWeights, cfg: ModelConfig, index: int,
                  rope: Array, kernels: Kernels, sms: int, device):
         self.attn, self.mlp, self.ops = layer.attn, layer.mlp, kernels
-        self.gemv, self.gemv_add, self.gemv_swiglu, self.rope_store_kv = (
-            ops.bind(name, device) for name in
-            ("decode_gemv", "decode_gemv_add", "decode_gemv_swiglu", "rope_store_kv"))
+        self.rope_store_kv = ops.bind("rope_store_kv", device)
         self.input_norm, self.post_norm = w["input_norm"], w["post_norm"]
         self.rope, self.eps = rope, cfg.rms_norm_eps
         h = cfg.hidden_size
+
+        def proj(name: str, kind: str, n: int, k: int):
+            return projection(w[name], kind, n, k, sms, device)
+
         self.linear = cfg.is_linear(index)
+        self.o_gate = None
         if self.linear:             # Gated DeltaNet: in projection, mix, out projection
-            self.gdn_in, self.gdn_out = _matrix(w["gdn.in"]), w["gdn.out"]
-            self.p_in = gemv_plan("qkv", self.gdn_in.shape[0], h, sms)
-            self.p_out = gemv_plan("add", h, self.gdn_out.shape[1], sms)
+            gdn_in, gdn_out = _matrix(w["gdn.in"]), w["gdn.out"]
+            self.gdn_in = proj("gdn.in", "qkv", gdn_in.shape[0], h)
+            self.gdn_out = proj("gdn.out", "add", h, gdn_out.shape[1])
+            projections = [self.gdn_in, self.gdn_out]
         else:
-            self.qkv, self.bias, self.o = _matrix(w["qkv"]), w.get("qkv_bias"), w["o"]
+            self.bias = w.get("qkv_bias")
+            self.qkv = proj("qkv", "qkv", _matrix(w["qkv"]).shape[0], h)
             self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
             self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
-            self.p_qkv = gemv_plan("qkv", self.qkv.shape[0], h, sms)
-            self.p_o = gemv_plan("add", h, cfg.q_size, sms)
-            self.o_gate = w.get("o_gate")   # gated attention (hybrid models)
-            if self.o_gate is not None:
-                self.p_gate = gemv_plan("qkv", cfg.q_size, h, sms)
+            self.o = proj("o", "add", h, cfg.q_size)
+            projections = [self.qkv, self.o]
+            if w.get("o_gate") is not None:   # gated attention (hybrid models)
+                self.o_gate = proj("o_gate", "qkv", cfg.q_size, h)
+                projections.append(self.o_gate)
         self.dense = not cfg.is_sparse(index)
         if self.dense:
-            self.gate_up, self.down = _matrix(w["gate_up"]), w["down"]
-            inter = self.down.shape[1]
-            self.p_up = gemv_plan("swiglu", inter, h, sms)
-            self.p_down = gemv_plan("add", h, inter, sms)
+            inter = w["down"].shape[1]
+            self.gate_up = proj("gate_up", "swiglu", inter, h)
+            self.down = proj("down", "add", h, inter)
+            projections += [self.gate_up, self.down]
+        quantized = any(isinstance(p, Q4KProjection) for p in projections)
+        self.max_tokens = QUANT_MAX_TOKENS if quantized else MAX_TOKENS
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:
@@ -246,22 +322,18 @@ class FusedLayer:
     def _deltanet(self, w: WorkViews, batch: ForwardBatch, conv_state: Array,
                   ssm_state: Array) -> None:
         t = batch.num_tokens
-        c = self.p_in[t]
-        x, norm = self._normed_input(w, c, self.input_norm)
-        self.gemv(w.gdn_in, x, self.gdn_in, None, norm, self.eps, c.group, c.variant)
+        x, norm = self._normed_input(w, self.gdn_in.plan[t], self.input_norm)
+        self.gdn_in(w.gdn_in, x, t, norm, self.eps)
         self.attn.mix(w, batch, conv_state, ssm_state)
-        c = self.p_out[t]
-        self.gemv_add(w.residual, w.gdn_core, self.gdn_out, c.group, c.variant)
+        self.gdn_out(w.residual, w.gdn_core, t)
 
     def _attention(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                    block_size: int) -> None:
         a, eps, t = self.attn, self.eps, batch.num_tokens
-        c = self.p_qkv[t]
-        x, norm = self._normed_input(w, c, self.input_norm)
-        self.gemv(w.qkv, x, self.qkv, self.bias, norm, eps, c.group, c.variant)
+        x, norm = self._normed_input(w, self.qkv.plan[t], self.input_norm)
+        self.qkv(w.qkv, x, t, norm, eps, self.bias)
         if self.o_gate is not None:   # the same normed input (or prologue) as qkv's
-            g = self.p_gate[t]
-            self.gemv(w.attn_gate, x, self.o_gate, None, norm, eps, g.group, g.variant)
+            self.o_gate(w.attn_gate, x, t, norm, eps)
         q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
         self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
                            batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
@@ -271,16 +343,14 @@ class FusedLayer:
                                  a.window, *self.ops.attn_extra)
         if self.o_gate is not None:
             mul_sigmoid(array_view(w.attn), array_view(w.attn_gate))
-        self.gemv_add(w.residual, w.attn, self.o, self.p_o[t].group, self.p_o[t].variant)
+        self.o(w.residual, w.attn, t)
 
     def _mlp(self, w: WorkViews, batch: ForwardBatch) -> None:
         eps, t = self.eps, batch.num_tokens
         if self.dense:
-            c = self.p_up[t]
-            x, norm = self._normed_input(w, c, self.post_norm)
-            self.gemv_swiglu(w.act, x, self.gate_up, norm, eps, c.group, c.variant)
-            c = self.p_down[t]
-            self.gemv_add(w.residual, w.act, self.down, c.group, c.variant)
+            x, norm = self._normed_input(w, self.gate_up.plan[t], self.post_norm)
+            self.gate_up(w.act, x, t, norm, eps)
+            self.down(w.residual, w.act, t)
             return
         self.ops.rms_norm(w.hidden, w.residual, self.post_norm, eps)
         if self.mlp.decode_applies(t):   # moe_decode.py: adds into the residual

@@ -102,6 +102,11 @@ def packed_copy(data: np.ndarray, qtype: int) -> np.ndarray:
     return packed
 
 
+def _bf16_vector(t) -> bool:
+    return (is_torch(t) and str(t.dtype) == "torch.bfloat16" and t.dim() == 1
+            and t.is_contiguous() and t.data_ptr() % 16 == 0)
+
+
 class QuantLinear:
     """out[T, N] = x[T, K] @ dequant(W).T (+ bias) on GGUF blocks, never dequantized: f32 on the
     CPU (quant_matmul, or quant_matmul_packed over a copy repacked at load: packs_on_cpu); bf16 x
@@ -113,10 +118,11 @@ class QuantLinear:
 
         self.strided_out = is_torch(weight.data)
         self.packed = False
-        self._gemv = None
+        self._gemv = self._q8 = None
         if self.strided_out:
             self._matmul = ops.bind("gguf_matmul", weight.data.device)
             self._gemv = quant_gemv.gguf_decode(weight.qtype, weight.data)
+            self._q8 = quant_gemv.q8_decode(weight.qtype, weight.shape[1], weight.data)
             self.data = weight.data
         elif packs_on_cpu(weight.qtype, weight.shape[0]):
             self._matmul = ops.bind("quant_matmul_packed", "cpu")
@@ -127,10 +133,19 @@ class QuantLinear:
             self.data = HostArrays.kernel_arg(weight.data)
         self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
+        # gguf_gemv_q8 adds a bf16 bias in its epilogue; another keeps the add after it
+        self._q8_bias = bias if self._q8 is not None and _bf16_vector(bias) else None
 
     def __call__(self, out: Array, x: Array) -> None:
-        if self._gemv is not None and x.shape[0] <= 8:     # quant_gemv.GEMV_MAX_TOKENS
-            self._gemv(out, x, self.data, self.qtype, quant_gemv.gguf_rows(self.qtype, x.shape[0]))
+        tokens = x.shape[0]
+        if self._q8 is not None and quant_gemv.q8_reads(self.qtype, self.in_features, tokens):
+            self._q8(out, x, self.data, self.qtype, self._q8_bias, None, 0.0,
+                     quant_gemv.Q8_STORE, 0, False)
+            if self._q8_bias is None and self.bias is not None:
+                array_view(out)[...] += self.bias
+            return
+        if self._gemv is not None and tokens <= quant_gemv.GEMV_MAX_TOKENS:
+            self._gemv(out, x, self.data, self.qtype, quant_gemv.gguf_rows(self.qtype, tokens))
         else:
             self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:

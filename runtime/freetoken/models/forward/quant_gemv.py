@@ -1,8 +1,11 @@
 """Which decode GEMV a quantized GPU projection runs (FREETOKEN_QUANT_GEMV).
 
 v1: ``gguf_matmul`` / ``scaled_gemv`` for every weight. v2: ``gguf_gemv`` / ``fp8_gemv``
-(kernels/cuda/quant_gemv.cu) for the weights they read, v1 for the rest; prefill batches
-(more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM either way.
+(kernels/cuda/quant_gemv.cu) for the weights they read, v1 for the rest. v3: v2, and for Q4_K
+weights at steps of up to ``Q8_MAX_TOKENS`` tokens ``gguf_gemv_q8`` (kernels/cuda/
+gguf_gemv_q8.cu: int8 activations, dp4a), which the fused decode step (fused_decode.py) also
+takes for Q4_K projections. Prefill batches (more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM
+either way.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from typing import Any, Callable
 from freetoken import env
 
 GEMV_MAX_TOKENS = 8                 # kernels/cuda/quant_gemv.cu kMaxTokens
+Q8_MAX_TOKENS = 2                   # kernels/cuda/gguf_gemv_q8.cu kMaxTokens
+Q8_CAPACITY = 32768                 # ... kXCapacity: int8 x values a block stages (T * K)
+Q8_TYPES = (12,)                    # Q4_K: the type gguf_gemv_q8 reads
+Q8_STORE, Q8_ADD, Q8_SWIGLU = 0, 1, 2   # its modes (epilogues)
 GGUF_TYPES = (2, 8, 12, 14)         # Q4_0, Q8_0, Q4_K, Q6_K: the types gguf_gemv reads
 FP8 = 0                             # scaled_gemv's format id for FP8 e4m3
 # Weight rows per warp at a 1-token step (0: the kernel's own rule, 1 at one token, 2 above),
@@ -35,6 +42,11 @@ def gguf_reads(qtype: int, row_bytes: int) -> bool:
     return qtype in GGUF_TYPES and row_bytes % 16 == 0
 
 
+def q8_reads(qtype: int, cols: int, tokens: int = Q8_MAX_TOKENS) -> bool:
+    """gguf_gemv_q8 reads this weight at steps of up to `tokens` tokens."""
+    return qtype in Q8_TYPES and tokens <= Q8_MAX_TOKENS and tokens * cols <= Q8_CAPACITY
+
+
 def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:
     """fp8_gemv reads this weight: FP8, scale blocks a power of two >= 16 columns wide or one
     block across the row, rows of whole 16-byte words."""
@@ -43,9 +55,9 @@ def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:
             and (bk >= cols or (bk >= 16 and bk & (bk - 1) == 0)))
 
 
-def _bind(name: str, device: Any) -> Callable | None:
+def _bind(name: str, device: Any, variants: tuple[str, ...] = ("v2", "v3")) -> Callable | None:
     # GPU kernels only: a host tensor standing in for a GPU placement keeps v1
-    if env.read().quant_gemv != "v2" or getattr(device, "type", None) != "cuda":
+    if env.read().quant_gemv not in variants or getattr(device, "type", None) != "cuda":
         return None
     from freetoken.kernel import ops
 
@@ -55,6 +67,12 @@ def _bind(name: str, device: Any) -> Callable | None:
 def gguf_decode(qtype: int, data: Any) -> Callable | None:
     """gguf_gemv bound to data's device when v2 is selected and reads the weight, else None."""
     return _bind("gguf_gemv", data.device) if gguf_reads(qtype, data.shape[1]) else None
+
+
+def q8_decode(qtype: int, cols: int, data: Any) -> Callable | None:
+    """gguf_gemv_q8 bound to data's device when v3 is selected and reads the weight (at one
+    token at least), else None."""
+    return _bind("gguf_gemv_q8", data.device, ("v3",)) if q8_reads(qtype, cols, 1) else None
 
 
 def fp8_decode(fmt: int, block: tuple[int, int], data: Any) -> Callable | None:

@@ -1,0 +1,404 @@
+// gguf_gemv_q8: the decode GEMV (1-2 tokens) over GGUF Q4_K rows on int8 activations, with
+// the fused decode step's prologue and epilogues (FREETOKEN_QUANT_GEMV=v3).
+//
+// Why int8 activations: gguf_gemv (quant_gemv.cu) turns every 4-bit weight into a float and
+// multiplies it by a float x, about 3 instructions per weight and token; at the rate HBM
+// delivers Q4_K weights (5+ G weights/s per SM on an H200) that work, not the memory, sets its
+// speed (57% of read bandwidth). Here each block first quantizes x (optionally RMS-normed, as
+// decode_gemv's prologue) to int8 in 32-value groups with one f32 scale each, into shared
+// memory; the weights' nibbles then meet x in 4-way int8 dot products (dp4a), and the block
+// scales are applied once per 32 weights: under 2 instructions per weight.
+//
+// Layout a lane reads: a Q4_K block is 144 bytes = 9 16-byte words, the first holding
+// (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins) and word 1 + j holding weights
+// 16h..16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles), j = 2c + h. A warp's 32
+// lanes take 4 consecutive blocks, lane & 7 = j: every load is one 16-byte word and the warp's
+// loads cover 576 contiguous bytes (the header word read by 8 lanes at once).
+//
+// Numerics: x is quantized per 32 values, q = rint(x * 127 / amax), d = amax / 127; the sum of
+// sub-block s is d_w * sc_s * d_x * sum(q_w q_x) - dmin * m_s * d_x * sum(q_x) (the min term
+// counted once, by the lane with h = 0). Against the bf16 product this adds the int8 rounding
+// of x (relative 1/254 of each group's largest value), as llama.cpp's quantized GEMV does.
+//
+// tests/kernel/gguf_gemv_q8_emu.cc runs the kernel part on CPU threads (without the launch
+// part below).
+#include "freetoken/gemv_knobs.cuh"
+#include "freetoken/gguf_blocks.h"
+
+namespace freetoken {
+namespace gemv_q8 {
+
+constexpr int kWarps = 8, kThreads = kWarps * kWarp;
+constexpr int kMaxTokens = 2;
+constexpr int kXCapacity = 32768;  // int8 x values a block stages: tokens * K at most
+constexpr int kUnroll = 4;         // 16-byte weight words in flight per lane and row
+constexpr int kBlockBytes = 144, kBlockWeights = 256;  // Q4_K
+constexpr int kUnitsPerBlock = 8;  // lanes (16-byte words of nibbles) per Q4_K block
+
+enum Mode : int { kStore = 0, kAddResidual = 1, kSwiGLU = 2 };
+
+struct Args {
+  void* out;           // [T, ldo]: bf16; f32 allowed for kStore (out_f32)
+  const bf16* x;       // [T, ldx]
+  const uint8_t* w;    // [N, row_bytes] Q4_K rows (kSwiGLU: [2N, ...], gate rows then up rows)
+  const bf16* bias;    // [N] or null (kStore only)
+  const bf16* norm;    // [K] RMSNorm weight, or null for x as it is
+  int64_t n, k, row_bytes, ldx, ldo;
+  int tokens;          // 1..kMaxTokens: the kernel's NT
+  bool out_f32;
+  float eps;
+};
+
+using Word = Vec<uint32_t, 4>;
+
+/*! \brief a . b + c over 4 signed bytes (CUDA's dp4a; HIP and the host: 4 byte products). */
+__device__ __forceinline__ int dot4_i8(uint32_t a, uint32_t b, int c) {
+#if defined(__CUDA_ARCH__)
+  return __dp4a(static_cast<int>(a), static_cast<int>(b), c);
+#else
+  // NOTE: HIP builds take this portable form; the gfx11/gfx12 dot instructions are not used.
+  for (int i = 0; i < 4; ++i) {
+    c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) *
+         static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
+  }
+  return c;
+#endif
+}
+
+__device__ __forceinline__ int round_to_int(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(v);
+#else
+  return static_cast<int>(rintf(v));
+#endif
+}
+
+/*! \brief Byte i (0..11, a compile-time or per-lane value) of the 12 scale bytes in header
+ * words 1..3, by shifts and selects (a dynamic index into a register array would spill). */
+__device__ __forceinline__ uint32_t scale_byte(const Word& hdr, int i) {
+  const uint32_t word = i < 4 ? hdr.v[1] : i < 8 ? hdr.v[2] : hdr.v[3];
+  return (word >> (8 * (i & 3))) & 0xFFu;
+}
+
+/*! \brief gguf::scale_min_k4 on the header word in registers. */
+__device__ __forceinline__ void scale_min(const Word& hdr, int s, float* sc, float* mn) {
+  uint32_t a, b;
+  if (s < 4) {
+    a = scale_byte(hdr, s) & 63u;
+    b = scale_byte(hdr, s + 4) & 63u;
+  } else {
+    a = (scale_byte(hdr, s + 4) & 0xFu) | ((scale_byte(hdr, s - 4) >> 6) << 4);
+    b = (scale_byte(hdr, s + 4) >> 4) | ((scale_byte(hdr, s) >> 6) << 4);
+  }
+  *sc = static_cast<float>(a);
+  *mn = static_cast<float>(b);
+}
+
+// x of the block's NT tokens as int8 groups of 32 in shared memory: xq[t * K + i], and per
+// group (d, d * sum(q)) at xds[2 * (t * K / 32 + g)]; RMS-normed first when a.norm is set
+// (rounded to bf16 where the unfused rms_norm stores it).
+template <int NT>
+__device__ void stage_x(const Args& a, int8_t* xq, float* xds) {
+  __shared__ float part[kWarps][NT];
+  __shared__ float inv_rms[NT];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (a.norm != nullptr) {
+    float ss[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
+    for (int64_t i = threadIdx.x; i < a.k / 8; i += kThreads) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        Vec<bf16, 8> v = load_vec<bf16, 8>(a.x + t * a.ldx + 8 * i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss[t] += to_float(v.v[e]) * to_float(v.v[e]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float s = warp_sum(ss[t]);
+      if (lane == 0) part[warp][t] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < NT) {
+      float s = 0.f;
+      for (int w = 0; w < kWarps; ++w) s += part[w][threadIdx.x];
+      inv_rms[threadIdx.x] = rsqrtf(s / static_cast<float>(a.k) + a.eps);
+    }
+    __syncthreads();
+  }
+  const int64_t groups = a.k / 32;
+  for (int64_t gi = threadIdx.x; gi < NT * groups; gi += kThreads) {
+    const int t = static_cast<int>(gi / groups);
+    const int64_t g = gi % groups;
+    const bf16* xp = a.x + t * a.ldx + 32 * g;
+    float v[32], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      Vec<bf16, 8> xv = load_vec<bf16, 8>(xp + 8 * i);
+      Vec<bf16, 8> nv;
+      if (a.norm != nullptr) nv = load_vec<bf16, 8>(a.norm + 32 * g + 8 * i);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float f = to_float(xv.v[e]);
+        if (a.norm != nullptr) f = to_float(from_float<bf16>(f * inv_rms[t] * to_float(nv.v[e])));
+        v[8 * i + e] = f;
+        amax = fmaxf(amax, fabsf(f));
+      }
+    }
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    Word lo, hi;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int q = round_to_int(v[4 * j + e] * id);
+        sum += q;
+        word |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * e);
+      }
+      if (j < 4) {
+        lo.v[j] = word;
+      } else {
+        hi.v[j - 4] = word;
+      }
+    }
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xq + t * a.k + 32 * g);
+    store_vec<uint32_t, 4>(dst, lo);
+    store_vec<uint32_t, 4>(dst + 4, hi);
+    xds[2 * (t * groups + g)] = d;
+    xds[2 * (t * groups + g) + 1] = d * static_cast<float>(sum);
+  }
+  __syncthreads();
+}
+
+// The lane's words of units u0 + i * 32 + lane (i < kUnroll) of every row it reads.
+template <int NW>
+__device__ __forceinline__ void load_units(const uint8_t* const (&rows)[NW], int u0, int units,
+                                           int lane, Word (&hdr)[kUnroll][NW],
+                                           Word (&qs)[kUnroll][NW]) {
+#pragma unroll
+  for (int i = 0; i < kUnroll; ++i) {
+    const int u = u0 + i * kWarp + lane;
+    if (u >= units) break;
+    const int64_t off = static_cast<int64_t>(u / kUnitsPerBlock) * kBlockBytes;
+    const int j = u % kUnitsPerBlock;
+#pragma unroll
+    for (int r = 0; r < NW; ++r) {
+      hdr[i][r] = load_weight<kLoadNoL1, uint32_t, 4>(
+          reinterpret_cast<const uint32_t*>(rows[r] + off));
+      qs[i][r] = load_weight<kLoadNoL1, uint32_t, 4>(
+          reinterpret_cast<const uint32_t*>(rows[r] + off + 16 + 16 * j));
+    }
+  }
+}
+
+// out[t, n] for the warp's R output rows n (kSwiGLU: R gate rows and their R up rows).
+template <int R, int NT, int MODE>
+__global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
+  __shared__ __attribute__((aligned(16))) int8_t xq[kXCapacity];
+  __shared__ __attribute__((aligned(16))) float xds[kXCapacity / 16];
+  constexpr int NW = MODE == kSwiGLU ? 2 * R : R;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R;
+  const bool live = n0 < a.n;
+  const uint8_t* rows[NW];
+#pragma unroll
+  for (int r = 0; r < NW; ++r) {
+    int64_t row = n0 + r % R;
+    row = row < a.n ? row : a.n - 1;  // rows past N repeat the last (their sums are dropped)
+    rows[r] = a.w + (row + (r >= R ? a.n : 0)) * a.row_bytes;
+  }
+  const int units = static_cast<int>(a.k / kBlockWeights * kUnitsPerBlock);
+  Word hdr[kUnroll][NW], qs[kUnroll][NW];
+  // the first weights stream in while the previous kernel drains (programmatic launch) and
+  // while x is staged; x itself is read only after wait_for_inputs()
+  if (live) load_units<NW>(rows, 0, units, lane, hdr, qs);
+  wait_for_inputs();
+  stage_x<NT>(a, xq, xds);
+  if (!live) return;  // whole warps: nothing below synchronises the block
+  // this lane's place in every block it reads: word j = 2c + h (see the file comment)
+  const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
+  const int64_t groups = a.k / 32;
+  float acc[NW][NT];
+#pragma unroll
+  for (int r = 0; r < NW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  for (int u0 = 0; u0 < units; u0 += kWarp * kUnroll) {
+    if (u0 > 0) load_units<NW>(rows, u0, units, lane, hdr, qs);
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const int u = u0 + i * kWarp + lane;
+      if (u >= units) break;
+      const int64_t blk = u / kUnitsPerBlock;
+      float f0[NW], f1[NW], m[NW][2];
+#pragma unroll
+      for (int r = 0; r < NW; ++r) {
+        const float d = gguf::half_bits_to_float(hdr[i][r].v[0] & 0xFFFFu);
+        const float dmin = gguf::half_bits_to_float(hdr[i][r].v[0] >> 16);
+        float sc0, mn0, sc1, mn1;
+        scale_min(hdr[i][r], 2 * c, &sc0, &mn0);
+        scale_min(hdr[i][r], 2 * c + 1, &sc1, &mn1);
+        f0[r] = d * sc0;
+        f1[r] = d * sc1;
+        m[r][0] = h == 0 ? dmin * mn0 : 0.f;  // each sub-block's min term counted once
+        m[r][1] = h == 0 ? dmin * mn1 : 0.f;
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xp = xq + t * a.k + blk * kBlockWeights + 64 * c + 16 * h;
+        const Word x0 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp));
+        const Word x1 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp + 32));
+        // (d, d * sum q) of sub-blocks 2c and 2c + 1: 4 floats, 16-byte aligned (2c even)
+        const Vec<float, 4> ds = load_vec<float, 4>(xds + 2 * (t * groups + blk * 8 + 2 * c));
+#pragma unroll
+        for (int r = 0; r < NW; ++r) {
+          int p0 = 0, p1 = 0;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t wv = qs[i][r].v[e];
+            p0 = dot4_i8(wv & 0x0F0F0F0Fu, x0.v[e], p0);
+            p1 = dot4_i8((wv >> 4) & 0x0F0F0F0Fu, x1.v[e], p1);
+          }
+          acc[r][t] += f0[r] * ds.v[0] * static_cast<float>(p0) +
+                       f1[r] * ds.v[2] * static_cast<float>(p1) -
+                       (m[r][0] * ds.v[1] + m[r][1] * ds.v[3]);
+        }
+      }
+    }
+  }
+  allow_dependents();
+#pragma unroll
+  for (int r = 0; r < NW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    if (n >= a.n) break;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float v = acc[r][t];
+      if (MODE == kStore) {
+        const float b = a.bias != nullptr ? to_float(a.bias[n]) : 0.f;
+        if (a.out_f32) {
+          static_cast<float*>(a.out)[t * a.ldo + n] = v + b;
+        } else {
+          static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(v + b);
+        }
+      } else if (MODE == kAddResidual) {
+        bf16* o = static_cast<bf16*>(a.out) + t * a.ldo + n;
+        *o = from_float<bf16>(to_float(*o) + to_float(from_float<bf16>(v)));
+      } else {
+        // gate and up rounded where the unfused chain stores them, as decode_gemv_swiglu
+        const float g = to_float(from_float<bf16>(v));
+        const float u = to_float(from_float<bf16>(acc[R + r][t]));
+        static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(g / (1.f + __expf(-g)) * u);
+      }
+    }
+  }
+}
+
+}  // namespace gemv_q8
+
+// ---------------------------------------------------------------- launches and checks
+// (tests/kernel/gguf_gemv_q8_emu.cc runs the kernel above on CPU threads, without this part)
+#if !defined(FT_HOST_EMULATION)
+namespace {
+
+using namespace gemv_q8;
+
+template <int R, int NT, int MODE>
+void launch_kernel(const Args& a, bool pdl, int device, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.n, kWarps * R)));
+  launch_maybe_pdl(q4k_gemv_kernel<R, NT, MODE>, grid, dim3(kThreads), stream, pdl, device, a);
+}
+
+template <int MODE>
+void launch_mode(const Args& a, int64_t rows, bool pdl, int device, cudaStream_t stream) {
+  const bool two_rows = rows == 2 || (rows == 0 && a.tokens > 1);
+  if (a.tokens == 1) {
+    if (two_rows) return launch_kernel<2, 1, MODE>(a, pdl, device, stream);
+    return launch_kernel<1, 1, MODE>(a, pdl, device, stream);
+  }
+  if (two_rows) return launch_kernel<2, 2, MODE>(a, pdl, device, stream);
+  launch_kernel<1, 2, MODE>(a, pdl, device, stream);
+}
+
+/*!
+ * \brief The decode product over Q4_K rows on int8-quantized activations.
+ * mode 0: out[T, N] = xn @ W.T (+ bias), out bf16 or f32, may be a column slice;
+ * mode 1: out[T, N] += xn @ W.T (out bf16, the residual; the product rounded first);
+ * mode 2: out[T, N] = silu(g) * u, [g | u] = xn @ W.T with W [2N, K] (out bf16).
+ * xn = rms_norm(x) * norm_weight when norm_weight is given, else x (bf16, T <= 2 rows, T * K
+ * <= 32768). rows: weight rows per warp, 0 (by T), 1 or 2. pdl: launch as a programmatic
+ * dependent where the device has it.
+ */
+void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtype,
+                  tvm::ffi::Optional<TensorView> bias, tvm::ffi::Optional<TensorView> norm_weight,
+                  double eps, int64_t mode, int64_t rows, bool pdl) {
+  const int dev = qweight.device().device_id;
+  TVM_FFI_ICHECK(qtype == gguf::kQ4_K) << "gguf_gemv_q8 reads Q4_K (12), got qtype " << qtype
+                                       << "; gguf_gemv reads the other types";
+  TVM_FFI_ICHECK(mode == kStore || mode == kAddResidual || mode == kSwiGLU)
+      << "mode must be 0 (store), 1 (residual add) or 2 (SwiGLU), got " << mode;
+  TVM_FFI_ICHECK(rows == 0 || rows == 1 || rows == 2)
+      << "rows (weight rows per warp) must be 0 (automatic), 1 or 2, got " << rows;
+  check_gpu(qweight, "qweight", dev);
+  check_dtype(qweight, kDLUInt, 8, "qweight", "uint8");
+  check_ndim(qweight, 2, "qweight");
+  check_contiguous(qweight, "qweight");
+  TVM_FFI_ICHECK(aligned16(qweight)) << "qweight must start on a 16-byte boundary";
+  const int64_t rb = qweight.size(1), k = rb / kBlockBytes * kBlockWeights;
+  TVM_FFI_ICHECK(rb % kBlockBytes == 0 && k > 0)
+      << "qweight rows must be whole Q4_K blocks (144 bytes), got " << rb << " bytes";
+  const int64_t n_rows = qweight.size(0), n = mode == kSwiGLU ? n_rows / 2 : n_rows;
+  TVM_FFI_ICHECK(mode != kSwiGLU || n_rows % 2 == 0) << "gate_up must have 2*I rows";
+  check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
+  check_aligned_rows(x, dev, "x", k);
+  const int64_t tokens = x.size(0);
+  TVM_FFI_ICHECK(tokens <= kMaxTokens && tokens * k <= kXCapacity)
+      << "gguf_gemv_q8 takes at most " << kMaxTokens << " rows of x and " << kXCapacity
+      << " values in all, got " << tokens << " x " << k << " (gguf_gemv takes more)";
+  const bool f32 = has_dtype(out, kDLFloat, 32);
+  TVM_FFI_ICHECK(!f32 || mode == kStore) << "a float32 out is for mode 0 only";
+  check_gpu(out, "out", dev);
+  check_ndim(out, 2, "out");
+  TVM_FFI_ICHECK(f32 || has_dtype(out, kDLBfloat, 16))
+      << "out must be bfloat16 (or float32 in mode 0), got " << dtype_name(out.dtype());
+  RowView ro = row_view(out, 1, "out");
+  TVM_FFI_ICHECK(ro.rows == tokens && ro.width == n)
+      << "out must be [" << tokens << ", " << n << "] (x rows, output columns)";
+  TVM_FFI_ICHECK(!bias.has_value() || mode == kStore) << "a bias is for mode 0 only";
+  auto check_vector = [&](const TensorView& v, int64_t size, const char* name) {
+    check_gpu(v, name, dev);
+    check_dtype(v, kDLBfloat, 16, name, "bfloat16");
+    TVM_FFI_ICHECK(v.ndim() == 1 && v.size(0) == size && v.IsContiguous() && aligned16(v))
+        << name << " must be a contiguous, 16-byte aligned [" << size << "] tensor";
+  };
+  if (bias.has_value()) check_vector(bias.value(), n, "bias");
+  if (norm_weight.has_value()) check_vector(norm_weight.value(), k, "norm_weight");
+  if (tokens == 0 || n == 0) return;
+  Args a{data_of<void>(out), data_of<bf16>(x), data_of<uint8_t>(qweight),
+         bias.has_value() ? data_of<bf16>(bias.value()) : nullptr,
+         norm_weight.has_value() ? data_of<bf16>(norm_weight.value()) : nullptr,
+         n, k, rb, row_view(x, 1, "x").stride, ro.stride, static_cast<int>(tokens), f32,
+         static_cast<float>(eps)};
+  DeviceGuard guard(dev);
+  cudaStream_t stream = stream_for(qweight);
+  if (mode == kStore) launch_mode<kStore>(a, rows, pdl, dev, stream);
+  if (mode == kAddResidual) launch_mode<kAddResidual>(a, rows, pdl, dev, stream);
+  if (mode == kSwiGLU) launch_mode<kSwiGLU>(a, rows, pdl, dev, stream);
+  check_launch("gguf_gemv_q8");
+}
+
+}  // namespace
+#endif  // !FT_HOST_EMULATION
+}  // namespace freetoken
+
+#if !defined(FT_HOST_EMULATION)
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_gemv_q8, freetoken::gguf_gemv_q8);
+#endif

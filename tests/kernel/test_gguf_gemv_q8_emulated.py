@@ -1,0 +1,197 @@
+"""The int8-activation Q4_K decode GEMV runs on the host: the real kernel of
+kernels/cuda/gguf_gemv_q8.cu built with g++ against the stand-in for the CUDA vocabulary
+(tests/kernel/emu/freetoken/cuda_common.cuh: one CPU thread per GPU thread, barriers for
+__syncthreads and the warp sums, aborts on misaligned vector accesses), launched by
+tests/kernel/gguf_gemv_q8_emu.cc. Evidence without a GPU for the index math (which nibbles,
+scales and x groups meet), every rows-per-warp and token instantiation, the norm prologue and
+the three epilogues.
+
+The reference is independent of the kernel: gguf's numpy dequantizer for the weights,
+kernel/reference.py's rms_norm for the normed input, and the activation quantization the kernel
+documents (per 32 values: d = amax / 127, q = rint(x * 127 / amax)) restated in numpy float32,
+then a float64 product."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.kernel import reference
+from tests.kernel.emulation import build_emulation
+from tests.kernel.gguf_random import dequantize, random_blocks
+from tests.tolerances import EPS
+
+BF16 = torch.bfloat16
+Q4_K = 12
+ULPS = 32  # f32 ulps of the sum's magnitude per sqrt(K), as test_decode_gemv_emulated.py
+STORE, ADD, SWIGLU = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    return build_emulation(tmp_path_factory, "gguf_gemv_q8_emu", ctypes.c_int,
+                           [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
+                           + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_long] * 2
+                           + [ctypes.c_int] * 2 + [ctypes.c_float])
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def _run(fn, out, x, blocks, bias=None, norm=None, mode=STORE, rows=0, eps=1e-6):
+    t, k = x.shape
+    n = out.shape[1]
+    ok = fn(_ptr(out), int(out.dtype == torch.float32), _ptr(x), blocks.ctypes.data,
+            _ptr(bias), _ptr(norm), x.stride(0), out.stride(0), t, n, k, mode, rows, eps)
+    assert ok, "the configuration was refused"
+
+
+def quantize_rows(x: torch.Tensor) -> np.ndarray:
+    """The kernel's int8 activations, dequantized (float64 [T, K]): groups of 32 in float32."""
+    v = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(v).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(v * inv)                       # float32 product, round half to even
+    d = (amax / np.float32(127)).astype(np.float32)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape[0], -1)
+
+
+def _case(t, rows, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k + 8, generator=g).to(BF16)[:, :k]     # strided, 16-byte aligned rows
+    blocks = random_blocks(Q4_K, rows, k, np.random.default_rng(seed))
+    w = dequantize(blocks, Q4_K).astype(np.float64)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(BF16)
+    return x, blocks, w, nw, g
+
+
+def _normed(x, nw, norm):
+    if not norm:
+        return x
+    xn = torch.empty_like(x)
+    reference.rms_norm(xn, x, nw, 1e-6)
+    return xn
+
+
+def min_terms(blocks: np.ndarray) -> np.ndarray:
+    """|dmin * m_s| of every weight's sub-block (float64 [rows, K]), read from the Q4_K bytes:
+    the part of a weight that the kernel sums apart from its scaled nibble."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 144)
+    dmin = b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    sc = b[:, :, 4:16].astype(np.int64)
+    m = np.empty(sc.shape[:2] + (8,), dtype=np.int64)
+    m[..., :4] = sc[..., 4:8] & 63
+    m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return np.repeat(np.abs(dmin[..., None] * m), 32, axis=2).reshape(rows, -1)
+
+
+def q8_bound(xn: torch.Tensor, xq: np.ndarray, w: np.ndarray, blocks: np.ndarray,
+           norm: bool) -> np.ndarray:
+    """f32 rounding of the scaled integer sums: magnitude the root-sum-square of the products,
+    each weight counted as its nibble part plus its min part (the two may cancel); plus, with the
+    norm, a few normed elements whose bf16 rounding flips between two float32 orders (each moves
+    one int8 step of its group)."""
+    k = w.shape[1]
+    parts = np.abs(w) + 2 * min_terms(blocks)
+    rss = np.sqrt((xq ** 2) @ (parts ** 2).T)
+    order = ULPS * EPS["float32"] * rss * math.sqrt(k)
+    flips = 0.0
+    if norm:
+        top = float(xn.float().abs().max())
+        flips = 4 * (top / 127 + EPS["bfloat16"] * top) * np.abs(w).max()
+    return order + flips
+
+
+def _check(out, want, bound, msg):
+    got = out.double().numpy()
+    limit = bound + 2 * EPS["bfloat16"] * np.abs(want)
+    err = np.abs(got - want)
+    assert np.isfinite(got).all(), f"non-finite output {msg}"
+    assert (err <= limit).all(), f"max error {err.max():.3g} (limit {limit.min():.3g}) {msg}"
+
+
+# (tokens, N, K): one partial round of units (K = 256: 8 of 32 lanes), one whole round (4096),
+# a partial last round (2560) and several rounds (12288 at 2 tokens: the staging capacity)
+SHAPES = [(1, 37, 256), (1, 21, 4096), (2, 19, 2560), (2, 9, 12288)]
+
+
+@pytest.mark.parametrize("t,n,k", SHAPES)
+@pytest.mark.parametrize("rows", (0, 1, 2))
+@pytest.mark.parametrize("norm", (False, True), ids=("x", "normed"))
+def test_store_matches_the_quantized_product(emulated, t, n, k, rows, norm):
+    x, blocks, w, nw, g = _case(t, n, k, seed=n + k + rows)
+    bias = torch.randn(n, generator=g).to(BF16)
+    xn = _normed(x, nw, norm)
+    xq = quantize_rows(xn)
+    for out_dtype, with_bias in ((torch.float32, False), (BF16, True)):
+        whole = torch.full((t, n + 5), float("nan"), dtype=out_dtype)
+        out = whole[:, 2:2 + n]                       # a column slice
+        _run(emulated, out, x, blocks, bias if with_bias else None, nw if norm else None,
+             STORE, rows)
+        want = xq @ w.T + (bias.double().numpy() if with_bias else 0.0)
+        _check(out, want, q8_bound(xn, xq, w, blocks, norm), f"out {out_dtype} bias={with_bias}")
+        assert torch.isnan(whole[:, :2]).all() and torch.isnan(whole[:, 2 + n:]).all()
+
+
+def test_int8_activations_stay_within_their_rounding(emulated):
+    """Against the unquantized product: each x moves by at most half its group's step."""
+    x, blocks, w, nw, _ = _case(1, 33, 4096, seed=3)
+    out = torch.empty(1, 33, dtype=torch.float32)
+    _run(emulated, out, x, blocks)
+    xf = x.double().numpy()
+    step = np.abs(xf).reshape(1, -1, 32).max(axis=2, keepdims=True) / 127
+    half_step = np.broadcast_to(step / 2, (1, 128, 32)).reshape(1, -1)
+    bound = half_step @ np.abs(w).T + q8_bound(x, xf, w, blocks, False)
+    _check(out, xf @ w.T, bound, "vs the bf16 activations")
+
+
+@pytest.mark.parametrize("t,n,k,rows", [(1, 17, 4096, 0), (2, 12, 2560, 1), (2, 7, 512, 2)])
+def test_residual_add(emulated, t, n, k, rows):
+    x, blocks, w, _, g = _case(t, n, k, seed=7 * n + rows)
+    residual = torch.randn(t, n, generator=g).to(BF16)
+    xq = quantize_rows(x)
+    prod = xq @ w.T
+    out = residual.clone()
+    _run(emulated, out, x, blocks, mode=ADD, rows=rows)
+    # the product is rounded to bf16, then the sum: one bf16 ulp of each on top of the order
+    want = residual.double().numpy() + prod
+    bound = q8_bound(x, xq, w, blocks, False) + 2 * EPS["bfloat16"] * (np.abs(prod) + np.abs(want))
+    _check(out, want, bound, "residual add")
+
+
+@pytest.mark.parametrize("t,inter,k,rows,norm", [(1, 20, 4096, 0, True), (2, 13, 2560, 2, False),
+                                                 (1, 9, 512, 1, True)])
+def test_swiglu(emulated, t, inter, k, rows, norm):
+    x, blocks, w, nw, _ = _case(t, 2 * inter, k, seed=inter + k)
+    xn = _normed(x, nw, norm)
+    xq = quantize_rows(xn)
+    gu = xq @ w.T
+    gate, up = gu[:, :inter], gu[:, inter:]
+    silu = gate / (1 + np.exp(-gate))
+    want = silu * up
+    out = torch.full((t, inter), float("nan"), dtype=BF16)
+    _run(emulated, out, x, blocks, norm=nw if norm else None, mode=SWIGLU, rows=rows)
+    lim = q8_bound(xn, xq, w, blocks, norm) + 2 * EPS["bfloat16"] * np.abs(gu)  # g, u and their rounding
+    lg, lu = lim[:, :inter], lim[:, inter:]
+    bound = 1.1 * lg * np.abs(up) + np.abs(silu) * lu + lg * lu
+    _check(out, want, bound, "swiglu")
+
+
+def test_refuses_what_the_entry_point_refuses(emulated):
+    x, blocks, _, _, _ = _case(1, 8, 256, seed=0)
+    out = torch.zeros(1, 8, dtype=BF16)
+    args = (_ptr(out), 0, _ptr(x), blocks.ctypes.data, None, None, x.stride(0), 8)
+    assert emulated(*args, 1, 8, 256, STORE, 0, 1e-6)
+    assert not emulated(*args, 3, 8, 256, STORE, 0, 1e-6)           # 3 tokens: gguf_gemv's
+    assert not emulated(*args, 1, 8, 32768 + 256, STORE, 0, 1e-6)   # past the staging capacity
+    assert not emulated(*args, 1, 8, 200, STORE, 0, 1e-6)           # not whole Q4_K blocks
+    assert not emulated(*args, 1, 8, 256, STORE, 3, 1e-6)           # rows per warp
+    f32 = torch.zeros(1, 8, dtype=torch.float32)
+    assert not emulated(_ptr(f32), 1, *args[2:], 1, 8, 256, ADD, 0, 1e-6)
