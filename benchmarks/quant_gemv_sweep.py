@@ -7,8 +7,8 @@ Qwen3-8B's projection shapes (fused qkv, o, fused gate/up, down, and a lone 1024
 T = 1, 4, 8 activation rows, random weights: GGUF blocks with finite f16 scales
 (tests/kernel/gguf_random.py) and FP8 e4m3 bytes with 128x128, per-channel and per-tensor
 float32 scales. Variants: v1 (gguf_matmul / scaled_gemv) and v2 (gguf_gemv / fp8_gemv, the
-default) at 1, 2 and 4 weight rows per warp, and for Q4_K at 1-2 tokens v3 (gguf_gemv_q8: int8
-activations) at 1 and 2 rows per warp, plain and as a programmatic dependent launch. Each is timed as a CUDA graph of 20 launches
+default) at 1, 2 and 4 weight rows per warp, and at 1-2 tokens v3 (gguf_gemv_q8: int8
+activations; for Q4_K at 1 and 2 rows per warp), plain and as a programmatic dependent launch. Each is timed as a CUDA graph of 20 launches
 (CUDA events, median of 7) and reported as GB/s of quantized bytes read (blocks, or e4m3 bytes
 plus scales) and as a percentage of the device-to-device copy rate (bytes read + written per
 second, benchmarks/gpu_decode.py) measured in the same run: the decode byte ceiling.
@@ -61,8 +61,10 @@ def gguf_case(qtype: int, n: int, k: int):
     fns = {"v1": lambda o, x: ops.gguf_matmul(o, x, blocks, qtype)}
     for name, rows in VARIANTS[1:]:
         fns[name] = lambda o, x, r=rows: ops.gguf_gemv(o, x, blocks, qtype, r)
-    if qtype in quant_gemv.Q8_TYPES:
+    if qtype in quant_gemv.Q8_BLOCKS:
         for name, rows, pdl in Q8_VARIANTS:
+            if rows > 1 and qtype != 12:    # the staged types take one row per warp
+                continue
             fns[name] = lambda o, x, r=rows, d=pdl: ops.gguf_gemv_q8(o, x, blocks, qtype, None,
                                                                       None, 0.0, 0, r, d)
     return blocks.nbytes, w.double(), fns

@@ -229,9 +229,9 @@ KERNELS: tuple[Kernel, ...] = (
         functions=("gguf_gemv_q8",),
         cuda=("cuda/gguf_gemv_q8.cu",),
         rocm=True,
-        doc="decode GEMV (T <= 2) over GGUF Q4_K rows on int8 activations quantized in its "
-            "prologue (optionally RMS-normed), dp4a sums; store (+ bias), residual-add and "
-            "SwiGLU epilogues (FREETOKEN_QUANT_GEMV=v3)",
+        doc="decode GEMV (T <= 2) over GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K rows on int8 "
+            "activations quantized in its prologue (optionally RMS-normed), dp4a sums; store "
+            "(+ bias), residual-add and SwiGLU epilogues (FREETOKEN_QUANT_GEMV=v3)",
     ),
     Kernel(
         name="fp8_gemv",

@@ -16,6 +16,7 @@
 // No allocation and no host sync: both are capturable in a CUDA graph.
 #include "freetoken/cuda_common.cuh"
 #include "freetoken/gguf_blocks.h"
+#include "freetoken/gguf_stage.cuh"
 #include "freetoken/gguf_tile.cuh"
 
 namespace freetoken {
@@ -30,15 +31,7 @@ using gguf_tile::store_out;
 
 constexpr int kGemvMaxM = 8, kGemvWarps = 4, kRows = 2;
 
-__device__ __forceinline__ void warp_sync() {
-#if defined(__HIP_PLATFORM_AMD__)
-  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
-  __builtin_amdgcn_wave_barrier();
-  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
-#else
-  __syncwarp();
-#endif
-}
+using gguf_stage::warp_sync;
 
 // Blocks staged per row and step: whole blocks, a multiple of 16 bytes (576..1680), and 32 or
 // 64 units of 32 weights, so every lane has work.

@@ -1,5 +1,8 @@
-// gguf_gemv_q8: the decode GEMV (1-2 tokens) over GGUF Q4_K rows on int8 activations, with
-// the fused decode step's prologue and epilogues (FREETOKEN_QUANT_GEMV=v3).
+// gguf_gemv_q8: the decode GEMV (1-2 tokens) over GGUF rows on int8 activations, with the fused
+// decode step's prologue and epilogues (FREETOKEN_QUANT_GEMV=v3). Q4_K rows stream straight
+// into registers (below); Q4_0, Q4_1, Q8_0, Q5_K and Q6_K rows, whose blocks are not all
+// 16-byte aligned, are staged through shared memory as gguf_gemv stages them
+// (freetoken/gguf_stage.cuh) and summed by gguf::dot32_q8.
 //
 // Why int8 activations: gguf_gemv (quant_gemv.cu) turns every 4-bit weight into a float and
 // multiplies it by a float x, about 3 instructions per weight and token; at the rate HBM
@@ -22,8 +25,11 @@
 //
 // tests/kernel/gguf_gemv_q8_emu.cc runs the kernel part on CPU threads (without the launch
 // part below).
+#include <type_traits>
+
 #include "freetoken/gemv_knobs.cuh"
 #include "freetoken/gguf_blocks.h"
+#include "freetoken/gguf_stage.cuh"
 
 namespace freetoken {
 namespace gemv_q8 {
@@ -31,6 +37,10 @@ namespace gemv_q8 {
 constexpr int kWarps = 8, kThreads = kWarps * kWarp;
 constexpr int kMaxTokens = 2;
 constexpr int kXCapacity = 32768;  // int8 x values a block stages: tokens * K at most
+// The staged kernel: 4 warps, one output row each (two weight rows for SwiGLU), and room for
+// x beside the weight chunks within 48 KB of shared memory.
+constexpr int kStagedWarps = 4, kStagedThreads = kStagedWarps * kWarp;
+constexpr int kStagedCapacity = 24576;
 constexpr int kUnroll = 4;         // 16-byte weight words in flight per lane and row
 constexpr int kBlockBytes = 144, kBlockWeights = 256;  // Q4_K
 constexpr int kUnitsPerBlock = 8;  // lanes (16-byte words of nibbles) per Q4_K block
@@ -40,7 +50,7 @@ enum Mode : int { kStore = 0, kAddResidual = 1, kSwiGLU = 2 };
 struct Args {
   void* out;           // [T, ldo]: bf16; f32 allowed for kStore (out_f32)
   const bf16* x;       // [T, ldx]
-  const uint8_t* w;    // [N, row_bytes] Q4_K rows (kSwiGLU: [2N, ...], gate rows then up rows)
+  const uint8_t* w;    // [N, row_bytes] GGUF rows (kSwiGLU: [2N, ...], gate rows then up rows)
   const bf16* bias;    // [N] or null (kStore only)
   const bf16* norm;    // [K] RMSNorm weight, or null for x as it is
   int64_t n, k, row_bytes, ldx, ldo;
@@ -51,19 +61,7 @@ struct Args {
 
 using Word = Vec<uint32_t, 4>;
 
-/*! \brief a . b + c over 4 signed bytes (CUDA's dp4a; HIP and the host: 4 byte products). */
-__device__ __forceinline__ int dot4_i8(uint32_t a, uint32_t b, int c) {
-#if defined(__CUDA_ARCH__)
-  return __dp4a(static_cast<int>(a), static_cast<int>(b), c);
-#else
-  // NOTE: HIP builds take this portable form; the gfx11/gfx12 dot instructions are not used.
-  for (int i = 0; i < 4; ++i) {
-    c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) *
-         static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
-  }
-  return c;
-#endif
-}
+using gguf::dot4_i8;
 
 __device__ __forceinline__ int round_to_int(float v) {
 #if defined(__CUDA_ARCH__)
@@ -97,16 +95,17 @@ __device__ __forceinline__ void scale_min(const Word& hdr, int s, float* sc, flo
 // x of the block's NT tokens as int8 groups of 32 in shared memory: xq[t * K + i], and per
 // group (d, d * sum(q)) at xds[2 * (t * K / 32 + g)]; RMS-normed first when a.norm is set
 // (rounded to bf16 where the unfused rms_norm stores it).
-template <int NT>
+template <int NT, int THREADS>
 __device__ void stage_x(const Args& a, int8_t* xq, float* xds) {
-  __shared__ float part[kWarps][NT];
+  constexpr int kBlockWarps = THREADS / kWarp;
+  __shared__ float part[kBlockWarps][NT];
   __shared__ float inv_rms[NT];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (a.norm != nullptr) {
     float ss[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) ss[t] = 0.f;
-    for (int64_t i = threadIdx.x; i < a.k / 8; i += kThreads) {
+    for (int64_t i = threadIdx.x; i < a.k / 8; i += THREADS) {
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         Vec<bf16, 8> v = load_vec<bf16, 8>(a.x + t * a.ldx + 8 * i);
@@ -122,13 +121,13 @@ __device__ void stage_x(const Args& a, int8_t* xq, float* xds) {
     __syncthreads();
     if (threadIdx.x < NT) {
       float s = 0.f;
-      for (int w = 0; w < kWarps; ++w) s += part[w][threadIdx.x];
+      for (int w = 0; w < kBlockWarps; ++w) s += part[w][threadIdx.x];
       inv_rms[threadIdx.x] = rsqrtf(s / static_cast<float>(a.k) + a.eps);
     }
     __syncthreads();
   }
   const int64_t groups = a.k / 32;
-  for (int64_t gi = threadIdx.x; gi < NT * groups; gi += kThreads) {
+  for (int64_t gi = threadIdx.x; gi < NT * groups; gi += THREADS) {
     const int t = static_cast<int>(gi / groups);
     const int64_t g = gi % groups;
     const bf16* xp = a.x + t * a.ldx + 32 * g;
@@ -194,6 +193,43 @@ __device__ __forceinline__ void load_units(const uint8_t* const (&rows)[NW], int
   }
 }
 
+// The warp's sums of its R output rows reduced and stored through the mode's epilogue (lane 0).
+template <int R, int MODE, int NW, int NT>
+__device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int64_t n0,
+                                       int lane) {
+  static_assert(NW == (MODE == kSwiGLU ? 2 * R : R), "SwiGLU reads R gate and R up rows");
+#pragma unroll
+  for (int r = 0; r < NW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    if (n >= a.n) break;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float v = acc[r][t];
+      if (MODE == kStore) {
+        const float b = a.bias != nullptr ? to_float(a.bias[n]) : 0.f;
+        if (a.out_f32) {
+          static_cast<float*>(a.out)[t * a.ldo + n] = v + b;
+        } else {
+          static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(v + b);
+        }
+      } else if (MODE == kAddResidual) {
+        bf16* o = static_cast<bf16*>(a.out) + t * a.ldo + n;
+        *o = from_float<bf16>(to_float(*o) + to_float(from_float<bf16>(v)));
+      } else {
+        // gate and up rounded where the unfused chain stores them, as decode_gemv_swiglu
+        const float g = to_float(from_float<bf16>(v));
+        const float u = to_float(from_float<bf16>(acc[R + r][t]));
+        static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(g / (1.f + __expf(-g)) * u);
+      }
+    }
+  }
+}
+
 // out[t, n] for the warp's R output rows n (kSwiGLU: R gate rows and their R up rows).
 template <int R, int NT, int MODE>
 __global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
@@ -216,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
   // while x is staged; x itself is read only after wait_for_inputs()
   if (live) load_units<NW>(rows, 0, units, lane, hdr, qs);
   wait_for_inputs();
-  stage_x<NT>(a, xq, xds);
+  stage_x<NT, kThreads>(a, xq, xds);
   if (!live) return;  // whole warps: nothing below synchronises the block
   // this lane's place in every block it reads: word j = 2c + h (see the file comment)
   const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
@@ -270,35 +306,113 @@ __global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
     }
   }
   allow_dependents();
+  finish<R, MODE>(a, acc, n0, lane);
+}
+
+// out[t, n] for the warp's one output row n (kSwiGLU: its gate and up rows) over blocks of QT,
+// staged through shared memory a chunk of whole blocks at a time (gguf_gemv's staging); lanes
+// take the chunk's 32-weight units in turn, each meeting its x group in dot32_q8.
+template <int QT, int NT, int MODE>
+__global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
+  using B = gguf::Block<QT>;
+  constexpr int NW = MODE == kSwiGLU ? 2 : 1;
+  using Stage = gguf_stage::GgufStage<QT, NW>;
+  constexpr int kUnits = B::kWeights / 32;
+  __shared__ __attribute__((aligned(16))) int8_t xq[kStagedCapacity];
+  __shared__ __attribute__((aligned(16))) float xds[kStagedCapacity / 16];
+  __shared__ __attribute__((aligned(16))) uint8_t staged[kStagedWarps][NW * Stage::kChunk];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kStagedWarps + warp;
+  const bool live = n0 < a.n;
+  const uint8_t* rows[NW];
+#pragma unroll
+  for (int r = 0; r < NW; ++r) {
+    const int64_t row = n0 < a.n ? n0 : a.n - 1;
+    rows[r] = a.w + (row + (r > 0 ? a.n : 0)) * a.row_bytes;
+  }
+  Stage stage;
+  int bytes = static_cast<int>(a.row_bytes < Stage::kChunk ? a.row_bytes : Stage::kChunk);
+  if (live) stage.load(rows, 0, bytes, lane);  // in flight while x is staged
+  wait_for_inputs();
+  stage_x<NT, kStagedThreads>(a, xq, xds);
+  if (!live) return;  // whole warps: below, only the warp synchronises
+  const int64_t groups = a.k / 32;
+  float acc[NW][NT];
 #pragma unroll
   for (int r = 0; r < NW; ++r)
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = warp_sum(acc[r][t]);
-  if (lane != 0) return;
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  uint8_t* mine = staged[warp];
+  for (int64_t c0 = 0; c0 < a.row_bytes; c0 += Stage::kChunk) {
+    stage.store(mine, bytes, lane);
+    gguf_stage::warp_sync();
+    const int nb = bytes / B::kBytes;
+    const int64_t next = c0 + Stage::kChunk;
+    // the next chunk's loads go out before this chunk is summed
+    bytes = static_cast<int>(a.row_bytes - next < Stage::kChunk ? a.row_bytes - next
+                                                                 : Stage::kChunk);
+    if (next < a.row_bytes) stage.load(rows, next, bytes, lane);
+    const int64_t col0 = c0 / B::kBytes * B::kWeights;
+    for (int gi = lane; gi < nb * kUnits; gi += kWarp) {
+      const int blk = gi / kUnits, u = gi % kUnits;
+      const int64_t col = col0 + static_cast<int64_t>(blk) * B::kWeights + u * 32;
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = n0 + r;
-    if (n >= a.n) break;
+      for (int t = 0; t < NT; ++t) {
+        const uint32_t* xp = reinterpret_cast<const uint32_t*>(xq + t * a.k + col);
+        const Word x0 = load_vec<uint32_t, 4>(xp), x1 = load_vec<uint32_t, 4>(xp + 4);
+        const uint32_t xw[8] = {x0.v[0], x0.v[1], x0.v[2], x0.v[3],
+                                x1.v[0], x1.v[1], x1.v[2], x1.v[3]};
+        const Vec<float, 2> ds = load_vec<float, 2>(xds + 2 * (t * groups + col / 32));
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float v = acc[r][t];
-      if (MODE == kStore) {
-        const float b = a.bias != nullptr ? to_float(a.bias[n]) : 0.f;
-        if (a.out_f32) {
-          static_cast<float*>(a.out)[t * a.ldo + n] = v + b;
-        } else {
-          static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(v + b);
+        for (int r = 0; r < NW; ++r) {
+          acc[r][t] += gguf::dot32_q8<QT>(mine + r * Stage::kChunk + blk * B::kBytes, u, xw,
+                                          ds.v[0], ds.v[1]);
         }
-      } else if (MODE == kAddResidual) {
-        bf16* o = static_cast<bf16*>(a.out) + t * a.ldo + n;
-        *o = from_float<bf16>(to_float(*o) + to_float(from_float<bf16>(v)));
-      } else {
-        // gate and up rounded where the unfused chain stores them, as decode_gemv_swiglu
-        const float g = to_float(from_float<bf16>(v));
-        const float u = to_float(from_float<bf16>(acc[R + r][t]));
-        static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(g / (1.f + __expf(-g)) * u);
       }
     }
+    gguf_stage::warp_sync();
+  }
+  allow_dependents();
+  finish<1, MODE>(a, acc, n0, lane);
+}
+
+/*! \brief int8 x values a block of the kernel for `qtype` stages (tokens * K at most). */
+inline int64_t capacity(int qtype) {
+  return qtype == gguf::kQ4_K ? kXCapacity : kStagedCapacity;
+}
+
+// Which kernel one call runs: go(kernel, blocks, threads) with the instantiation that the type,
+// the weight rows per warp (Q4_K; the staged types take one), the tokens and the mode select.
+// False for a type none reads. The launch part below and the emulated tests both launch
+// through it.
+template <int MODE, class Go>
+bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
+  const bool one = a.tokens == 1;
+  auto blocks = [&](int64_t rows_per_block) {
+    return static_cast<unsigned>(ceil_div(a.n, rows_per_block));
+  };
+  auto staged = [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    go(one ? staged_gemv_kernel<QT, 1, MODE> : staged_gemv_kernel<QT, 2, MODE>,
+       blocks(kStagedWarps), kStagedThreads);
+    return true;
+  };
+  switch (qtype) {
+    case gguf::kQ4_K:
+      if (rows == 2 || (rows == 0 && !one)) {
+        go(one ? q4k_gemv_kernel<2, 1, MODE> : q4k_gemv_kernel<2, 2, MODE>, blocks(2 * kWarps),
+           kThreads);
+      } else {
+        go(one ? q4k_gemv_kernel<1, 1, MODE> : q4k_gemv_kernel<1, 2, MODE>, blocks(kWarps),
+           kThreads);
+      }
+      return true;
+    case gguf::kQ4_0: return staged(std::integral_constant<int, gguf::kQ4_0>());
+    case gguf::kQ4_1: return staged(std::integral_constant<int, gguf::kQ4_1>());
+    case gguf::kQ8_0: return staged(std::integral_constant<int, gguf::kQ8_0>());
+    case gguf::kQ5_K: return staged(std::integral_constant<int, gguf::kQ5_K>());
+    case gguf::kQ6_K: return staged(std::integral_constant<int, gguf::kQ6_K>());
+    default: return false;
   }
 }
 
@@ -311,38 +425,33 @@ namespace {
 
 using namespace gemv_q8;
 
-template <int R, int NT, int MODE>
-void launch_kernel(const Args& a, bool pdl, int device, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(a.n, kWarps * R)));
-  launch_maybe_pdl(q4k_gemv_kernel<R, NT, MODE>, grid, dim3(kThreads), stream, pdl, device, a);
-}
-
 template <int MODE>
-void launch_mode(const Args& a, int64_t rows, bool pdl, int device, cudaStream_t stream) {
-  const bool two_rows = rows == 2 || (rows == 0 && a.tokens > 1);
-  if (a.tokens == 1) {
-    if (two_rows) return launch_kernel<2, 1, MODE>(a, pdl, device, stream);
-    return launch_kernel<1, 1, MODE>(a, pdl, device, stream);
-  }
-  if (two_rows) return launch_kernel<2, 2, MODE>(a, pdl, device, stream);
-  launch_kernel<1, 2, MODE>(a, pdl, device, stream);
+void launch_mode(const Args& a, int qtype, int64_t rows, bool pdl, int device,
+                 cudaStream_t stream) {
+  dispatch<MODE>(a, qtype, rows, [&](auto kernel, unsigned blocks, int threads) {
+    launch_maybe_pdl(kernel, dim3(blocks), dim3(threads), stream, pdl, device, a);
+  });
 }
 
 /*!
- * \brief The decode product over Q4_K rows on int8-quantized activations.
+ * \brief The decode product over GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows (a multiple
+ * of 16 bytes) on int8-quantized activations.
  * mode 0: out[T, N] = xn @ W.T (+ bias), out bf16 or f32, may be a column slice;
  * mode 1: out[T, N] += xn @ W.T (out bf16, the residual; the product rounded first);
  * mode 2: out[T, N] = silu(g) * u, [g | u] = xn @ W.T with W [2N, K] (out bf16).
  * xn = rms_norm(x) * norm_weight when norm_weight is given, else x (bf16, T <= 2 rows, T * K
- * <= 32768). rows: weight rows per warp, 0 (by T), 1 or 2. pdl: launch as a programmatic
- * dependent where the device has it.
+ * <= 32768 for Q4_K, 24576 for the others). rows: Q4_K weight rows per warp, 0 (by T), 1 or 2
+ * (the other types take one). pdl: launch as a programmatic dependent where the device has it.
  */
 void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtype,
                   tvm::ffi::Optional<TensorView> bias, tvm::ffi::Optional<TensorView> norm_weight,
                   double eps, int64_t mode, int64_t rows, bool pdl) {
   const int dev = qweight.device().device_id;
-  TVM_FFI_ICHECK(qtype == gguf::kQ4_K) << "gguf_gemv_q8 reads Q4_K (12), got qtype " << qtype
-                                       << "; gguf_gemv reads the other types";
+  int weights = 0, block_bytes = 0;
+  gguf::block_shape(static_cast<int>(qtype), &weights, &block_bytes);
+  TVM_FFI_ICHECK(weights > 0)
+      << "gguf_gemv_q8 reads Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14), "
+      << "got qtype " << qtype;
   TVM_FFI_ICHECK(mode == kStore || mode == kAddResidual || mode == kSwiGLU)
       << "mode must be 0 (store), 1 (residual add) or 2 (SwiGLU), got " << mode;
   TVM_FFI_ICHECK(rows == 0 || rows == 1 || rows == 2)
@@ -352,17 +461,19 @@ void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
   check_ndim(qweight, 2, "qweight");
   check_contiguous(qweight, "qweight");
   TVM_FFI_ICHECK(aligned16(qweight)) << "qweight must start on a 16-byte boundary";
-  const int64_t rb = qweight.size(1), k = rb / kBlockBytes * kBlockWeights;
-  TVM_FFI_ICHECK(rb % kBlockBytes == 0 && k > 0)
-      << "qweight rows must be whole Q4_K blocks (144 bytes), got " << rb << " bytes";
+  const int64_t rb = qweight.size(1), k = rb / block_bytes * weights;
+  TVM_FFI_ICHECK(rb % block_bytes == 0 && k > 0 && rb % 16 == 0)
+      << "qweight rows must be whole blocks of " << block_bytes << " bytes and a multiple of 16 "
+      << "bytes, got " << rb << " (gguf_matmul takes any row)";
   const int64_t n_rows = qweight.size(0), n = mode == kSwiGLU ? n_rows / 2 : n_rows;
   TVM_FFI_ICHECK(mode != kSwiGLU || n_rows % 2 == 0) << "gate_up must have 2*I rows";
   check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
   check_aligned_rows(x, dev, "x", k);
   const int64_t tokens = x.size(0);
-  TVM_FFI_ICHECK(tokens <= kMaxTokens && tokens * k <= kXCapacity)
-      << "gguf_gemv_q8 takes at most " << kMaxTokens << " rows of x and " << kXCapacity
-      << " values in all, got " << tokens << " x " << k << " (gguf_gemv takes more)";
+  TVM_FFI_ICHECK(tokens <= kMaxTokens && tokens * k <= capacity(static_cast<int>(qtype)))
+      << "gguf_gemv_q8 takes at most " << kMaxTokens << " rows of x and "
+      << capacity(static_cast<int>(qtype)) << " values in all for qtype " << qtype << ", got "
+      << tokens << " x " << k << " (gguf_gemv takes more)";
   const bool f32 = has_dtype(out, kDLFloat, 32);
   TVM_FFI_ICHECK(!f32 || mode == kStore) << "a float32 out is for mode 0 only";
   check_gpu(out, "out", dev);
@@ -389,9 +500,10 @@ void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
          static_cast<float>(eps)};
   DeviceGuard guard(dev);
   cudaStream_t stream = stream_for(qweight);
-  if (mode == kStore) launch_mode<kStore>(a, rows, pdl, dev, stream);
-  if (mode == kAddResidual) launch_mode<kAddResidual>(a, rows, pdl, dev, stream);
-  if (mode == kSwiGLU) launch_mode<kSwiGLU>(a, rows, pdl, dev, stream);
+  const int qt = static_cast<int>(qtype);
+  if (mode == kStore) launch_mode<kStore>(a, qt, rows, pdl, dev, stream);
+  if (mode == kAddResidual) launch_mode<kAddResidual>(a, qt, rows, pdl, dev, stream);
+  if (mode == kSwiGLU) launch_mode<kSwiGLU>(a, qt, rows, pdl, dev, stream);
   check_launch("gguf_gemv_q8");
 }
 

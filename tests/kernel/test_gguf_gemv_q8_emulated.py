@@ -1,10 +1,11 @@
-"""The int8-activation Q4_K decode GEMV runs on the host: the real kernel of
-kernels/cuda/gguf_gemv_q8.cu built with g++ against the stand-in for the CUDA vocabulary
-(tests/kernel/emu/freetoken/cuda_common.cuh: one CPU thread per GPU thread, barriers for
-__syncthreads and the warp sums, aborts on misaligned vector accesses), launched by
-tests/kernel/gguf_gemv_q8_emu.cc. Evidence without a GPU for the index math (which nibbles,
-scales and x groups meet), every rows-per-warp and token instantiation, the norm prologue and
-the three epilogues.
+"""The int8-activation decode GEMV runs on the host: the real kernels of
+kernels/cuda/gguf_gemv_q8.cu (Q4_K straight from memory, the other types staged) built with g++
+against the stand-in for the CUDA vocabulary (tests/kernel/emu/freetoken/cuda_common.cuh: one
+CPU thread per GPU thread, barriers for __syncthreads, __syncwarp and the warp sums, aborts on
+misaligned vector accesses), launched through the kernel's own dispatch by
+tests/kernel/gguf_gemv_q8_emu.cc. Evidence without a GPU for the index math (which quants,
+scales and x groups meet), every type, rows-per-warp and token instantiation, the norm prologue
+and the three epilogues.
 
 The reference is independent of the kernel: gguf's numpy dequantizer for the weights,
 kernel/reference.py's rms_norm for the normed input, and the activation quantization the kernel
@@ -26,7 +27,8 @@ from tests.kernel.gguf_random import dequantize, random_blocks
 from tests.tolerances import EPS
 
 BF16 = torch.bfloat16
-Q4_K = 12
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 ULPS = 32  # f32 ulps of the sum's magnitude per sqrt(K), as test_decode_gemv_emulated.py
 STORE, ADD, SWIGLU = 0, 1, 2
 
@@ -36,18 +38,18 @@ def emulated(tmp_path_factory):
     return build_emulation(tmp_path_factory, "gguf_gemv_q8_emu", ctypes.c_int,
                            [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
                            + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_long] * 2
-                           + [ctypes.c_int] * 2 + [ctypes.c_float])
+                           + [ctypes.c_int] * 3 + [ctypes.c_float])
 
 
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def _run(fn, out, x, blocks, bias=None, norm=None, mode=STORE, rows=0, eps=1e-6):
+def _run(fn, out, x, blocks, bias=None, norm=None, mode=STORE, rows=0, eps=1e-6, qtype=Q4_K):
     t, k = x.shape
     n = out.shape[1]
     ok = fn(_ptr(out), int(out.dtype == torch.float32), _ptr(x), blocks.ctypes.data,
-            _ptr(bias), _ptr(norm), x.stride(0), out.stride(0), t, n, k, mode, rows, eps)
+            _ptr(bias), _ptr(norm), x.stride(0), out.stride(0), t, n, k, qtype, mode, rows, eps)
     assert ok, "the configuration was refused"
 
 
@@ -62,11 +64,11 @@ def quantize_rows(x: torch.Tensor) -> np.ndarray:
     return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape[0], -1)
 
 
-def _case(t, rows, k, seed):
+def _case(t, rows, k, seed, qtype=Q4_K):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, k + 8, generator=g).to(BF16)[:, :k]     # strided, 16-byte aligned rows
-    blocks = random_blocks(Q4_K, rows, k, np.random.default_rng(seed))
-    w = dequantize(blocks, Q4_K).astype(np.float64)
+    blocks = random_blocks(qtype, rows, k, np.random.default_rng(seed))
+    w = dequantize(blocks, qtype).astype(np.float64)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(BF16)
     return x, blocks, w, nw, g
 
@@ -79,11 +81,21 @@ def _normed(x, nw, norm):
     return xn
 
 
-def min_terms(blocks: np.ndarray) -> np.ndarray:
-    """|dmin * m_s| of every weight's sub-block (float64 [rows, K]), read from the Q4_K bytes:
-    the part of a weight that the kernel sums apart from its scaled nibble."""
+def offset_terms(blocks: np.ndarray, qtype: int = Q4_K) -> np.ndarray:
+    """The part of every weight (float64 [rows, K]) that the kernel sums apart from its scaled
+    quant, so that the two may cancel in float32: |dmin * m_s| (Q4_K, Q5_K), |8 d| (Q4_0), |m|
+    (Q4_1); none for Q8_0 and Q6_K, whose offsets are taken in integers. Read from the bytes."""
     rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, 144)
+    half = {Q4_0: 18, Q4_1: 20}
+    if qtype in half:
+        b = blocks.reshape(rows, -1, half[qtype])
+        field = 0 if qtype == Q4_0 else 2
+        v = np.abs(b[:, :, field:field + 2].copy().view(np.float16)[..., 0].astype(np.float64))
+        return np.repeat(v * (8 if qtype == Q4_0 else 1), 32, axis=1)
+    if qtype not in (Q4_K, Q5_K):
+        return np.zeros((rows, blocks.shape[1] // {Q8_0: 34, Q6_K: 210}[qtype]
+                         * {Q8_0: 32, Q6_K: 256}[qtype]))
+    b = blocks.reshape(rows, -1, 144 if qtype == Q4_K else 176)
     dmin = b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
     sc = b[:, :, 4:16].astype(np.int64)
     m = np.empty(sc.shape[:2] + (8,), dtype=np.int64)
@@ -93,13 +105,13 @@ def min_terms(blocks: np.ndarray) -> np.ndarray:
 
 
 def q8_bound(xn: torch.Tensor, xq: np.ndarray, w: np.ndarray, blocks: np.ndarray,
-           norm: bool) -> np.ndarray:
+             norm: bool, qtype: int = Q4_K) -> np.ndarray:
     """f32 rounding of the scaled integer sums: magnitude the root-sum-square of the products,
-    each weight counted as its nibble part plus its min part (the two may cancel); plus, with the
-    norm, a few normed elements whose bf16 rounding flips between two float32 orders (each moves
-    one int8 step of its group)."""
+    each weight counted as its quant part plus its offset part (the two may cancel); plus, with
+    the norm, a few normed elements whose bf16 rounding flips between two float32 orders (each
+    moves one int8 step of its group)."""
     k = w.shape[1]
-    parts = np.abs(w) + 2 * min_terms(blocks)
+    parts = np.abs(w) + 2 * offset_terms(blocks, qtype)
     rss = np.sqrt((xq ** 2) @ (parts ** 2).T)
     order = ULPS * EPS["float32"] * rss * math.sqrt(k)
     flips = 0.0
@@ -117,16 +129,21 @@ def _check(out, want, bound, msg):
     assert (err <= limit).all(), f"max error {err.max():.3g} (limit {limit.min():.3g}) {msg}"
 
 
-# (tokens, N, K): one partial round of units (K = 256: 8 of 32 lanes), one whole round (4096),
-# a partial last round (2560) and several rounds (12288 at 2 tokens: the staging capacity)
-SHAPES = [(1, 37, 256), (1, 21, 4096), (2, 19, 2560), (2, 9, 12288)]
+# (tokens, N, K). Q4_K: one partial round of units (K = 256: 8 of 32 lanes), one whole round
+# (4096), a partial last round (2560) and several rounds (12288 at 2 tokens: the staging
+# capacity). The staged types: K = 2048 (Q6_K's shortest row of whole 16-byte words), one or
+# two chunks, and several (12288 at 2 tokens, their staging capacity).
+SHAPES = {Q4_K: [(1, 37, 256), (1, 21, 4096), (2, 19, 2560), (2, 9, 12288)],
+          "staged": [(1, 37, 2048), (1, 21, 4096), (2, 19, 6144), (2, 9, 12288)]}
+STORE_CASES = ([(Q4_K, *shape, rows) for shape in SHAPES[Q4_K] for rows in (0, 1, 2)]
+               + [(qt, *shape, 0) for qt in TYPES if qt != Q4_K for shape in SHAPES["staged"]])
 
 
-@pytest.mark.parametrize("t,n,k", SHAPES)
-@pytest.mark.parametrize("rows", (0, 1, 2))
+@pytest.mark.parametrize("qtype,t,n,k,rows", STORE_CASES,
+                         ids=[f"{TYPES[c[0]]}-{c[1]}x{c[3]}-r{c[4]}" for c in STORE_CASES])
 @pytest.mark.parametrize("norm", (False, True), ids=("x", "normed"))
-def test_store_matches_the_quantized_product(emulated, t, n, k, rows, norm):
-    x, blocks, w, nw, g = _case(t, n, k, seed=n + k + rows)
+def test_store_matches_the_quantized_product(emulated, qtype, t, n, k, rows, norm):
+    x, blocks, w, nw, g = _case(t, n, k, seed=n + k + rows + qtype, qtype=qtype)
     bias = torch.randn(n, generator=g).to(BF16)
     xn = _normed(x, nw, norm)
     xq = quantize_rows(xn)
@@ -134,9 +151,10 @@ def test_store_matches_the_quantized_product(emulated, t, n, k, rows, norm):
         whole = torch.full((t, n + 5), float("nan"), dtype=out_dtype)
         out = whole[:, 2:2 + n]                       # a column slice
         _run(emulated, out, x, blocks, bias if with_bias else None, nw if norm else None,
-             STORE, rows)
+             STORE, rows, qtype=qtype)
         want = xq @ w.T + (bias.double().numpy() if with_bias else 0.0)
-        _check(out, want, q8_bound(xn, xq, w, blocks, norm), f"out {out_dtype} bias={with_bias}")
+        _check(out, want, q8_bound(xn, xq, w, blocks, norm, qtype),
+               f"out {out_dtype} bias={with_bias}")
         assert torch.isnan(whole[:, :2]).all() and torch.isnan(whole[:, 2 + n:]).all()
 
 
@@ -152,24 +170,28 @@ def test_int8_activations_stay_within_their_rounding(emulated):
     _check(out, xf @ w.T, bound, "vs the bf16 activations")
 
 
-@pytest.mark.parametrize("t,n,k,rows", [(1, 17, 4096, 0), (2, 12, 2560, 1), (2, 7, 512, 2)])
-def test_residual_add(emulated, t, n, k, rows):
-    x, blocks, w, _, g = _case(t, n, k, seed=7 * n + rows)
+@pytest.mark.parametrize("qtype,t,n,k,rows", [(Q4_K, 1, 17, 4096, 0), (Q4_K, 2, 12, 2560, 1),
+                                              (Q4_K, 2, 7, 512, 2), (Q6_K, 1, 17, 12288, 0),
+                                              (Q5_K, 2, 12, 4096, 0)])
+def test_residual_add(emulated, qtype, t, n, k, rows):
+    x, blocks, w, _, g = _case(t, n, k, seed=7 * n + rows, qtype=qtype)
     residual = torch.randn(t, n, generator=g).to(BF16)
     xq = quantize_rows(x)
     prod = xq @ w.T
     out = residual.clone()
-    _run(emulated, out, x, blocks, mode=ADD, rows=rows)
+    _run(emulated, out, x, blocks, mode=ADD, rows=rows, qtype=qtype)
     # the product is rounded to bf16, then the sum: one bf16 ulp of each on top of the order
     want = residual.double().numpy() + prod
-    bound = q8_bound(x, xq, w, blocks, False) + 2 * EPS["bfloat16"] * (np.abs(prod) + np.abs(want))
+    bound = (q8_bound(x, xq, w, blocks, False, qtype)
+             + 2 * EPS["bfloat16"] * (np.abs(prod) + np.abs(want)))
     _check(out, want, bound, "residual add")
 
 
-@pytest.mark.parametrize("t,inter,k,rows,norm", [(1, 20, 4096, 0, True), (2, 13, 2560, 2, False),
-                                                 (1, 9, 512, 1, True)])
-def test_swiglu(emulated, t, inter, k, rows, norm):
-    x, blocks, w, nw, _ = _case(t, 2 * inter, k, seed=inter + k)
+@pytest.mark.parametrize("qtype,t,inter,k,rows,norm", [
+    (Q4_K, 1, 20, 4096, 0, True), (Q4_K, 2, 13, 2560, 2, False), (Q4_K, 1, 9, 512, 1, True),
+    (Q8_0, 1, 20, 4096, 0, True), (Q4_0, 2, 9, 2048, 0, False)])
+def test_swiglu(emulated, qtype, t, inter, k, rows, norm):
+    x, blocks, w, nw, _ = _case(t, 2 * inter, k, seed=inter + k, qtype=qtype)
     xn = _normed(x, nw, norm)
     xq = quantize_rows(xn)
     gu = xq @ w.T
@@ -177,8 +199,10 @@ def test_swiglu(emulated, t, inter, k, rows, norm):
     silu = gate / (1 + np.exp(-gate))
     want = silu * up
     out = torch.full((t, inter), float("nan"), dtype=BF16)
-    _run(emulated, out, x, blocks, norm=nw if norm else None, mode=SWIGLU, rows=rows)
-    lim = q8_bound(xn, xq, w, blocks, norm) + 2 * EPS["bfloat16"] * np.abs(gu)  # g, u and their rounding
+    _run(emulated, out, x, blocks, norm=nw if norm else None, mode=SWIGLU, rows=rows,
+         qtype=qtype)
+    # g and u within the dot bound and their bf16 rounding
+    lim = q8_bound(xn, xq, w, blocks, norm, qtype) + 2 * EPS["bfloat16"] * np.abs(gu)
     lg, lu = lim[:, :inter], lim[:, inter:]
     bound = 1.1 * lg * np.abs(up) + np.abs(silu) * lu + lg * lu
     _check(out, want, bound, "swiglu")
@@ -188,10 +212,13 @@ def test_refuses_what_the_entry_point_refuses(emulated):
     x, blocks, _, _, _ = _case(1, 8, 256, seed=0)
     out = torch.zeros(1, 8, dtype=BF16)
     args = (_ptr(out), 0, _ptr(x), blocks.ctypes.data, None, None, x.stride(0), 8)
-    assert emulated(*args, 1, 8, 256, STORE, 0, 1e-6)
-    assert not emulated(*args, 3, 8, 256, STORE, 0, 1e-6)           # 3 tokens: gguf_gemv's
-    assert not emulated(*args, 1, 8, 32768 + 256, STORE, 0, 1e-6)   # past the staging capacity
-    assert not emulated(*args, 1, 8, 200, STORE, 0, 1e-6)           # not whole Q4_K blocks
-    assert not emulated(*args, 1, 8, 256, STORE, 3, 1e-6)           # rows per warp
+    assert emulated(*args, 1, 8, 256, Q4_K, STORE, 0, 1e-6)
+    assert not emulated(*args, 3, 8, 256, Q4_K, STORE, 0, 1e-6)          # 3 tokens: gguf_gemv's
+    assert not emulated(*args, 1, 8, 32768 + 256, Q4_K, STORE, 0, 1e-6)  # past the staging
+    assert not emulated(*args, 1, 8, 24576 + 2048, Q6_K, STORE, 0, 1e-6)  # (staged: less room)
+    assert not emulated(*args, 1, 8, 200, Q4_K, STORE, 0, 1e-6)          # not whole blocks
+    assert not emulated(*args, 1, 8, 256, Q6_K, STORE, 0, 1e-6)   # 210 bytes: not whole words
+    assert not emulated(*args, 1, 8, 256, 6, STORE, 0, 1e-6)             # Q5_0: not read
+    assert not emulated(*args, 1, 8, 256, Q4_K, STORE, 3, 1e-6)          # rows per warp
     f32 = torch.zeros(1, 8, dtype=torch.float32)
-    assert not emulated(_ptr(f32), 1, *args[2:], 1, 8, 256, ADD, 0, 1e-6)
+    assert not emulated(_ptr(f32), 1, *args[2:], 1, 8, 256, Q4_K, ADD, 0, 1e-6)

@@ -142,15 +142,21 @@ def test_linears_take_the_selected_gemv(variant, monkeypatch):
 # The bounds and the numpy restatement of the int8 activations are the emulated test's
 # (tests/kernel/test_gguf_gemv_q8_emulated.py); here the compiled kernel runs them.
 
-@pytest.mark.parametrize("t,n,k", [(1, 37, 256), (1, 21, 4096), (2, 19, 2560), (2, 9, 12288),
-                                   (1, 4099, 4096)])
-@pytest.mark.parametrize("rows", (0, 1, 2))
+Q8_CASES = ([(12, *shape, rows) for shape in ((1, 37, 256), (1, 21, 4096), (2, 19, 2560),
+                                               (2, 9, 12288), (1, 4099, 4096))
+             for rows in (0, 1, 2)]
+            + [(qt, *shape, 0) for qt in (2, 3, 8, 13, 14)
+               for shape in ((1, 37, 2048), (2, 19, 6144), (2, 9, 12288), (1, 4099, 4096))])
+
+
+@pytest.mark.parametrize("qtype,t,n,k,rows", Q8_CASES,
+                         ids=[f"{NAMES[c[0]]}-{c[1]}x{c[3]}x{c[2]}-r{c[4]}" for c in Q8_CASES])
 @pytest.mark.parametrize("norm", (False, True), ids=("x", "normed"))
 @pytest.mark.parametrize("pdl", (False, True), ids=("launch", "pdl"))
-def test_gguf_gemv_q8_matches_the_quantized_product(t, n, k, rows, norm, pdl):
+def test_gguf_gemv_q8_matches_the_quantized_product(qtype, t, n, k, rows, norm, pdl):
     from tests.kernel.test_gguf_gemv_q8_emulated import _case, _normed, q8_bound, quantize_rows
 
-    x, blocks, w, nw, g = _case(t, n, k, seed=n + k + rows)
+    x, blocks, w, nw, g = _case(t, n, k, seed=n + k + rows, qtype=qtype)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     xn = _normed(x, nw, norm)
     xq = quantize_rows(xn)
@@ -158,17 +164,18 @@ def test_gguf_gemv_q8_matches_the_quantized_product(t, n, k, rows, norm, pdl):
     for out_dtype, with_bias in ((torch.float32, False), (torch.bfloat16, True)):
         whole = torch.full((t, n + 5), float("nan"), dtype=out_dtype, device="cuda")
         out = whole[:, 2:2 + n]
-        ops.gguf_gemv_q8(out, x.cuda(), qweight, 12, bias.cuda() if with_bias else None,
+        ops.gguf_gemv_q8(out, x.cuda(), qweight, qtype, bias.cuda() if with_bias else None,
                          nw.cuda() if norm else None, 1e-6, 0, rows, pdl)
         want = xq @ w.T + (bias.double().numpy() if with_bias else 0.0)
-        limit = q8_bound(xn, xq, w, blocks, norm) + 2 * 2.0 ** -7 * np.abs(want)
+        limit = q8_bound(xn, xq, w, blocks, norm, qtype) + 2 * 2.0 ** -7 * np.abs(want)
         err = np.abs(out.double().cpu().numpy() - want)
         assert (err <= limit).all(), f"max error {err.max():.3g} out {out_dtype}"
         assert torch.isnan(whole[:, :2]).all() and torch.isnan(whole[:, 2 + n:]).all()
 
 
+@pytest.mark.parametrize("qtype", (12, 14, 8), ids=("Q4_K", "Q6_K", "Q8_0"))
 @pytest.mark.parametrize("mode", (1, 2), ids=("residual-add", "swiglu"))
-def test_gguf_gemv_q8_epilogues_match_the_reference_chain(mode):
+def test_gguf_gemv_q8_epilogues_match_the_reference_chain(mode, qtype):
     """Modes 1 and 2 against kernel/reference.py's chain (the same int8 activations) on the
     same blocks: bf16 outputs one rounding apart, plus the f32 order of the sums."""
     from freetoken.kernel import reference
@@ -176,15 +183,16 @@ def test_gguf_gemv_q8_epilogues_match_the_reference_chain(mode):
 
     for t in (1, 2):
         rows = 2 * 24 if mode == 2 else 24
-        x, blocks, w, nw, g = _case(t, rows, 4096, seed=mode * 10 + t)
+        x, blocks, w, nw, g = _case(t, rows, 4096, seed=mode * 10 + t, qtype=qtype)
         base = torch.randn(t, 24, generator=g).to(torch.bfloat16)
         norm = nw if mode == 2 else None
         want = base.clone()
-        reference.gguf_gemv_q8(want, x, torch.from_numpy(blocks), 12, None, norm, 1e-6, mode)
+        reference.gguf_gemv_q8(want, x, torch.from_numpy(blocks), qtype, None, norm, 1e-6,
+                               mode)
         out = base.cuda()
-        ops.gguf_gemv_q8(out, x.cuda(), torch.from_numpy(blocks).cuda(), 12, None,
+        ops.gguf_gemv_q8(out, x.cuda(), torch.from_numpy(blocks).cuda(), qtype, None,
                          None if norm is None else norm.cuda(), 1e-6, mode, 0, True)
-        lim = q8_bound(x, quantize_rows(x), w, blocks, norm is not None)
+        lim = q8_bound(x, quantize_rows(x), w, blocks, norm is not None, qtype)
         lim = lim.max() * (4 if mode == 2 else 1) + 4 * 2.0 ** -7 * want.double().abs().numpy()
         err = (out.cpu().double() - want.double()).abs().numpy()
         assert (err <= lim).all(), f"T={t}: max error {err.max():.3g}"
@@ -194,7 +202,9 @@ def test_gguf_gemv_q8_refuses_what_it_does_not_read():
     x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, 4, device="cuda", dtype=torch.float32)
     q4k = torch.zeros(4, 144, device="cuda", dtype=torch.uint8)
-    with pytest.raises(Exception, match="reads Q4_K .12."):
+    with pytest.raises(Exception, match="reads Q4_0 .2., Q4_1 .3., Q8_0 .8., Q4_K .12., Q5_K"):
+        ops.gguf_gemv_q8(out, x, torch.zeros(4, 22, device="cuda", dtype=torch.uint8), 6)
+    with pytest.raises(Exception, match="multiple of 16"):
         ops.gguf_gemv_q8(out, x, torch.zeros(4, 210, device="cuda", dtype=torch.uint8), 14)
     with pytest.raises(Exception, match="mode must be"):
         ops.gguf_gemv_q8(out, x, q4k, 12, mode=3)

@@ -69,11 +69,16 @@ def test_fp8_gemv_reads_power_of_two_or_whole_row_blocks():
     assert not quant_gemv.fp8_reads(0, (128, 128), 4104)     # rows not whole words
 
 
-def test_gguf_gemv_q8_reads_q4k_steps_within_its_staging():
+def test_gguf_gemv_q8_reads_steps_within_its_staging():
     assert quant_gemv.q8_reads(12, 4096, 1) and quant_gemv.q8_reads(12, 12288, 2)
     assert quant_gemv.q8_reads(12, 32768, 1) and not quant_gemv.q8_reads(12, 32768, 2)
     assert not quant_gemv.q8_reads(12, 4096, 3)               # 3 tokens: gguf_gemv
-    assert not quant_gemv.q8_reads(14, 4096, 1)               # Q6_K: gguf_gemv
+    # the staged types: less room, rows of whole 16-byte words
+    assert quant_gemv.q8_reads(14, 4096, 2) and quant_gemv.q8_reads(14, 12288, 2)
+    assert not quant_gemv.q8_reads(14, 16384, 2) and not quant_gemv.q8_reads(14, 256, 1)
+    assert quant_gemv.q8_reads(8, 256, 1) and not quant_gemv.q8_reads(8, 32, 1)
+    assert quant_gemv.q8_reads(13, 256, 1) and quant_gemv.q8_reads(3, 128, 1)
+    assert not quant_gemv.q8_reads(6, 256, 1)                 # Q5_0: not read
 
 
 def test_variant_is_read_and_checked(monkeypatch):
@@ -114,7 +119,7 @@ def test_v2_binds_only_weights_it_reads(monkeypatch):
     assert bound == ["gguf_gemv", "fp8_gemv"]
 
 
-def test_v3_adds_the_int8_gemv_for_q4k_only(monkeypatch):
+def test_v3_adds_the_int8_gemv_where_it_reads(monkeypatch):
     from types import SimpleNamespace
 
     def on_gpu(rows, cols):
@@ -125,7 +130,7 @@ def test_v3_adds_the_int8_gemv_for_q4k_only(monkeypatch):
     monkeypatch.setattr("freetoken.kernel.ops.bind", lambda name, dev: bound.append(name) or name)
     assert quant_gemv.q8_decode(12, 256, on_gpu(4, 144)) == "gguf_gemv_q8"
     assert quant_gemv.gguf_decode(12, on_gpu(4, 144)) == "gguf_gemv"     # T 3-8 keep v2
-    assert quant_gemv.q8_decode(14, 256, on_gpu(4, 210)) is None
+    assert quant_gemv.q8_decode(14, 256, on_gpu(4, 210)) is None          # not whole words
     assert quant_gemv.q8_decode(12, 65536, on_gpu(4, 36864)) is None     # past the staging
     assert quant_gemv.q8_decode(12, 256, torch.zeros(4, 144, dtype=torch.uint8)) is None
     assert bound == ["gguf_gemv_q8", "gguf_gemv"]

@@ -39,17 +39,20 @@ def reference_ops(monkeypatch):
         monkeypatch.setattr(ops, name, getattr(reference, name))
 
 
-def _models(folder, q4k_blocks: dict | None = None):
-    """(unfused, fused) Decoders over the same float32 torch CPU weights; with q4k_blocks
-    (to_q4k's), the dense projections are those Q4_K blocks instead of floats."""
+def _models(folder, gguf_blocks: dict | None = None):
+    """(unfused, fused) Decoders over the same float32 torch CPU weights; with gguf_blocks
+    (to_gguf's), the dense projections are those blocks instead of floats, adjacent parts of one
+    type joined as the GGUF loader joins them."""
+    from freetoken.models.checkpoint.weights import _fuse_rows
+
     config, tensors, _, _ = read_hf_dir(folder)
     arrays = _CopyingArrays(parse_device("cpu"))
     weights = build_decoder_weights(tensors, config, Placement(arrays, "float32"))
-    for i, lw in enumerate(weights.layers if q4k_blocks else ()):
-        for name, parts in Q4K_PARTS.items():
-            rows = np.concatenate([q4k_blocks[f"model.layers.{i}.{p}.weight"] for p in parts])
-            cols = rows.shape[1] // 144 * 256
-            lw[name] = QuantWeight(12, torch.from_numpy(rows), (rows.shape[0], cols))
+    for i, lw in enumerate(weights.layers if gguf_blocks else ()):
+        for name, parts in GGUF_PARTS.items():
+            quant = [gguf_blocks[f"model.layers.{i}.{p}.weight"] for p in parts]
+            quant = [QuantWeight(qtype, torch.from_numpy(b), shape) for qtype, b, shape in quant]
+            lw[name] = _fuse_rows(quant) if len(quant) > 1 else quant[0]
     # the load-time rule accepts this layout (one matrix per fused entry) on a GPU
     assert fused_decode.supported(config, weights.layers, "bfloat16", parse_device("cuda:0"))
     plain = Decoder(config, weights, arrays, "float32")
@@ -152,16 +155,25 @@ def test_tuned_choices_reach_the_kernels(tmp_path, reference_ops, monkeypatch):
 
 
 # our fused entry -> the HF projections whose rows it stacks
-Q4K_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-             "down": ("mlp.down_proj",)}
+GGUF_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+              "down": ("mlp.down_proj",)}
+Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
+# GGUF type per HF projection: every projection Q4_K; a Q4_K_M-like mix (v and down Q6_K, so
+# qkv is two parts); Q8_0; Q4_0 (its offset of 8 taken in float)
+MIXES = {"q4_k": {}, "q4_k_m": {"v_proj": Q6_K, "down_proj": Q6_K},
+         "q8_0": dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"), Q8_0),
+         "q4_0": dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"), Q4_0)}
 
 
-def to_q4k(hf, folder, seed: int) -> dict:
-    """Every projection of `hf` set to the values of random Q4_K blocks (saved again to
-    `folder`, so transformers and the float load see the dequantized weights); the blocks by
-    parameter name. Norm weights are drawn far from 1, so that a norm weight used in the wrong
-    place moves the logits by much more than the activation rounding."""
+def to_gguf(hf, folder, seed: int, mix: dict) -> dict:
+    """Every projection of `hf` set to the values of random GGUF blocks of its mix type (Q4_K
+    unless the mix names another), saved again to `folder` so transformers and the float load
+    see the dequantized weights; (type, blocks, shape) by parameter name. Norm weights are drawn
+    far from 1, so that a norm weight used in the wrong place moves the logits by much more than
+    the activation rounding."""
     from tests.kernel.gguf_random import dequantize, random_blocks
 
     rng, blocks = np.random.default_rng(seed), {}
@@ -169,39 +181,53 @@ def to_q4k(hf, folder, seed: int) -> dict:
         if name.endswith("layernorm.weight"):
             with torch.no_grad():
                 param.copy_(torch.from_numpy(rng.uniform(0.25, 2.0, param.shape)))
-        if any(f".{p}.weight" in name for parts in Q4K_PARTS.values() for p in parts):
-            rows, cols = param.shape
-            blocks[name] = random_blocks(12, rows, cols, rng, size=0.5)
+        proj = name.split(".")[-2]
+        if any(f".{p}.weight" in name for parts in GGUF_PARTS.values() for p in parts):
+            qtype = mix.get(proj, Q4_K)
+            raw = random_blocks(qtype, *param.shape, rng, size=0.5)
+            blocks[name] = (qtype, raw, tuple(param.shape))
             with torch.no_grad():
-                param.copy_(torch.from_numpy(dequantize(blocks[name], 12)))
+                param.copy_(torch.from_numpy(dequantize(raw, qtype)))
     hf.save_pretrained(folder)
     return blocks
 
 
-def test_fused_q4k_steps_match_transformers(tmp_path, reference_ops, monkeypatch):
-    """Q4_K projections on the fused path (gguf_gemv_q8, v3): the same chain with int8
-    activations, at steps of 1-2 tokens (3-4 take the unfused chain, whose Q4_K products keep
-    float activations). Against transformers' float32 forward of the dequantized weights the
-    fused logits differ by the activation rounding alone, a small fraction of their spread; a
-    wrong buffer, norm weight or residual add moves them by about their size."""
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_fused_gguf_steps_match_the_unfused_chain(mix, tmp_path, reference_ops, monkeypatch):
+    """GGUF projections on the fused path (gguf_gemv_q8, v3) at steps of 1-2 tokens (3-4 take
+    the unfused chain); a qkv of two block types runs one product per part into its columns.
+    The unfused model's GGUF products quantize their activations exactly as gguf_gemv_q8 does
+    (kernel/reference.py) at those steps, so the two differ by float32 order alone, as the float
+    fused step does from transformers; a wrong buffer, part offset, norm weight or residual add
+    is off by O(1). (The int8 sums themselves: tests/kernel/test_gguf_gemv_q8_emulated.py.)"""
     monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
-    monkeypatch.setattr(ops, "gguf_matmul", reference.quant_matmul)
-    monkeypatch.setattr(ops, "gguf_gemv_q8", reference.gguf_gemv_q8)
     calls = []
-    monkeypatch.setattr(reference, "gguf_gemv_q8", lambda *a, f=reference.gguf_gemv_q8: (
-        calls.append(a[7]), f(*a))[1])
-    monkeypatch.setattr(ops, "gguf_gemv_q8", reference.gguf_gemv_q8)
-    hf = tiny_hf_model("qwen3", tmp_path, seed=11, hidden_size=256, intermediate_size=512,
+
+    def int8_matmul(out, x, qweight, qtype):
+        if x.shape[0] <= fused_decode.QUANT_MAX_TOKENS:
+            reference.gguf_gemv_q8(out, x, qweight, qtype)
+        else:
+            reference.quant_matmul(out, x, qweight, qtype)
+
+    def recorded(*args):
+        calls.append(args[7])                                   # the mode
+        reference.gguf_gemv_q8(*args)
+
+    monkeypatch.setattr(ops, "gguf_matmul", int8_matmul)
+    monkeypatch.setattr(ops, "gguf_gemv_q8", recorded)
+    # hidden and intermediate 2048: Q6_K rows of whole 16-byte words (K a multiple of 2048)
+    hf = tiny_hf_model("qwen3", tmp_path, seed=11, hidden_size=2048, intermediate_size=2048,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    blocks = to_q4k(hf, tmp_path, seed=5)
+    blocks = to_gguf(hf, tmp_path, seed=5, mix=MIXES[mix])
     config, plain, fused = _models(tmp_path, blocks)
     assert all(layer.max_tokens == fused_decode.QUANT_MAX_TOKENS for layer in fused._fused)
-    assert all(isinstance(layer.qkv, fused_decode.Q4KProjection) for layer in fused._fused)
+    assert all(isinstance(layer.qkv, fused_decode.QuantProjection) for layer in fused._fused)
+    qkv_parts = len(fused._fused[0].qkv.parts)
+    assert qkv_parts == (2 if mix == "q4_k_m" else 1)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist()
                for n in (9, 5)]
     runners = [PagedRunner(m, num_blocks=16, block_size=4, seed=2) for m in (plain, fused)]
-    seqs = [list(p) for p in prompts]
     for runner in runners:
         for seq, prompt in enumerate(prompts):
             runner.step([(seq, prompt)])
@@ -209,20 +235,8 @@ def test_fused_q4k_steps_match_transformers(tmp_path, reference_ops, monkeypatch
         calls.clear()
         theirs, ours = (r.step(chunks).clone() for r in runners)
         fused_step = sum(len(tokens) for _, tokens in chunks) <= fused_decode.QUANT_MAX_TOKENS
-        # store (qkv), add (o), SwiGLU (gate_up), add (down) per layer on the fused steps only
-        assert calls == ([0, 1, 2, 1] * config.num_layers if fused_step else []), calls
-        for row, (seq, tokens) in enumerate(chunks):
-            seqs[seq] += tokens
-            with torch.no_grad():
-                ref = hf(torch.tensor([seqs[seq]])).logits[0, -1]
-            assert_logits_close(theirs[row], ref, config, msg=f"plain {chunks} row {row}")
-            spread = float(ref.max() - ref.min())
-            err = float((ours[row] - ref).abs().max())
-            assert err < Q8_LOGIT_SHARE * spread, (chunks, row, err, spread)
-
-
-# The fused Q4_K step's largest logit error as a share of the logits' spread: the int8 rounding
-# moves each activation by at most 1/254 of its group's largest value, and summing K rounded
-# products only averages that down (here: 4e-4 at most). A norm weight in the wrong place moves
-# them by 2-3x the bound here, a wrong buffer or a missing norm by the spread itself.
-Q8_LOGIT_SHARE = 1 / 254
+        # store (qkv, per part), add (o), SwiGLU (gate_up), add (down) per layer, fused steps only
+        layer_calls = [0] * qkv_parts + [1, 2, 1]
+        assert calls == (layer_calls * config.num_layers if fused_step else []), calls
+        for row in range(len(chunks)):
+            assert_logits_close(ours[row], theirs[row], config, msg=f"{mix} {chunks} row {row}")

@@ -26,17 +26,20 @@ Q8_0, Q4_K, Q5_K, Q6_K = 8, 12, 13, 14
 # A Q4_K_M-like mix: Q6_K for v, the head and the embedding, Q5_K for down, Q4_K elsewhere.
 K_MIX = {"attn_q": Q4_K, "attn_k": Q4_K, "attn_v": Q6_K, "attn_output": Q4_K,
          "ffn_gate": Q4_K, "ffn_up": Q4_K, "ffn_down": Q5_K}
-# Every projection Q4_K: one matrix per fused entry, so FREETOKEN_QUANT_GEMV=v3 fuses the step
+# Every projection Q4_K: one matrix per fused entry, so FREETOKEN_QUANT_GEMV=v3 fuses the step;
+# and the Q4_K_M pattern (Q6_K v and down) that gguf_gemv_q8 reads at widths of 2048
 K_ALL = dict.fromkeys(K_MIX, Q4_K)
+K_M_WIDE = dict(K_ALL, attn_v=Q6_K, ffn_down=Q6_K)
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
 
 
-def _k_quant_file(tmp_path, mix: dict = K_MIX) -> tuple:
-    hf = tiny_hf_model("llama", tmp_path, seed=3, **SHAPE)
+def _k_quant_file(tmp_path, mix: dict = K_MIX, shape: dict = SHAPE) -> tuple:
+    hf = tiny_hf_model("llama", tmp_path, seed=3, **shape)
     rng = np.random.default_rng(0)
-    raw = {"token_embd.weight": (random_blocks(Q6_K, hf.config.vocab_size, 256, rng), Q6_K),
-           "output.weight": (random_blocks(Q6_K, hf.config.vocab_size, 256, rng), Q6_K)}
+    h = shape["hidden_size"]
+    raw = {"token_embd.weight": (random_blocks(Q6_K, hf.config.vocab_size, h, rng), Q6_K),
+           "output.weight": (random_blocks(Q6_K, hf.config.vocab_size, h, rng), Q6_K)}
     for name, param in hf.state_dict().items():
         if ".layers." not in name or param.ndim != 2:
             continue
@@ -89,19 +92,23 @@ def test_k_quant_mix_stays_in_vram_and_matches_the_dequantized_float_path(tmp_pa
     _compare(gpu.model, reference.model, gpu.config.vocab_size)
 
 
-def test_q4k_fused_decode_v3_matches_the_dequantized_float_path(tmp_path, monkeypatch):
-    """FREETOKEN_QUANT_GEMV=v3: every Q4_K projection of a 1-2 token step runs gguf_gemv_q8
-    on the fused chain (int8 activations: a rounding far inside REL_TOL)."""
+@pytest.mark.parametrize("mix", ["all-q4_k", "q4_k_m"])
+def test_fused_decode_v3_matches_the_dequantized_float_path(tmp_path, monkeypatch, mix):
+    """FREETOKEN_QUANT_GEMV=v3: every GGUF projection of a 1-2 token step runs gguf_gemv_q8 on
+    the fused chain (int8 activations: a rounding far inside REL_TOL); in the Q4_K_M-like mix
+    qkv is two parts (Q4_K q and k, Q6_K v) and down is Q6_K, read by the staged kernel."""
     from freetoken.models.forward import fused_decode
 
     monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
-    path, _ = _k_quant_file(tmp_path, K_ALL)
+    wide = dict(SHAPE, hidden_size=2048, intermediate_size=2048)   # Q6_K rows of whole words
+    path, _ = _k_quant_file(tmp_path, K_ALL if mix == "all-q4_k" else K_M_WIDE, wide)
     gpu = load_model(str(path), device="cuda")
     reference = load_model(str(path), device="cuda", dtype="float32")
     assert gpu.model._fused is not None and reference.model._fused is None
-    assert all(isinstance(layer.qkv, fused_decode.Q4KProjection) and layer.max_tokens == 2
+    assert all(isinstance(layer.qkv, fused_decode.QuantProjection) and layer.max_tokens == 2
                for layer in gpu.model._fused)
-    assert gpu.model._lm_head._q8 is None           # Q6_K head: gguf_gemv
+    assert len(gpu.model._fused[0].qkv.parts) == (1 if mix == "all-q4_k" else 2)
+    assert gpu.model._lm_head._q8 is not None       # Q6_K head, K = 2048: gguf_gemv_q8 too
     _compare(gpu.model, reference.model, gpu.config.vocab_size, steps=6)
 
 

@@ -175,6 +175,25 @@ FT_GGUF_HD float dot4(uint32_t v, const float* x, float acc) {
   return acc;
 }
 
+/*! \brief Quants 4j..4j+3 (one per byte) of sub-block u of a Q4_K / Q5_K block. */
+template <int QT>
+FT_GGUF_HD uint32_t kquant_word(const uint8_t* blk, int u, int j) {
+  const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + (u >> 1) * 32;
+  uint32_t v = (load_u32(qs + 4 * j) >> ((u & 1) * 4)) & 0x0F0F0F0Fu;
+  if constexpr (QT == kQ5_K) v |= ((load_u32(blk + 16 + 4 * j) >> u) & 0x01010101u) << 4;
+  return v;
+}
+
+/*! \brief Quants 4i..4i+3 (0..63, one per byte) of unit u = 4h + j of a Q6_K block: weights
+ * 128h + 32j + 4i.., low nibbles from ql, two high bits from qh (decode8's layout). */
+FT_GGUF_HD uint32_t q6k_word(const uint8_t* blk, int u, int i) {
+  const int h = u >> 2, j = u & 3;
+  const uint8_t* ql = blk + 64 * h + 32 * (j & 1);
+  const uint8_t* qh = blk + 128 + 32 * h;
+  return ((load_u32(ql + 4 * i) >> ((j >> 1) * 4)) & 0x0F0F0F0Fu) |
+         (((load_u32(qh + 4 * i) >> (2 * j)) & 0x03030303u) << 4);
+}
+
 /*!
  * \brief sum over the 32 weights of unit u of the block (u < Block<QT>::kWeights / 32) times
  * x[0..32); xlo / xhi are the sums of x[0..16) and x[16..32).
@@ -200,26 +219,16 @@ FT_GGUF_HD float dot32(const uint8_t* blk, int u, const float* x, float xlo, flo
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     int sc, mn;
     scale_min_k4(blk + 4, u, &sc, &mn);
-    const uint8_t* qs = blk + (QT == kQ5_K ? 48 : 16) + (u >> 1) * 32;
-    const int shift = (u & 1) * 4;
     FT_GGUF_UNROLL
-    for (int j = 0; j < 8; ++j) {
-      uint32_t v = (load_u32(qs + 4 * j) >> shift) & 0x0F0F0F0Fu;
-      if constexpr (QT == kQ5_K) v |= ((load_u32(blk + 16 + 4 * j) >> u) & 0x01010101u) << 4;
-      s = dot4(v, x + 4 * j, s);
-    }
+    for (int j = 0; j < 8; ++j) s = dot4(kquant_word<QT>(blk, u, j), x + 4 * j, s);
     return half_at(blk) * static_cast<float>(sc) * s -
            half_at(blk + 2) * static_cast<float>(mn) * (xlo + xhi);
   } else {  // Q6_K: unit u = 4h + j covers weights 128h + 32j + l (decode8's layout)
     const int h = u >> 2, j = u & 3;
-    const uint8_t* ql = blk + 64 * h + 32 * (j & 1);
-    const uint8_t* qh = blk + 128 + 32 * h;
-    const int lshift = (j >> 1) * 4, hshift = 2 * j;
     float s1 = 0.f;
     FT_GGUF_UNROLL
     for (int i = 0; i < 8; ++i) {
-      const uint32_t v = ((load_u32(ql + 4 * i) >> lshift) & 0x0F0F0F0Fu) |
-                         (((load_u32(qh + 4 * i) >> hshift) & 0x03030303u) << 4);
+      const uint32_t v = q6k_word(blk, u, i);
       if (i < 4) {
         s = dot4(v, x + 4 * i, s);
       } else {
@@ -229,6 +238,87 @@ FT_GGUF_HD float dot32(const uint8_t* blk, int u, const float* x, float xlo, flo
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + 2 * j);
     return half_at(blk + 208) * (static_cast<float>(sc[0]) * (s - 32.f * xlo) +
                                  static_cast<float>(sc[1]) * (s1 - 32.f * xhi));
+  }
+}
+
+// ---------------------------------------------------------------- int8 activations
+// dot32_q8: the same sums against activations quantized to int8 in groups of 32 (gguf_gemv_q8):
+// x holds a unit's 32 int8 values as 8 words, dx their scale and sx = dx * sum(x). Quants meet
+// x four at a time in integer dot products; the block scales are applied once per unit (per 16
+// weights for Q6_K).
+
+/*! \brief a . b + c over 4 signed bytes of each (CUDA's dp4a; elsewhere 4 byte products). */
+FT_GGUF_HD int dot4_i8(uint32_t a, uint32_t b, int c) {
+#if defined(__CUDA_ARCH__)
+  return __dp4a(static_cast<int>(a), static_cast<int>(b), c);
+#else
+  // NOTE: HIP builds take this portable form; the gfx11/gfx12 dot instructions are not used.
+  FT_GGUF_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) *
+         static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
+  }
+  return c;
+#endif
+}
+
+template <int QT>
+FT_GGUF_HD float dot32_q8(const uint8_t* blk, int u, const uint32_t* x, float dx, float sx) {
+  int s = 0;
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = load_u32(qs + 4 * j);
+      s = dot4_i8(v & 0x0F0F0F0Fu, x[j], s);
+      s = dot4_i8((v >> 4) & 0x0F0F0F0Fu, x[4 + j], s);
+    }
+    const float d = half_at(blk);
+    return QT == kQ4_1 ? d * dx * static_cast<float>(s) + half_at(blk + 2) * sx
+                       : d * (dx * static_cast<float>(s) - 8.f * sx);
+  } else if constexpr (QT == kQ8_0) {
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 8; ++j) s = dot4_i8(load_u32(blk + 2 + 4 * j), x[j], s);
+    return half_at(blk) * dx * static_cast<float>(s);
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    int sc, mn;
+    scale_min_k4(blk + 4, u, &sc, &mn);
+    FT_GGUF_UNROLL
+    for (int j = 0; j < 8; ++j) s = dot4_i8(kquant_word<QT>(blk, u, j), x[j], s);
+    return half_at(blk) * static_cast<float>(sc) * dx * static_cast<float>(s) -
+           half_at(blk + 2) * static_cast<float>(mn) * sx;
+  } else {  // Q6_K, unit u = 4h + j as dot32; q - 32 with each half's sum of x
+    const int h = u >> 2, j = u & 3;
+    int s1 = 0, x0 = 0, x1 = 0;
+    FT_GGUF_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = q6k_word(blk, u, i);
+      if (i < 4) {
+        s = dot4_i8(v, x[i], s);
+        x0 = dot4_i8(0x01010101u, x[i], x0);
+      } else {
+        s1 = dot4_i8(v, x[i], s1);
+        x1 = dot4_i8(0x01010101u, x[i], x1);
+      }
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + 2 * j);
+    return half_at(blk + 208) * dx *
+           static_cast<float>(static_cast<int>(sc[0]) * (s - 32 * x0) +
+                              static_cast<int>(sc[1]) * (s1 - 32 * x1));
+  }
+}
+
+/*! \brief dot32_q8 by run-time type (the host test's entry point); 0 for an unknown type. */
+inline float dot32_q8_any(const uint8_t* blk, int qtype, int u, const uint32_t* x, float dx,
+                          float sx) {
+  switch (qtype) {
+    case kQ4_0: return dot32_q8<kQ4_0>(blk, u, x, dx, sx);
+    case kQ4_1: return dot32_q8<kQ4_1>(blk, u, x, dx, sx);
+    case kQ8_0: return dot32_q8<kQ8_0>(blk, u, x, dx, sx);
+    case kQ4_K: return dot32_q8<kQ4_K>(blk, u, x, dx, sx);
+    case kQ5_K: return dot32_q8<kQ5_K>(blk, u, x, dx, sx);
+    case kQ6_K: return dot32_q8<kQ6_K>(blk, u, x, dx, sx);
+    default: return 0.f;
   }
 }
 

@@ -172,10 +172,11 @@ def gguf_gemv(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: 
 def gguf_gemv_q8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
                  bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, mode: int = 0, rows: int = 0, pdl: bool = False) -> None:
-    """GPU decode product over Q4_K rows (x rows T <= 2, T * K <= 32768) on int8 activations
-    that each block quantizes from x (RMS-normed by norm_weight when given). mode 0: out = xn @
-    W.T (+ bias), bf16 or f32, may be a column slice; 1: out (the bf16 residual) += xn @ W.T;
-    2: out = silu(g) * u for [g | u] = xn @ W.T, W [2I, K]. rows: weight rows per warp (0 by T,
+    """GPU decode product over GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K rows of whole 16-byte words
+    (x rows T <= 2; T * K <= 32768 for Q4_K, 24576 for the others) on int8 activations that each
+    block quantizes from x (RMS-normed by norm_weight when given). mode 0: out = xn @ W.T
+    (+ bias), bf16 or f32, may be a column slice; 1: out (the bf16 residual) += xn @ W.T; 2: out
+    = silu(g) * u for [g | u] = xn @ W.T, W [2I, K]. rows: Q4_K weight rows per warp (0 by T,
     1, 2); pdl: launch as a programmatic dependent where the GPU has it."""
     _fn("gguf_gemv_q8", x.device)(out, x, qweight, qtype, bias, norm_weight, eps, mode, rows,
                                   pdl)

@@ -23,9 +23,11 @@ the attention output, then decode_gemv_add) to the dense chain above.
 Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
 stores it, so the two paths differ only in the f32 summation order of the dot products.
 
-GGUF Q4_K projections (one matrix each, FREETOKEN_QUANT_GEMV=v3, bf16 activations) take the same
-chain through gguf_gemv_q8, whose blocks quantize their input to int8 after the RMSNorm prologue
-(quant_gemv.py): the same launches, for steps of up to QUANT_MAX_TOKENS tokens.
+GGUF projections (FREETOKEN_QUANT_GEMV=v3, bf16 activations; every type gguf_gemv_q8 reads, and
+a qkv of row parts of different types, as the _M mixes write) take the same chain through
+gguf_gemv_q8, whose blocks quantize their input to int8 after the RMSNorm prologue
+(quant_gemv.py): the same launches (one more per extra qkv part), for steps of up to
+QUANT_MAX_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -53,8 +55,7 @@ if TYPE_CHECKING:
 # tensor cores do the work of 8 tokens at the cost of one.
 MAX_TOKENS = 4
 NORM_IN_PROLOGUE_TOKENS = 2
-QUANT_MAX_TOKENS = quant_gemv.Q8_MAX_TOKENS   # steps a layer with Q4_K projections takes
-Q4_K = 12
+QUANT_MAX_TOKENS = quant_gemv.Q8_MAX_TOKENS   # steps a layer with GGUF projections takes
 # gguf_gemv_q8 launched as a programmatic dependent (sm_90+): its first weights stream in
 # while the previous kernel drains, as decode_gemv's pdl variants
 Q8_PDL = True
@@ -166,6 +167,11 @@ def _matrix(weight):
     return weight
 
 
+def _rows(weight) -> int:
+    """Output rows of a fused entry, whether one matrix or row parts."""
+    return sum(p.shape[0] for p in (weight if isinstance(weight, list) else [weight]))
+
+
 def _plain(weight) -> bool:
     """A float weight the GEMV reads: one contiguous, 16-byte aligned torch tensor, K % 8 == 0."""
     weight = _matrix(weight)
@@ -173,21 +179,26 @@ def _plain(weight) -> bool:
             and weight.dim() == 2 and weight.shape[1] % 8 == 0 and weight.data_ptr() % 16 == 0)
 
 
-def _q4k(weight) -> bool:
-    """A Q4_K weight that gguf_gemv_q8 reads at every step the fused layer takes (v3 selected,
-    one matrix of blocks in a torch tensor)."""
+def _gguf_parts(weight) -> list[QuantWeight] | None:
+    """The GGUF row parts of a projection (one, or a qkv split by block type) when gguf_gemv_q8
+    reads every one at every step the fused layer takes (v3 selected, blocks in torch tensors,
+    parts of whole 8-row groups so that each part's output and bias slices stay aligned)."""
     from freetoken import env
 
-    weight = _matrix(weight)
-    return (isinstance(weight, QuantWeight) and hasattr(weight.data, "data_ptr")
-            and env.read().quant_gemv == "v3"
-            and quant_gemv.q8_reads(weight.qtype, weight.shape[1], QUANT_MAX_TOKENS))
+    parts = weight if isinstance(weight, list) else [weight]
+    if env.read().quant_gemv != "v3" or not all(
+            isinstance(p, QuantWeight) and hasattr(p.data, "data_ptr")
+            and quant_gemv.q8_reads(p.qtype, p.shape[1], QUANT_MAX_TOKENS) for p in parts):
+        return None
+    if len(parts) > 1 and any(p.shape[0] % 8 for p in parts):
+        return None
+    return parts
 
 
 def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) -> bool:
     """The rule, decided once at load: GPU, bf16/f16 activations, per-head or no q/k norm, and
-    every projection weight a plain tensor the GEMV can read or, with bf16 activations, a Q4_K
-    matrix gguf_gemv_q8 reads (other GGUF blocks and split parts keep the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
+    every projection weight a plain tensor the GEMV can read or, with bf16 activations, GGUF
+    blocks gguf_gemv_q8 reads (row parts only for qkv; other layouts keep the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
     streams each weight once in 16-byte loads is bandwidth-bound, while cuBLAS pads M to its
     smallest tile and cannot fuse the epilogues."""
     from freetoken import env
@@ -210,8 +221,13 @@ def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) 
         else:
             names = ("qkv", "o") + (("o_gate",) if cfg.attn_output_gate else ())
         dense = ("gate_up", "down") if not cfg.is_sparse(i) else ()
-        if not all(_plain(lw[n]) or (dtype == "bfloat16" and _q4k(lw[n]))
-                   for n in names + dense):
+        def readable(name: str) -> bool:
+            if _plain(lw[name]):
+                return True
+            parts = _gguf_parts(lw[name]) if dtype == "bfloat16" else None
+            return parts is not None and (len(parts) == 1 or name in ("qkv", "gdn.in"))
+
+        if not all(readable(n) for n in names + dense):
             return False
         bias = lw.get("qkv_bias")
         if bias is not None and not (hasattr(bias, "data_ptr") and bias.is_contiguous()
@@ -244,29 +260,40 @@ class FloatProjection:
             self._fn(out, x, self.weight, norm, eps, c.group, c.variant)
 
 
-class Q4KProjection:
-    """A Q4_K weight through gguf_gemv_q8 in the mode of its kind; the norm always rides in the
-    prologue (each block normalises x while it quantizes it)."""
+class QuantProjection:
+    """GGUF row parts through gguf_gemv_q8 in the mode of its kind, each part into its own
+    columns of the output (and bias); the norm always rides in the prologue (each block
+    normalises x while it quantizes it)."""
 
     plan = (GemvChoice(norm_prologue=True),) * (QUANT_MAX_TOKENS + 1)
     _MODES = {"qkv": quant_gemv.Q8_STORE, "add": quant_gemv.Q8_ADD,
               "swiglu": quant_gemv.Q8_SWIGLU}
 
-    def __init__(self, weight: QuantWeight, kind: str, device):
-        self.data, self.mode = weight.data, self._MODES[kind]
+    def __init__(self, parts: list[QuantWeight], kind: str, device):
+        self.mode = self._MODES[kind]
+        starts = [0]
+        for p in parts:
+            starts.append(starts[-1] + p.shape[0])
+        self.parts = [(p.data, p.qtype, a, b) for p, a, b in zip(parts, starts, starts[1:])]
         self._fn = ops.bind("gguf_gemv_q8", device)
 
     def __call__(self, out: Array, x: Array, tokens: int, norm: Array | None = None,
                  eps: float = 0.0, bias: Array | None = None) -> None:
-        self._fn(out, x, self.data, Q4_K, bias, norm, eps, self.mode, 0, Q8_PDL)
+        if len(self.parts) == 1:
+            data, qtype, _, _ = self.parts[0]
+            self._fn(out, x, data, qtype, bias, norm, eps, self.mode, 0, Q8_PDL)
+            return
+        for data, qtype, a, b in self.parts:
+            self._fn(out[:, a:b], x, data, qtype, None if bias is None else bias[a:b], norm, eps,
+                     self.mode, 0, Q8_PDL)
 
 
 def projection(weight, kind: str, n: int, k: int, sms: int, device):
     """The fused step's projection for one weight (supported() has accepted it)."""
-    weight = _matrix(weight)
-    if isinstance(weight, QuantWeight):
-        return Q4KProjection(weight, kind, device)
-    return FloatProjection(weight, kind, n, k, sms, device)
+    parts = _gguf_parts(weight)
+    if parts is not None:
+        return QuantProjection(parts, kind, device)
+    return FloatProjection(_matrix(weight), kind, n, k, sms, device)
 
 
 class FusedLayer:
@@ -286,13 +313,13 @@ class FusedLayer:
         self.linear = cfg.is_linear(index)
         self.o_gate = None
         if self.linear:             # Gated DeltaNet: in projection, mix, out projection
-            gdn_in, gdn_out = _matrix(w["gdn.in"]), w["gdn.out"]
-            self.gdn_in = proj("gdn.in", "qkv", gdn_in.shape[0], h)
+            gdn_out = w["gdn.out"]
+            self.gdn_in = proj("gdn.in", "qkv", _rows(w["gdn.in"]), h)
             self.gdn_out = proj("gdn.out", "add", h, gdn_out.shape[1])
             projections = [self.gdn_in, self.gdn_out]
         else:
             self.bias = w.get("qkv_bias")
-            self.qkv = proj("qkv", "qkv", _matrix(w["qkv"]).shape[0], h)
+            self.qkv = proj("qkv", "qkv", _rows(w["qkv"]), h)
             self.q_norm = w["q_norm"] if cfg.qk_norm == "head" else None
             self.k_norm = w["k_norm"] if cfg.qk_norm == "head" else None
             self.o = proj("o", "add", h, cfg.q_size)
@@ -306,7 +333,7 @@ class FusedLayer:
             self.gate_up = proj("gate_up", "swiglu", inter, h)
             self.down = proj("down", "add", h, inter)
             projections += [self.gate_up, self.down]
-        quantized = any(isinstance(p, Q4KProjection) for p in projections)
+        quantized = any(isinstance(p, QuantProjection) for p in projections)
         self.max_tokens = QUANT_MAX_TOKENS if quantized else MAX_TOKENS
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,

@@ -1,10 +1,10 @@
 """Which decode GEMV a quantized GPU projection runs (FREETOKEN_QUANT_GEMV).
 
 v1: ``gguf_matmul`` / ``scaled_gemv`` for every weight. v2: ``gguf_gemv`` / ``fp8_gemv``
-(kernels/cuda/quant_gemv.cu) for the weights they read, v1 for the rest. v3: v2, and for Q4_K
+(kernels/cuda/quant_gemv.cu) for the weights they read, v1 for the rest. v3: v2, and for GGUF
 weights at steps of up to ``Q8_MAX_TOKENS`` tokens ``gguf_gemv_q8`` (kernels/cuda/
 gguf_gemv_q8.cu: int8 activations, dp4a), which the fused decode step (fused_decode.py) also
-takes for Q4_K projections. Prefill batches (more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM
+takes for GGUF projections. Prefill batches (more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM
 either way.
 """
 
@@ -16,9 +16,16 @@ from freetoken import env
 
 GEMV_MAX_TOKENS = 8                 # kernels/cuda/quant_gemv.cu kMaxTokens
 Q8_MAX_TOKENS = 2                   # kernels/cuda/gguf_gemv_q8.cu kMaxTokens
-Q8_CAPACITY = 32768                 # ... kXCapacity: int8 x values a block stages (T * K)
-Q8_TYPES = (12,)                    # Q4_K: the type gguf_gemv_q8 reads
+# The types gguf_gemv_q8 reads, (weights, bytes) per block: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
+Q8_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+             14: (256, 210)}
 Q8_STORE, Q8_ADD, Q8_SWIGLU = 0, 1, 2   # its modes (epilogues)
+
+
+def q8_capacity(qtype: int) -> int:
+    """int8 x values (T * K) a block of gguf_gemv_q8 stages: kXCapacity for Q4_K (read straight
+    from memory), kStagedCapacity for the types it stages through shared memory."""
+    return 32768 if qtype == 12 else 24576
 GGUF_TYPES = (2, 8, 12, 14)         # Q4_0, Q8_0, Q4_K, Q6_K: the types gguf_gemv reads
 FP8 = 0                             # scaled_gemv's format id for FP8 e4m3
 # Weight rows per warp at a 1-token step (0: the kernel's own rule, 1 at one token, 2 above),
@@ -43,8 +50,13 @@ def gguf_reads(qtype: int, row_bytes: int) -> bool:
 
 
 def q8_reads(qtype: int, cols: int, tokens: int = Q8_MAX_TOKENS) -> bool:
-    """gguf_gemv_q8 reads this weight at steps of up to `tokens` tokens."""
-    return qtype in Q8_TYPES and tokens <= Q8_MAX_TOKENS and tokens * cols <= Q8_CAPACITY
+    """gguf_gemv_q8 reads this weight at steps of up to `tokens` tokens: one of its types, rows
+    of whole 16-byte words, x within its staging."""
+    if qtype not in Q8_BLOCKS:
+        return False
+    weights, nbytes = Q8_BLOCKS[qtype]
+    return (cols % weights == 0 and cols // weights * nbytes % 16 == 0
+            and tokens <= Q8_MAX_TOKENS and tokens * cols <= q8_capacity(qtype))
 
 
 def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:

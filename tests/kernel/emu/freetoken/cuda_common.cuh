@@ -2,8 +2,8 @@
 // kernels use, on CPU threads, so tests/kernel/moe_gguf_emu.cc runs the real kernel bodies
 // without a GPU. One std::thread per GPU thread of a block, blocks one after another:
 // __shared__ is a function-static (shared by the threads of the running block),
-// __syncthreads a barrier of the block, warp_sum a barrier of the warp. Misaligned vector
-// accesses abort, as they would fault on the GPU. The HIP paths are taken (no wmma here).
+// __syncthreads a barrier of the block, __syncwarp and warp_sum barriers of the warp.
+// Misaligned vector accesses abort, as they would fault on the GPU. The HIP paths are taken (no wmma here).
 #pragma once
 
 #include <algorithm>
@@ -106,6 +106,10 @@ inline thread_local BlockState* block = nullptr;
 #define gridDim (::freetoken::emu::grid_dim)
 
 inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
+
+inline void __syncwarp() {
+  (*emu::block->warps)[static_cast<int>(threadIdx.x) / kWarp]->arrive_and_wait();
+}
 
 inline float warp_sum(float v) {
   const int t = static_cast<int>(threadIdx.x), w = t / kWarp;
