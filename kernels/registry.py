@@ -235,11 +235,13 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="fp8_gemv",
-        functions=("fp8_gemv",),
+        functions=("fp8_gemv", "fp8_gemv_fused"),
         cuda=("cuda/fp8_gemv.cu",),
         rocm=True,
         doc="decode GEMV (T <= 8) streaming FP8 weights (block, channel, tensor scales) in "
-            "16-byte coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
+            "16-byte coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2); "
+            "fp8_gemv_fused adds the RMSNorm prologue and the bias, residual-add and SwiGLU "
+            "epilogues of the fused decode step (v3)",
     ),
     Kernel(
         name="moe_decode",

@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "freetoken/gemv_knobs.cuh"
+#include "freetoken/gemv_prologue.cuh"
 #include "freetoken/gguf_blocks.h"
 #include "freetoken/gguf_stage.cuh"
 
@@ -97,35 +98,8 @@ __device__ __forceinline__ void scale_min(const Word& hdr, int s, float* sc, flo
 // (rounded to bf16 where the unfused rms_norm stores it).
 template <int NT, int THREADS>
 __device__ void stage_x(const Args& a, int8_t* xq, float* xds) {
-  constexpr int kBlockWarps = THREADS / kWarp;
-  __shared__ float part[kBlockWarps][NT];
   __shared__ float inv_rms[NT];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (a.norm != nullptr) {
-    float ss[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
-    for (int64_t i = threadIdx.x; i < a.k / 8; i += THREADS) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        Vec<bf16, 8> v = load_vec<bf16, 8>(a.x + t * a.ldx + 8 * i);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss[t] += to_float(v.v[e]) * to_float(v.v[e]);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float s = warp_sum(ss[t]);
-      if (lane == 0) part[warp][t] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x < NT) {
-      float s = 0.f;
-      for (int w = 0; w < kBlockWarps; ++w) s += part[w][threadIdx.x];
-      inv_rms[threadIdx.x] = rsqrtf(s / static_cast<float>(a.k) + a.eps);
-    }
-    __syncthreads();
-  }
+  if (a.norm != nullptr) block_inv_rms<bf16, NT, THREADS>(a.x, a.ldx, a.k, NT, a.eps, inv_rms);
   const int64_t groups = a.k / 32;
   for (int64_t gi = threadIdx.x; gi < NT * groups; gi += THREADS) {
     const int t = static_cast<int>(gi / groups);

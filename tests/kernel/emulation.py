@@ -1,5 +1,6 @@
 """Builds a tests/kernel/*_emu.cc host run of GPU kernel bodies (against the CUDA stand-in in
-tests/kernel/emu/) and returns its one C entry point."""
+tests/kernel/emu/) and returns its one C entry point; the output check the emulated tests
+share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -27,3 +29,15 @@ def build_emulation(tmp_path_factory, stem: str, restype, argtypes: list) -> cty
     fn = getattr(ctypes.CDLL(str(so)), f"ft_{stem}")
     fn.restype, fn.argtypes = restype, argtypes
     return fn
+
+
+def assert_bf16_within(out, want: np.ndarray, bound, msg: str = "") -> None:
+    """A bf16 kernel output within `bound` of the float64 `want`, plus one bf16 rounding on each
+    side of it; every value finite."""
+    from tests.tolerances import EPS
+
+    got = out.double().numpy()
+    limit = bound + 2 * EPS["bfloat16"] * np.abs(want)
+    err = np.abs(got - want)
+    assert np.isfinite(got).all(), f"non-finite output {msg}"
+    assert (err <= limit).all(), f"max error {err.max():.3g} {msg}"

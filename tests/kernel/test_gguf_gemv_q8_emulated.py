@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from freetoken.kernel import reference
-from tests.kernel.emulation import build_emulation
+from tests.kernel.emulation import assert_bf16_within, build_emulation
 from tests.kernel.gguf_random import dequantize, random_blocks
 from tests.tolerances import EPS
 
@@ -121,14 +121,6 @@ def q8_bound(xn: torch.Tensor, xq: np.ndarray, w: np.ndarray, blocks: np.ndarray
     return order + flips
 
 
-def _check(out, want, bound, msg):
-    got = out.double().numpy()
-    limit = bound + 2 * EPS["bfloat16"] * np.abs(want)
-    err = np.abs(got - want)
-    assert np.isfinite(got).all(), f"non-finite output {msg}"
-    assert (err <= limit).all(), f"max error {err.max():.3g} (limit {limit.min():.3g}) {msg}"
-
-
 # (tokens, N, K). Q4_K: one partial round of units (K = 256: 8 of 32 lanes), one whole round
 # (4096), a partial last round (2560) and several rounds (12288 at 2 tokens: the staging
 # capacity). The staged types: K = 2048 (Q6_K's shortest row of whole 16-byte words), one or
@@ -153,7 +145,7 @@ def test_store_matches_the_quantized_product(emulated, qtype, t, n, k, rows, nor
         _run(emulated, out, x, blocks, bias if with_bias else None, nw if norm else None,
              STORE, rows, qtype=qtype)
         want = xq @ w.T + (bias.double().numpy() if with_bias else 0.0)
-        _check(out, want, q8_bound(xn, xq, w, blocks, norm, qtype),
+        assert_bf16_within(out, want, q8_bound(xn, xq, w, blocks, norm, qtype),
                f"out {out_dtype} bias={with_bias}")
         assert torch.isnan(whole[:, :2]).all() and torch.isnan(whole[:, 2 + n:]).all()
 
@@ -167,7 +159,7 @@ def test_int8_activations_stay_within_their_rounding(emulated):
     step = np.abs(xf).reshape(1, -1, 32).max(axis=2, keepdims=True) / 127
     half_step = np.broadcast_to(step / 2, (1, 128, 32)).reshape(1, -1)
     bound = half_step @ np.abs(w).T + q8_bound(x, xf, w, blocks, False)
-    _check(out, xf @ w.T, bound, "vs the bf16 activations")
+    assert_bf16_within(out, xf @ w.T, bound, "vs the bf16 activations")
 
 
 @pytest.mark.parametrize("qtype,t,n,k,rows", [(Q4_K, 1, 17, 4096, 0), (Q4_K, 2, 12, 2560, 1),
@@ -184,7 +176,7 @@ def test_residual_add(emulated, qtype, t, n, k, rows):
     want = residual.double().numpy() + prod
     bound = (q8_bound(x, xq, w, blocks, False, qtype)
              + 2 * EPS["bfloat16"] * (np.abs(prod) + np.abs(want)))
-    _check(out, want, bound, "residual add")
+    assert_bf16_within(out, want, bound, "residual add")
 
 
 @pytest.mark.parametrize("qtype,t,inter,k,rows,norm", [
@@ -205,7 +197,7 @@ def test_swiglu(emulated, qtype, t, inter, k, rows, norm):
     lim = q8_bound(xn, xq, w, blocks, norm, qtype) + 2 * EPS["bfloat16"] * np.abs(gu)
     lg, lu = lim[:, :inter], lim[:, inter:]
     bound = 1.1 * lg * np.abs(up) + np.abs(silu) * lu + lg * lu
-    _check(out, want, bound, "swiglu")
+    assert_bf16_within(out, want, bound, "swiglu")
 
 
 def test_refuses_what_the_entry_point_refuses(emulated):

@@ -217,3 +217,40 @@ def test_gguf_gemv_q8_refuses_what_it_does_not_read():
     with pytest.raises(Exception, match="32768 values"):
         ops.gguf_gemv_q8(out, big, torch.zeros(4, 144 * 129, device="cuda", dtype=torch.uint8),
                          12)
+
+
+# ---------------------------------------------------------------- fp8_gemv_fused (v3)
+
+@pytest.mark.parametrize("n, k, block", FP8_CASES)
+@pytest.mark.parametrize("mode", (0, 1, 2), ids=("store", "residual-add", "swiglu"))
+@pytest.mark.parametrize("norm", (False, True), ids=("x", "normed"))
+def test_fp8_gemv_fused_matches_the_reference_chain(n, k, block, mode, norm):
+    """Against kernel/reference.py's chain over the same FP8 weight: float32 order of the sums,
+    a few flipped normed elements, and the output's rounding."""
+    from freetoken.kernel import reference
+
+    rows = n - n % 2
+    weight, ref = _fp8(rows, k, block)
+    data, grid = weight.data.view(torch.uint8), weight.scales.float().contiguous()
+    row_scale = (torch.rand(rows, generator=torch.Generator().manual_seed(2)) + 0.5).cuda()
+    nw = (1 + 0.3 * torch.randn(k, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    width = rows // 2 if mode == 2 else rows
+    for t in (1, 2, 5):
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        base = torch.randn(t, width, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        bias = torch.randn(width, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+        bias = bias if mode == 0 else None
+        want = base.clone()
+        reference.fp8_gemv_fused(want, x, data.cpu(), grid.cpu(), row_scale.cpu(), *block, bias,
+                                 nw if norm else None, 1e-6, mode)
+        out = base.cuda()
+        ops.fp8_gemv_fused(out, x.cuda(), data, grid, row_scale, *block,
+                           None if bias is None else bias.cuda(), nw.cuda() if norm else None,
+                           1e-6, mode, 0, True)
+        w = ref * row_scale.double().cpu()[:, None]
+        rss = ((x.double() ** 2) @ (w ** 2).T).sqrt().max()
+        flips = 4 * 2.0 ** -7 * float(x.abs().max()) * float(w.abs().max()) * 4 if norm else 0.0
+        limit = 32 * 2.0 ** -23 * rss * k ** 0.5 * (4 if mode == 2 else 1) + flips
+        err = (out.cpu().double() - want.double()).abs()
+        assert (err <= limit + 4 * 2.0 ** -7 * want.double().abs()).all(), (
+            f"T={t}: max error {err.max():.3g}")

@@ -240,3 +240,58 @@ def test_fused_gguf_steps_match_the_unfused_chain(mix, tmp_path, reference_ops, 
         assert calls == (layer_calls * config.num_layers if fused_step else []), calls
         for row in range(len(chunks)):
             assert_logits_close(ours[row], theirs[row], config, msg=f"{mix} {chunks} row {row}")
+
+
+def to_fp8(hf, folder, config, weights, block: tuple[int, int]) -> None:
+    """Every fused entry of `weights` replaced by an FP8 ScaledWeight of its float matrix (qkv
+    and gate_up quantized whole, so one scale grid covers the joined rows), and `hf`'s
+    projections set to the dequantized values (saved again to `folder`)."""
+    from freetoken.models.quant import scaled
+    from tests.models.scaled_checkpoint import quantize_fp8
+
+    params = dict(hf.named_parameters())
+    for i, lw in enumerate(weights.layers):
+        for name, parts in GGUF_PARTS.items():
+            full = torch.cat([params[f"model.layers.{i}.{p}.weight"].detach() for p in parts])
+            q, grid = quantize_fp8(full, *block)
+            weight = scaled.ScaledWeight(scaled.FP8, q, grid, tuple(full.shape), block)
+            lw[name] = weight
+            values = scaled.dequantize(weight)
+            rows = 0
+            for p in parts:
+                param = params[f"model.layers.{i}.{p}.weight"]
+                with torch.no_grad():
+                    param.copy_(values[rows:rows + param.shape[0]])
+                rows += param.shape[0]
+    hf.save_pretrained(folder)
+
+
+def test_fused_fp8_steps_match_transformers(tmp_path, reference_ops, monkeypatch):
+    """FP8 projections on the fused path (fp8_gemv_fused, v3): float activations, so the fused
+    and unfused steps over the same FP8 weights both match transformers' float32 forward of the
+    dequantized weights as the float fused step does, at steps of 1-4 tokens."""
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
+    monkeypatch.setattr(ops, "scaled_gemv", reference.scaled_gemv)
+    monkeypatch.setattr(ops, "scaled_dequantize", reference.scaled_dequantize)
+    calls = []
+
+    def recorded(*args):
+        calls.append(args[10])                                  # the mode
+        reference.fp8_gemv_fused(*args)
+
+    monkeypatch.setattr(ops, "fp8_gemv_fused", recorded)
+    hf = tiny_hf_model("qwen3", tmp_path, seed=13, **SHAPE)
+    config, tensors, _, _ = read_hf_dir(tmp_path)
+    arrays = _CopyingArrays(parse_device("cpu"))
+    weights = build_decoder_weights(tensors, config, Placement(arrays, "float32"))
+    to_fp8(hf, tmp_path, config, weights, (32, 32))
+    assert fused_decode.supported(config, weights.layers, "bfloat16", parse_device("cuda:0"))
+    plain = Decoder(config, weights, arrays, "float32")
+    fused = Decoder(config, weights, arrays, "float32")
+    fused.use_fused_layers([fused_decode.FusedLayer(layer, lw, config, i, fused._rope, fused._k,
+                                                    132, fused.device)
+                            for i, (layer, lw) in enumerate(zip(fused.layers, weights.layers))])
+    assert all(isinstance(layer.qkv, fused_decode.Fp8Projection) for layer in fused._fused)
+    assert fused._fused_tokens == fused_decode.MAX_TOKENS
+    _steps_match_transformers(hf, "qwen3-fp8", plain, fused, config, (9, 3, 20), seed=4)
+    assert calls and set(calls) == {0, 1, 2}

@@ -39,17 +39,25 @@ def _drive(model, a: list[int], b: list[int], feed: list[list[int]] | None):
     return steps, fed
 
 
-@pytest.mark.parametrize("arch, layout", [
-    ("qwen3", "fp8-block"), ("qwen3", "ct-channel"), ("qwen3", "modelopt-fp8"),
-    ("qwen3", "modelopt-nvfp4"), ("qwen3", "ct-nvfp4"),
-    ("qwen3_moe", "fp8-block"), ("qwen3_moe", "ct-nvfp4")])
-def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, tmp_path):
+@pytest.mark.parametrize("arch, layout, gemv", [
+    ("qwen3", "fp8-block", "v2"), ("qwen3", "ct-channel", "v2"), ("qwen3", "modelopt-fp8", "v2"),
+    ("qwen3", "modelopt-nvfp4", "v2"), ("qwen3", "ct-nvfp4", "v2"),
+    ("qwen3_moe", "fp8-block", "v2"), ("qwen3_moe", "ct-nvfp4", "v2"),
+    # v3: the FP8 projections take the fused decode chain (fp8_gemv_fused)
+    ("qwen3", "fp8-block", "v3"), ("qwen3", "ct-channel", "v3"), ("qwen3_moe", "fp8-block", "v3")])
+def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, gemv, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_QUANT_GEMV", gemv)
     float_dir = tmp_path / "float"
     float_dir.mkdir()
     tiny_hf_model(arch, float_dir, **GPU_SHAPES, **(MOE if arch == "qwen3_moe" else {}))
     directory, _ = write_scaled(float_dir, tmp_path / layout, layout)
     cpu = load_model(str(directory), device="cpu").model
     gpu = load_model(str(directory), device="cuda").model
+    if gemv == "v3":
+        from freetoken.models.forward.fused_decode import Fp8Projection
+
+        assert gpu._fused is not None
+        assert all(isinstance(layer.qkv, Fp8Projection) for layer in gpu._fused)
     plain = load_model(str(directory / "reference"), device="cuda").model
     gen = torch.Generator().manual_seed(3)
     a = torch.randint(0, cpu.config.vocab_size, (21,), generator=gen).tolist()

@@ -394,6 +394,18 @@ def fp8_gemv(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor, scales: tor
     _fn("fp8_gemv", x.device)(out, x, data, scales, row_scale, block_n, block_k, rows)
 
 
+def fp8_gemv_fused(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor,
+                   scales: torch.Tensor, row_scale: torch.Tensor, block_n: int, block_k: int,
+                   bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0, mode: int = 0, rows: int = 0, pdl: bool = False) -> None:
+    """fp8_gemv with the fused decode step's prologue and epilogues: xn = rms_norm(x) *
+    norm_weight when given (else x); mode 0: out = xn @ W.T (+ bias); 1: out (the residual) +=
+    xn @ W.T; 2: out = silu(g) * u for [g | u] = xn @ W.T, W [2I, K]. pdl: launch as a
+    programmatic dependent where the GPU has it."""
+    _fn("fp8_gemv_fused", x.device)(out, x, data, scales, row_scale, block_n, block_k, bias,
+                                    norm_weight, eps, mode, rows, pdl)
+
+
 def scaled_dequantize(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
                       row_scale: torch.Tensor, fmt: int, block_n: int, block_k: int) -> None:
     """out[N, K] (bf16/f16/f32, contiguous) = the scaled weight of ``scaled_gemv``."""

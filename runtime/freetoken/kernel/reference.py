@@ -301,7 +301,12 @@ def gguf_gemv_q8(out, x, qweight, qtype, bias=None, norm_weight=None, eps=0.0, m
     """The unfused chain on int8 activations: [rms_norm], quantize, mm over the dequantized
     blocks, then the mode's epilogue (0: + bias, 1: residual add, 2: SwiGLU)."""
     xq = quantize_activations(_normed(x, norm_weight, eps))
-    y = xq @ dequantize(qweight.cpu(), qtype).T.to(xq.device)
+    _epilogue(out, xq @ dequantize(qweight.cpu(), qtype).T.to(xq.device), bias, mode)
+
+
+def _epilogue(out, y, bias, mode):
+    """The fused decode GEMVs' epilogues over the float32 product y, rounded where the unfused
+    chain stores: 0 store (+ bias), 1 residual add, 2 SwiGLU of [gate | up]."""
     if mode == 0:
         out.copy_((y + bias.float() if bias is not None else y).to(out.dtype))
     elif mode == 1:
@@ -343,6 +348,14 @@ def _scaled_values(data, scales, row_scale, fmt, block_n, block_k):
 def scaled_gemv(out, x, data, scales, row_scale, fmt, block_n, block_k):
     w = _scaled_values(data, scales, row_scale, fmt, block_n, block_k)
     out.copy_((x.float() @ w.T).to(out.dtype))
+
+
+def fp8_gemv_fused(out, x, data, scales, row_scale, block_n, block_k, bias=None,
+                   norm_weight=None, eps=0.0, mode=0, rows=0, pdl=False):
+    """The unfused chain: [rms_norm], mm over the dequantized FP8 weight, then the mode's
+    epilogue (0: + bias, 1: residual add, 2: SwiGLU), each rounded where that chain stores."""
+    w = _scaled_values(data, scales, row_scale, 0, block_n, block_k)
+    _epilogue(out, _normed(x, norm_weight, eps).float() @ w.T.to(x.device), bias, mode)
 
 
 def scaled_dequantize(out, data, scales, row_scale, fmt, block_n, block_k):

@@ -23,11 +23,11 @@ the attention output, then decode_gemv_add) to the dense chain above.
 Numerics: every intermediate is rounded to the activation dtype exactly where the unfused chain
 stores it, so the two paths differ only in the f32 summation order of the dot products.
 
-GGUF projections (FREETOKEN_QUANT_GEMV=v3, bf16 activations; every type gguf_gemv_q8 reads, and
-a qkv of row parts of different types, as the _M mixes write) take the same chain through
-gguf_gemv_q8, whose blocks quantize their input to int8 after the RMSNorm prologue
-(quant_gemv.py): the same launches (one more per extra qkv part), for steps of up to
-QUANT_MAX_TOKENS tokens.
+With FREETOKEN_QUANT_GEMV=v3, quantized projections take the same chain: GGUF blocks (bf16
+activations; every type gguf_gemv_q8 reads, and a qkv of row parts of different types, as the
+_M mixes write) through gguf_gemv_q8, whose blocks quantize their input to int8 after the
+RMSNorm prologue (quant_gemv.py), for steps of up to QUANT_MAX_TOKENS tokens, one launch more
+per extra qkv part; FP8 weights through fp8_gemv_fused, at every fused step.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from freetoken.models.batch import Array, ForwardBatch
 from freetoken.models.checkpoint.weights import LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward import quant_gemv
+from freetoken.models.quant.scaled import FP8, ScaledWeight
 from freetoken.models.forward.attention import mul_sigmoid
 from freetoken.models.forward.workspace import WorkViews
 
@@ -56,8 +57,8 @@ if TYPE_CHECKING:
 MAX_TOKENS = 4
 NORM_IN_PROLOGUE_TOKENS = 2
 QUANT_MAX_TOKENS = quant_gemv.Q8_MAX_TOKENS   # steps a layer with GGUF projections takes
-# gguf_gemv_q8 launched as a programmatic dependent (sm_90+): its first weights stream in
-# while the previous kernel drains, as decode_gemv's pdl variants
+# gguf_gemv_q8 and fp8_gemv_fused launched as programmatic dependents (sm_90+): their blocks
+# start while the previous kernel drains, as decode_gemv's pdl variants
 Q8_PDL = True
 _GROUPS = (32, 64, 128, 256)
 _BLOCK = 256
@@ -195,10 +196,25 @@ def _gguf_parts(weight) -> list[QuantWeight] | None:
     return parts
 
 
+def _fp8(weight) -> ScaledWeight | None:
+    """The FP8 matrix of a projection when fp8_gemv_fused reads it (v3 selected, one matrix in
+    a torch tensor, scale blocks fp8_gemv takes)."""
+    from freetoken import env
+
+    weight = _matrix(weight)
+    if (env.read().quant_gemv == "v3" and isinstance(weight, ScaledWeight)
+            and weight.format == FP8 and len(weight.shape) == 2
+            and hasattr(weight.data, "data_ptr")
+            and quant_gemv.fp8_reads(0, weight.block, weight.shape[1])):
+        return weight
+    return None
+
+
 def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) -> bool:
     """The rule, decided once at load: GPU, bf16/f16 activations, per-head or no q/k norm, and
-    every projection weight a plain tensor the GEMV can read or, with bf16 activations, GGUF
-    blocks gguf_gemv_q8 reads (row parts only for qkv; other layouts keep the unfused path). Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
+    every projection weight a plain tensor the GEMV can read or, under v3, an FP8 matrix
+    fp8_gemv_fused reads or (bf16 activations) GGUF blocks gguf_gemv_q8 reads (row parts only
+    for qkv); other layouts keep the unfused path. Per step, steps of up to MAX_TOKENS tokens take it: there a GEMV that
     streams each weight once in 16-byte loads is bandwidth-bound, while cuBLAS pads M to its
     smallest tile and cannot fuse the epilogues."""
     from freetoken import env
@@ -222,7 +238,7 @@ def supported(cfg: ModelConfig, layers: list[LayerWeights], dtype: str, device) 
             names = ("qkv", "o") + (("o_gate",) if cfg.attn_output_gate else ())
         dense = ("gate_up", "down") if not cfg.is_sparse(i) else ()
         def readable(name: str) -> bool:
-            if _plain(lw[name]):
+            if _plain(lw[name]) or _fp8(lw[name]) is not None:
                 return True
             parts = _gguf_parts(lw[name]) if dtype == "bfloat16" else None
             return parts is not None and (len(parts) == 1 or name in ("qkv", "gdn.in"))
@@ -288,11 +304,38 @@ class QuantProjection:
                      self.mode, 0, Q8_PDL)
 
 
+class Fp8Projection:
+    """An FP8 matrix through fp8_gemv_fused in the mode of its kind; the norm rides in the
+    prologue up to NORM_IN_PROLOGUE_TOKENS tokens, as the float GEMV's rule."""
+
+    plan = tuple(GemvChoice(norm_prologue=t <= NORM_IN_PROLOGUE_TOKENS)
+                 for t in range(MAX_TOKENS + 1))
+
+    def __init__(self, weight: ScaledWeight, kind: str, device):
+        import torch
+
+        self.mode = QuantProjection._MODES[kind]
+        self.data = weight.data.view(torch.uint8)
+        self.scales = weight.scales.float().contiguous()
+        self.row_scale = weight.row_scale if weight.row_scale is not None else torch.ones(
+            weight.shape[0], dtype=torch.float32, device=weight.data.device)
+        self.block = weight.block
+        self._fn = ops.bind("fp8_gemv_fused", device)
+
+    def __call__(self, out: Array, x: Array, tokens: int, norm: Array | None = None,
+                 eps: float = 0.0, bias: Array | None = None) -> None:
+        self._fn(out, x, self.data, self.scales, self.row_scale, *self.block, bias, norm, eps,
+                 self.mode, quant_gemv.fp8_rows(tokens), Q8_PDL)
+
+
 def projection(weight, kind: str, n: int, k: int, sms: int, device):
     """The fused step's projection for one weight (supported() has accepted it)."""
     parts = _gguf_parts(weight)
     if parts is not None:
         return QuantProjection(parts, kind, device)
+    fp8 = _fp8(weight)
+    if fp8 is not None:
+        return Fp8Projection(fp8, kind, device)
     return FloatProjection(_matrix(weight), kind, n, k, sms, device)
 
 

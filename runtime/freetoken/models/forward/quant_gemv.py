@@ -4,7 +4,7 @@ v1: ``gguf_matmul`` / ``scaled_gemv`` for every weight. v2: ``gguf_gemv`` / ``fp
 (kernels/cuda/quant_gemv.cu) for the weights they read, v1 for the rest. v3: v2, and for GGUF
 weights at steps of up to ``Q8_MAX_TOKENS`` tokens ``gguf_gemv_q8`` (kernels/cuda/
 gguf_gemv_q8.cu: int8 activations, dp4a), which the fused decode step (fused_decode.py) also
-takes for GGUF projections. Prefill batches (more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM
+takes for GGUF projections, as it takes fp8_gemv_fused for FP8 ones. Prefill batches (more than ``GEMV_MAX_TOKENS`` rows) keep their GEMM
 either way.
 """
 
