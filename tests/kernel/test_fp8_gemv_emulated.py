@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.kernel import reference
 from tests.kernel.emulation import assert_bf16_within, build_emulation
 from tests.kernel.test_gguf_gemv_q8_emulated import _normed
 from tests.models.scaled_checkpoint import e4m3_values, expand, quantize_fp8
