@@ -115,7 +115,9 @@ VARIABLES = {
     "FREETOKEN_MOE_DECODE": "MoE layers' 1-token GPU steps run the small-step moe_decode kernels "
                             "(default on; off: the general fused-MoE path)",
     "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v2 (gguf_gemv / fp8_gemv, "
-                            "16-byte streaming, default) or v1 (gguf_matmul / scaled_gemv)",
+                            "16-byte streaming, default), v1 (gguf_matmul / scaled_gemv) or v3 "
+                            "(v2 plus gguf_gemv_q8 on int8 activations and the fused decode "
+                            "chain for GGUF and FP8 models; not yet run on a GPU)",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
