@@ -73,11 +73,7 @@ __global__ void __launch_bounds__(kWarps * kWarp) fp8_gemv_kernel(Args a) {
     rows[r] = a.data + static_cast<int64_t>(row) * a.k;
     srow[r] = a.g.scales + static_cast<int64_t>(row / a.g.bn) * a.g.cols;
   }
-  float acc[NW][NT];
-#pragma unroll
-  for (int r = 0; r < NW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  float acc[NW][NT] = {};
   for (int base = 0; base < a.k; base += kStep) {
     Word q[NW][U];
 #pragma unroll

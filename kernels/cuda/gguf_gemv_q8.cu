@@ -231,11 +231,7 @@ __global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
   // this lane's place in every block it reads: word j = 2c + h (see the file comment)
   const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
   const int64_t groups = a.k / 32;
-  float acc[NW][NT];
-#pragma unroll
-  for (int r = 0; r < NW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  float acc[NW][NT] = {};
   for (int u0 = 0; u0 < units; u0 += kWarp * kUnroll) {
     if (u0 > 0) load_units<NW>(rows, u0, units, lane, hdr, qs);
 #pragma unroll
@@ -291,7 +287,6 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
   using B = gguf::Block<QT>;
   constexpr int NW = MODE == kSwiGLU ? 2 : 1;
   using Stage = gguf_stage::GgufStage<QT, NW>;
-  constexpr int kUnits = B::kWeights / 32;
   __shared__ __attribute__((aligned(16))) int8_t xq[kStagedCapacity];
   __shared__ __attribute__((aligned(16))) float xds[kStagedCapacity / 16];
   __shared__ __attribute__((aligned(16))) uint8_t staged[kStagedWarps][NW * Stage::kChunk];
@@ -305,47 +300,30 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
     rows[r] = a.w + (row + (r > 0 ? a.n : 0)) * a.row_bytes;
   }
   Stage stage;
-  int bytes = static_cast<int>(a.row_bytes < Stage::kChunk ? a.row_bytes : Stage::kChunk);
+  const int bytes = static_cast<int>(a.row_bytes < Stage::kChunk ? a.row_bytes : Stage::kChunk);
   if (live) stage.load(rows, 0, bytes, lane);  // in flight while x is staged
   wait_for_inputs();
   stage_x<NT, kStagedThreads>(a, xq, xds);
   if (!live) return;  // whole warps: below, only the warp synchronises
   const int64_t groups = a.k / 32;
-  float acc[NW][NT];
-#pragma unroll
-  for (int r = 0; r < NW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  float acc[NW][NT] = {};
   uint8_t* mine = staged[warp];
-  for (int64_t c0 = 0; c0 < a.row_bytes; c0 += Stage::kChunk) {
-    stage.store(mine, bytes, lane);
-    gguf_stage::warp_sync();
-    const int nb = bytes / B::kBytes;
-    const int64_t next = c0 + Stage::kChunk;
-    // the next chunk's loads go out before this chunk is summed
-    bytes = static_cast<int>(a.row_bytes - next < Stage::kChunk ? a.row_bytes - next
-                                                                 : Stage::kChunk);
-    if (next < a.row_bytes) stage.load(rows, next, bytes, lane);
-    const int64_t col0 = c0 / B::kBytes * B::kWeights;
-    for (int gi = lane; gi < nb * kUnits; gi += kWarp) {
-      const int blk = gi / kUnits, u = gi % kUnits;
-      const int64_t col = col0 + static_cast<int64_t>(blk) * B::kWeights + u * 32;
+  gguf_stage::for_each_unit(stage, rows, a.row_bytes, bytes, mine, lane,
+                            [&](int blk, int64_t col, int u) {
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const uint32_t* xp = reinterpret_cast<const uint32_t*>(xq + t * a.k + col);
-        const Word x0 = load_vec<uint32_t, 4>(xp), x1 = load_vec<uint32_t, 4>(xp + 4);
-        const uint32_t xw[8] = {x0.v[0], x0.v[1], x0.v[2], x0.v[3],
-                                x1.v[0], x1.v[1], x1.v[2], x1.v[3]};
-        const Vec<float, 2> ds = load_vec<float, 2>(xds + 2 * (t * groups + col / 32));
+    for (int t = 0; t < NT; ++t) {
+      const uint32_t* xp = reinterpret_cast<const uint32_t*>(xq + t * a.k + col);
+      const Word x0 = load_vec<uint32_t, 4>(xp), x1 = load_vec<uint32_t, 4>(xp + 4);
+      const uint32_t xw[8] = {x0.v[0], x0.v[1], x0.v[2], x0.v[3],
+                              x1.v[0], x1.v[1], x1.v[2], x1.v[3]};
+      const Vec<float, 2> ds = load_vec<float, 2>(xds + 2 * (t * groups + col / 32));
 #pragma unroll
-        for (int r = 0; r < NW; ++r) {
-          acc[r][t] += gguf::dot32_q8<QT>(mine + r * Stage::kChunk + blk * B::kBytes, u, xw,
-                                          ds.v[0], ds.v[1]);
-        }
+      for (int r = 0; r < NW; ++r) {
+        acc[r][t] += gguf::dot32_q8<QT>(mine + r * Stage::kChunk + blk * B::kBytes, u, xw,
+                                        ds.v[0], ds.v[1]);
       }
     }
-    gguf_stage::warp_sync();
-  }
+  });
   allow_dependents();
   finish<1, MODE>(a, acc, n0, lane);
 }

@@ -18,7 +18,6 @@ namespace {
 
 using gguf::Block;
 using gguf_stage::GgufStage;
-using gguf_stage::warp_sync;
 using namespace quant_gemv;
 
 __device__ __forceinline__ void load_x32(const bf16* p, float* xv, float* xlo, float* xhi) {
@@ -44,7 +43,6 @@ __global__ void __launch_bounds__(kWarps * kWarp)
                      int64_t row_bytes, int64_t ldx, int64_t ldo) {
   using B = Block<QT>;
   using Stage = GgufStage<QT, R>;
-  constexpr int kUnits = B::kWeights / 32;
   __shared__ __attribute__((aligned(16))) uint8_t smem[kWarps][R * Stage::kChunk];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R;
@@ -52,39 +50,23 @@ __global__ void __launch_bounds__(kWarps * kWarp)
   const uint8_t* rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) rows[r] = w + (n0 + r < n ? n0 + r : n - 1) * row_bytes;
-  float acc[R][NT];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+  float acc[R][NT] = {};
   Stage stage;
-  int bytes = static_cast<int>(row_bytes < Stage::kChunk ? row_bytes : Stage::kChunk);
+  const int bytes = static_cast<int>(row_bytes < Stage::kChunk ? row_bytes : Stage::kChunk);
   stage.load(rows, 0, bytes, lane);
-  for (int64_t c0 = 0; c0 < row_bytes; c0 += Stage::kChunk) {
-    stage.store(smem[warp], bytes, lane);
-    warp_sync();
-    const int nb = bytes / B::kBytes;
-    const int64_t next = c0 + Stage::kChunk;
-    // the next chunk's loads go out before this chunk is decoded
-    bytes = static_cast<int>(row_bytes - next < Stage::kChunk ? row_bytes - next : Stage::kChunk);
-    if (next < row_bytes) stage.load(rows, next, bytes, lane);
-    const int64_t col0 = c0 / B::kBytes * B::kWeights;
-    for (int gi = lane; gi < nb * kUnits; gi += kWarp) {
-      const int blk = gi / kUnits, u = gi % kUnits;
-      const int64_t col = col0 + static_cast<int64_t>(blk) * B::kWeights + u * 32;
+  gguf_stage::for_each_unit(stage, rows, row_bytes, bytes, smem[warp], lane,
+                            [&](int blk, int64_t col, int u) {
 #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t >= ntok) break;
-        float xv[32], xlo, xhi;
-        load_x32(x + t * ldx + col, xv, &xlo, &xhi);
+    for (int t = 0; t < NT; ++t) {
+      if (t >= ntok) break;
+      float xv[32], xlo, xhi;
+      load_x32(x + t * ldx + col, xv, &xlo, &xhi);
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-          acc[r][t] += gguf::dot32<QT>(smem[warp] + r * Stage::kChunk + blk * B::kBytes, u, xv,
-                                       xlo, xhi);
-      }
+      for (int r = 0; r < R; ++r)
+        acc[r][t] += gguf::dot32<QT>(smem[warp] + r * Stage::kChunk + blk * B::kBytes, u, xv,
+                                     xlo, xhi);
     }
-    warp_sync();
-  }
+  });
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t >= ntok) break;
@@ -101,6 +83,7 @@ __global__ void __launch_bounds__(kWarps * kWarp)
   }
 }
 
+#if !defined(FT_HOST_EMULATION)  // tests/kernel/gguf_gemv_emu.cc runs the kernel above alone
 /*! \brief out[T, N] = x[T, K] @ dequant(qweight).T for T <= 8; x bf16 (16-byte aligned rows),
  * qweight uint8 [N, row_bytes] of Q4_0 / Q8_0 / Q4_K / Q6_K blocks, row_bytes a multiple of 16
  * (16-byte aligned), out f32 or bf16 with contiguous rows; rows: weight rows per warp. */
@@ -158,8 +141,11 @@ void gguf_gemv(TensorView out, TensorView x, TensorView qweight, int64_t qtype, 
   });
   check_launch("gguf_gemv");
 }
+#endif  // !FT_HOST_EMULATION
 
 }  // namespace
 }  // namespace freetoken
 
+#if !defined(FT_HOST_EMULATION)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_gemv, freetoken::gguf_gemv);
+#endif

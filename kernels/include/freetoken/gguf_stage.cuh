@@ -69,5 +69,34 @@ struct GgufStage {
   }
 };
 
+/*!
+ * \brief Streams the rows through `smem` (the warp's R * kChunk bytes) a chunk of whole blocks
+ * at a time and calls unit(blk, col, u) for each of this lane's 32-weight units: u of the block
+ * at smem + blk * kBytes (row r's copy kChunk * r further on), its first weight at column col.
+ * The first chunk's loads must already be in flight (`stage`, `bytes` of each row); every
+ * next chunk's loads go out before the current chunk is used.
+ */
+template <int QT, int R, class Unit>
+__device__ __forceinline__ void for_each_unit(GgufStage<QT, R>& stage,
+                                              const uint8_t* const (&rows)[R], int64_t row_bytes,
+                                              int bytes, uint8_t* smem, int lane, Unit&& unit) {
+  using Stage = GgufStage<QT, R>;
+  constexpr int kUnits = Block<QT>::kWeights / 32;
+  for (int64_t c0 = 0; c0 < row_bytes; c0 += Stage::kChunk) {
+    stage.store(smem, bytes, lane);
+    warp_sync();
+    const int nb = bytes / Block<QT>::kBytes;
+    const int64_t next = c0 + Stage::kChunk;
+    bytes = static_cast<int>(row_bytes - next < Stage::kChunk ? row_bytes - next : Stage::kChunk);
+    if (next < row_bytes) stage.load(rows, next, bytes, lane);
+    const int64_t col0 = c0 / Block<QT>::kBytes * Block<QT>::kWeights;
+    for (int gi = lane; gi < nb * kUnits; gi += kWarp) {
+      const int blk = gi / kUnits, u = gi % kUnits;
+      unit(blk, col0 + static_cast<int64_t>(blk) * Block<QT>::kWeights + u * 32, u);
+    }
+    warp_sync();
+  }
+}
+
 }  // namespace gguf_stage
 }  // namespace freetoken

@@ -312,14 +312,10 @@ class Fp8Projection:
                  for t in range(MAX_TOKENS + 1))
 
     def __init__(self, weight: ScaledWeight, kind: str, device):
-        import torch
+        from freetoken.models.forward.scaled_linear import kernel_operands
 
         self.mode = QuantProjection._MODES[kind]
-        self.data = weight.data.view(torch.uint8)
-        self.scales = weight.scales.float().contiguous()
-        self.row_scale = weight.row_scale if weight.row_scale is not None else torch.ones(
-            weight.shape[0], dtype=torch.float32, device=weight.data.device)
-        self.block = weight.block
+        self.data, self.scales, self.row_scale, self.block = kernel_operands(weight)
         self._fn = ops.bind("fp8_gemv_fused", device)
 
     def __call__(self, out: Array, x: Array, tokens: int, norm: Array | None = None,

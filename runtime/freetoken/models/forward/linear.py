@@ -133,12 +133,16 @@ class QuantLinear:
             self.data = HostArrays.kernel_arg(weight.data)
         self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
+        # the most tokens gguf_gemv_q8 takes for this weight (0: none), decided once
+        self._q8_tokens = 0 if self._q8 is None else max(
+            t for t in range(quant_gemv.Q8_MAX_TOKENS + 1)
+            if t == 0 or quant_gemv.q8_reads(self.qtype, self.in_features, t))
         # gguf_gemv_q8 adds a bf16 bias in its epilogue; another keeps the add after it
         self._q8_bias = bias if self._q8 is not None and _bf16_vector(bias) else None
 
     def __call__(self, out: Array, x: Array) -> None:
         tokens = x.shape[0]
-        if self._q8 is not None and quant_gemv.q8_reads(self.qtype, self.in_features, tokens):
+        if tokens <= self._q8_tokens:
             self._q8(out, x, self.data, self.qtype, self._q8_bias, None, 0.0,
                      quant_gemv.Q8_STORE, 0, False)
             if self._q8_bias is None and self.bias is not None:

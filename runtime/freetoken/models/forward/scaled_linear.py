@@ -33,12 +33,23 @@ def scratch(device, dtype, numel: int):
     return buf[:numel]
 
 
+def kernel_operands(weight: ScaledWeight) -> tuple[Any, Any, Any, tuple[int, int]]:
+    """(data bytes, scales, row scales, block) as the scaled GPU kernels take a 2-D weight:
+    uint8 data, a float32 grid (FP8) or e4m3 bytes (NVFP4), row scales of ones when it has
+    none."""
+    import torch
+
+    scales = (weight.scales.view(torch.uint8) if weight.format == NVFP4
+              else weight.scales.float().contiguous())
+    row_scale = weight.row_scale if weight.row_scale is not None else torch.ones(
+        weight.shape[0], dtype=torch.float32, device=weight.data.device)
+    return weight.data.view(torch.uint8), scales, row_scale, weight.block
+
+
 class ScaledLinear:
     """out[T, N] = x[T, K] @ dequant(W).T (+ bias) for a ScaledWeight W [N, K] on a GPU."""
 
     def __init__(self, weight: ScaledWeight, bias=None):
-        import torch
-
         from freetoken.kernel import ops
 
         if len(weight.shape) != 2:
@@ -47,13 +58,8 @@ class ScaledLinear:
         self._gemv = ops.bind("scaled_gemv", device)
         self._dequantize = ops.bind("scaled_dequantize", device)
         self.out_features, self.in_features = weight.shape
-        self.data = weight.data.view(torch.uint8)
-        self.scales = weight.scales.view(torch.uint8) if weight.format == NVFP4 \
-            else weight.scales.float().contiguous()
-        self.row_scale = weight.row_scale if weight.row_scale is not None else torch.ones(
-            self.out_features, dtype=torch.float32, device=device)
+        self.data, self.scales, self.row_scale, self.block = kernel_operands(weight)
         self.format = _FORMAT_IDS[weight.format]
-        self.block = weight.block
         self._fp8 = quant_gemv.fp8_decode(self.format, self.block, self.data)
         self.bias = bias
 
