@@ -154,11 +154,11 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="gguf_gemm",
-        functions=("gguf_matmul", "gguf_dequantize_rows"),
+        functions=("gguf_matmul", "gguf_dequantize_rows", "gguf_dequantize"),
         cuda=("cuda/gguf_gemm.cu",),
         rocm=True,  # HIP: a CUDA-core tile replaces the wmma tensor-core tile of prefill
-        doc="GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks in VRAM: decode GEMV, prefill GEMM, "
-            "row gather",
+        doc="GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks in VRAM: decode GEMV, prefill "
+            "GEMM, row gather, and whole weights dequantized to bf16 for prefill's float GEMMs",
     ),
     Kernel(
         name="gdn",
@@ -221,17 +221,19 @@ KERNELS: tuple[Kernel, ...] = (
         functions=("gguf_gemv",),
         cuda=("cuda/quant_gemv.cu",),
         rocm=True,
-        doc="decode GEMV (T <= 8) streaming GGUF Q4_0/Q8_0/Q4_K/Q6_K rows in 16-byte coalesced "
-            "loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
+        doc="decode GEMV (T <= 8) streaming GGUF Q4_0/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K rows in 16-byte "
+            "coalesced loads, several rows per warp (FREETOKEN_QUANT_GEMV=v2)",
     ),
     Kernel(
         name="gguf_gemv_q8",
-        functions=("gguf_gemv_q8",),
+        functions=("gguf_gemv_q8", "moe_q8_gate_up", "moe_q8_down"),
         cuda=("cuda/gguf_gemv_q8.cu",),
         rocm=True,
         doc="decode GEMV (T <= 2) over GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K rows on int8 "
             "activations quantized in its prologue (optionally RMS-normed), dp4a sums; store "
-            "(+ bias), residual-add and SwiGLU epilogues (FREETOKEN_QUANT_GEMV=v3)",
+            "(+ bias), residual-add and SwiGLU epilogues; and the MoE decode step over GGUF "
+            "experts as the same kernels on gathered rows (gate/up + SwiGLU per routed pair, "
+            "down + weighted combine [+ residual add] per token)",
     ),
     Kernel(
         name="fp8_gemv",

@@ -1,6 +1,7 @@
 // GGUF-quantized projections on the GPU: the weight stays in its blocks in VRAM and is decoded
 // in registers or shared memory on every call (freetoken/gguf_blocks.h, shared with a host
-// test). Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; activations bf16; output bf16 or f32.
+// test). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; activations bf16; output bf16
+// or f32.
 //
 // gguf_matmul dispatches on the activation rows M:
 //  - M <= 8 (decode): GEMV. Each warp owns kRows weight rows and streams them once: a chunk of
@@ -12,8 +13,10 @@
 //    k-slice of the weight is decoded into shared memory as bf16 and multiplied with wmma
 //    16x16x16 bf16 tensor cores (f32 accumulation). HIP builds use a CUDA-core FMA tile instead
 //    (no wmma there).
-// gguf_dequantize_rows gathers whole rows (the quantized embedding lookup).
-// No allocation and no host sync: both are capturable in a CUDA graph.
+// gguf_dequantize_rows gathers whole rows (the quantized embedding lookup); gguf_dequantize
+// writes a whole weight as bf16 (prefill's float GEMMs read it from a scratch buffer,
+// models/forward/dequant.py).
+// No allocation and no host sync: all are capturable in a CUDA graph.
 #include "freetoken/cuda_common.cuh"
 #include "freetoken/gguf_blocks.h"
 #include "freetoken/gguf_stage.cuh"
@@ -135,10 +138,33 @@ __global__ void rows_kernel(void* out, bool out_f32, const int64_t* __restrict__
   }
 }
 
+// out[r, 8g .. 8g + 8) = the weights of group g of row r, one 16-byte store per group; the
+// threads of a warp take consecutive groups of a row, so the blocks they read lie together.
+template <int QT>
+__global__ void dequantize_kernel(bf16* __restrict__ out, const uint8_t* __restrict__ w,
+                                  int64_t n, int64_t k, int64_t row_bytes) {
+  using B = Block<QT>;
+  constexpr int kGroups = B::kWeights / 8;
+  const int64_t per_row = k / 8, total = n * per_row;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += step) {
+    const int64_t r = i / per_row, g = i - r * per_row;
+    float f[8];
+    decode8<QT>(w + r * row_bytes + (g / kGroups) * B::kBytes, static_cast<int>(g % kGroups), f);
+    Vec<bf16, 8> v;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v.v[e] = from_float<bf16>(f[e]);
+    store_vec<bf16, 8>(out + r * k + g * 8, v);
+  }
+}
+
 #define FT_GGUF_DISPATCH(qtype, QT, ...)                                                     \
   switch (qtype) {                                                                          \
     case gguf::kQ4_0: { constexpr int QT = gguf::kQ4_0; __VA_ARGS__; break; }              \
     case gguf::kQ4_1: { constexpr int QT = gguf::kQ4_1; __VA_ARGS__; break; }              \
+    case gguf::kQ5_0: { constexpr int QT = gguf::kQ5_0; __VA_ARGS__; break; }              \
+    case gguf::kQ5_1: { constexpr int QT = gguf::kQ5_1; __VA_ARGS__; break; }              \
     case gguf::kQ8_0: { constexpr int QT = gguf::kQ8_0; __VA_ARGS__; break; }              \
     case gguf::kQ4_K: { constexpr int QT = gguf::kQ4_K; __VA_ARGS__; break; }              \
     case gguf::kQ5_K: { constexpr int QT = gguf::kQ5_K; __VA_ARGS__; break; }              \
@@ -155,9 +181,9 @@ void check_qweight(const TensorView& qweight, int64_t qtype, int64_t k, int dev)
   int weights = 0, bytes = 0;
   gguf::block_shape(static_cast<int>(qtype), &weights, &bytes);
   TVM_FFI_ICHECK(weights > 0) << "qtype " << qtype
-                              << " is not a GGUF type the GPU reads (Q4_0 2, Q4_1 3, Q8_0 8, "
-                                 "Q4_K 12, Q5_K 13, Q6_K 14)";
-  TVM_FFI_ICHECK(k % weights == 0 && qweight.size(1) == k / weights * bytes)
+                              << " is not a GGUF type the GPU reads (Q4_0 2, Q4_1 3, Q5_0 6, "
+                                 "Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14)";
+  TVM_FFI_ICHECK(gguf::row_holds(static_cast<int>(qtype), k, qweight.size(1)))
       << "qweight rows must hold " << k << " weights: " << k / weights * bytes << " bytes of "
       << weights << "-weight blocks (k a multiple of " << weights << "), got "
       << qweight.size(1) << " bytes";
@@ -245,8 +271,35 @@ void gguf_dequantize_rows(TensorView out, TensorView ids, TensorView qweight, in
   check_launch("gguf_dequantize_rows");
 }
 
+/*! \brief out[N, K] (bf16, contiguous, 16-byte aligned) = dequant(qweight), qweight uint8
+ * [N, row_bytes] of GGUF blocks of type qtype (rows padded to 16 bytes or not). */
+void gguf_dequantize(TensorView out, TensorView qweight, int64_t qtype) {
+  int dev = qweight.device().device_id;
+  check_gpu(out, "out", dev);
+  check_dtype(out, kDLBfloat, 16, "out", "bfloat16");
+  check_ndim(out, 2, "out");
+  check_contiguous(out, "out");
+  TVM_FFI_ICHECK(aligned16(out)) << "out must start on a 16-byte boundary";
+  check_qweight(qweight, qtype, out.size(1), dev);
+  TVM_FFI_ICHECK(out.size(0) == qweight.size(0))
+      << "out must have qweight's " << qweight.size(0) << " rows, got " << out.size(0);
+  const int64_t n = out.size(0), k = out.size(1);
+  if (n == 0 || k == 0) return;
+  DeviceGuard guard(dev);
+  cudaStream_t stream = stream_for(qweight);
+  const int64_t blocks = ceil_div(n * (k / 8), 256);
+  const unsigned grid = static_cast<unsigned>(blocks < 8192 ? blocks : 8192);
+  FT_GGUF_DISPATCH(qtype, QT, {
+    dequantize_kernel<QT><<<grid, 256, 0, stream>>>(data_of<bf16>(out),
+                                                    data_of<uint8_t>(qweight), n, k,
+                                                    qweight.size(1));
+  });
+  check_launch("gguf_dequantize");
+}
+
 }  // namespace
 }  // namespace freetoken
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_matmul, freetoken::gguf_matmul);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_dequantize, freetoken::gguf_dequantize);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_dequantize_rows, freetoken::gguf_dequantize_rows);

@@ -1,393 +1,29 @@
 // gguf_gemv_q8: the decode GEMV (1-2 tokens) over GGUF rows on int8 activations, with the fused
-// decode step's prologue and epilogues (FREETOKEN_QUANT_GEMV=v3). Q4_K rows stream straight
-// into registers (below); Q4_0, Q4_1, Q8_0, Q5_K and Q6_K rows, whose blocks are not all
-// 16-byte aligned, are staged through shared memory as gguf_gemv stages them
-// (freetoken/gguf_stage.cuh) and summed by gguf::dot32_q8.
-//
-// Why int8 activations: gguf_gemv (quant_gemv.cu) turns every 4-bit weight into a float and
-// multiplies it by a float x, about 3 instructions per weight and token; at the rate HBM
-// delivers Q4_K weights (5+ G weights/s per SM on an H200) that work, not the memory, sets its
-// speed (57% of read bandwidth). Here each block first quantizes x (optionally RMS-normed, as
-// decode_gemv's prologue) to int8 in 32-value groups with one f32 scale each, into shared
-// memory; the weights' nibbles then meet x in 4-way int8 dot products (dp4a), and the block
-// scales are applied once per 32 weights: under 2 instructions per weight.
-//
-// Layout a lane reads: a Q4_K block is 144 bytes = 9 16-byte words, the first holding
-// (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins) and word 1 + j holding weights
-// 16h..16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles), j = 2c + h. A warp's 32
-// lanes take 4 consecutive blocks, lane & 7 = j: every load is one 16-byte word and the warp's
-// loads cover 576 contiguous bytes (the header word read by 8 lanes at once).
-//
-// Numerics: x is quantized per 32 values, q = rint(x * 127 / amax), d = amax / 127; the sum of
-// sub-block s is d_w * sc_s * d_x * sum(q_w q_x) - dmin * m_s * d_x * sum(q_x) (the min term
-// counted once, by the lane with h = 0). Against the bf16 product this adds the int8 rounding
-// of x (relative 1/254 of each group's largest value), as llama.cpp's quantized GEMV does.
-//
-// tests/kernel/gguf_gemv_q8_emu.cc runs the kernel part on CPU threads (without the launch
-// part below).
-#include <type_traits>
-
-#include "freetoken/gemv_knobs.cuh"
-#include "freetoken/gemv_prologue.cuh"
-#include "freetoken/gguf_blocks.h"
-#include "freetoken/gguf_stage.cuh"
+// decode step's prologue and epilogues (FREETOKEN_QUANT_GEMV=v3), and the MoE decode step over
+// GGUF experts (moe_q8_gate_up, moe_q8_down). The kernels, their layout and their numerics are
+// described in freetoken/gguf_gemv_q8_kernels.cuh; this file holds the launches and the checks.
+#include "freetoken/gguf_gemv_q8_kernels.cuh"
 
 namespace freetoken {
-namespace gemv_q8 {
-
-constexpr int kWarps = 8, kThreads = kWarps * kWarp;
-constexpr int kMaxTokens = 2;
-constexpr int kXCapacity = 32768;  // int8 x values a block stages: tokens * K at most
-// The staged kernel: 4 warps, one output row each (two weight rows for SwiGLU), and room for
-// x beside the weight chunks within 48 KB of shared memory.
-constexpr int kStagedWarps = 4, kStagedThreads = kStagedWarps * kWarp;
-constexpr int kStagedCapacity = 24576;
-constexpr int kUnroll = 4;         // 16-byte weight words in flight per lane and row
-constexpr int kBlockBytes = 144, kBlockWeights = 256;  // Q4_K
-constexpr int kUnitsPerBlock = 8;  // lanes (16-byte words of nibbles) per Q4_K block
-
-enum Mode : int { kStore = 0, kAddResidual = 1, kSwiGLU = 2 };
-
-struct Args {
-  void* out;           // [T, ldo]: bf16; f32 allowed for kStore (out_f32)
-  const bf16* x;       // [T, ldx]
-  const uint8_t* w;    // [N, row_bytes] GGUF rows (kSwiGLU: [2N, ...], gate rows then up rows)
-  const bf16* bias;    // [N] or null (kStore only)
-  const bf16* norm;    // [K] RMSNorm weight, or null for x as it is
-  int64_t n, k, row_bytes, ldx, ldo;
-  int tokens;          // 1..kMaxTokens: the kernel's NT
-  bool out_f32;
-  float eps;
-};
-
-using Word = Vec<uint32_t, 4>;
-
-using gguf::dot4_i8;
-
-__device__ __forceinline__ int round_to_int(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float2int_rn(v);
-#else
-  return static_cast<int>(rintf(v));
-#endif
-}
-
-/*! \brief Byte i (0..11, a compile-time or per-lane value) of the 12 scale bytes in header
- * words 1..3, by shifts and selects (a dynamic index into a register array would spill). */
-__device__ __forceinline__ uint32_t scale_byte(const Word& hdr, int i) {
-  const uint32_t word = i < 4 ? hdr.v[1] : i < 8 ? hdr.v[2] : hdr.v[3];
-  return (word >> (8 * (i & 3))) & 0xFFu;
-}
-
-/*! \brief gguf::scale_min_k4 on the header word in registers. */
-__device__ __forceinline__ void scale_min(const Word& hdr, int s, float* sc, float* mn) {
-  uint32_t a, b;
-  if (s < 4) {
-    a = scale_byte(hdr, s) & 63u;
-    b = scale_byte(hdr, s + 4) & 63u;
-  } else {
-    a = (scale_byte(hdr, s + 4) & 0xFu) | ((scale_byte(hdr, s - 4) >> 6) << 4);
-    b = (scale_byte(hdr, s + 4) >> 4) | ((scale_byte(hdr, s) >> 6) << 4);
-  }
-  *sc = static_cast<float>(a);
-  *mn = static_cast<float>(b);
-}
-
-// x of the block's NT tokens as int8 groups of 32 in shared memory: xq[t * K + i], and per
-// group (d, d * sum(q)) at xds[2 * (t * K / 32 + g)]; RMS-normed first when a.norm is set
-// (rounded to bf16 where the unfused rms_norm stores it).
-template <int NT, int THREADS>
-__device__ void stage_x(const Args& a, int8_t* xq, float* xds) {
-  __shared__ float inv_rms[NT];
-  if (a.norm != nullptr) block_inv_rms<bf16, NT, THREADS>(a.x, a.ldx, a.k, NT, a.eps, inv_rms);
-  const int64_t groups = a.k / 32;
-  for (int64_t gi = threadIdx.x; gi < NT * groups; gi += THREADS) {
-    const int t = static_cast<int>(gi / groups);
-    const int64_t g = gi % groups;
-    const bf16* xp = a.x + t * a.ldx + 32 * g;
-    float v[32], amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      Vec<bf16, 8> xv = load_vec<bf16, 8>(xp + 8 * i);
-      Vec<bf16, 8> nv;
-      if (a.norm != nullptr) nv = load_vec<bf16, 8>(a.norm + 32 * g + 8 * i);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float f = to_float(xv.v[e]);
-        if (a.norm != nullptr) f = to_float(from_float<bf16>(f * inv_rms[t] * to_float(nv.v[e])));
-        v[8 * i + e] = f;
-        amax = fmaxf(amax, fabsf(f));
-      }
-    }
-    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    Word lo, hi;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int q = round_to_int(v[4 * j + e] * id);
-        sum += q;
-        word |= (static_cast<uint32_t>(q) & 0xFFu) << (8 * e);
-      }
-      if (j < 4) {
-        lo.v[j] = word;
-      } else {
-        hi.v[j - 4] = word;
-      }
-    }
-    uint32_t* dst = reinterpret_cast<uint32_t*>(xq + t * a.k + 32 * g);
-    store_vec<uint32_t, 4>(dst, lo);
-    store_vec<uint32_t, 4>(dst + 4, hi);
-    xds[2 * (t * groups + g)] = d;
-    xds[2 * (t * groups + g) + 1] = d * static_cast<float>(sum);
-  }
-  __syncthreads();
-}
-
-// The lane's words of units u0 + i * 32 + lane (i < kUnroll) of every row it reads.
-template <int NW>
-__device__ __forceinline__ void load_units(const uint8_t* const (&rows)[NW], int u0, int units,
-                                           int lane, Word (&hdr)[kUnroll][NW],
-                                           Word (&qs)[kUnroll][NW]) {
-#pragma unroll
-  for (int i = 0; i < kUnroll; ++i) {
-    const int u = u0 + i * kWarp + lane;
-    if (u >= units) break;
-    const int64_t off = static_cast<int64_t>(u / kUnitsPerBlock) * kBlockBytes;
-    const int j = u % kUnitsPerBlock;
-#pragma unroll
-    for (int r = 0; r < NW; ++r) {
-      hdr[i][r] = load_weight<kLoadNoL1, uint32_t, 4>(
-          reinterpret_cast<const uint32_t*>(rows[r] + off));
-      qs[i][r] = load_weight<kLoadNoL1, uint32_t, 4>(
-          reinterpret_cast<const uint32_t*>(rows[r] + off + 16 + 16 * j));
-    }
-  }
-}
-
-// The warp's sums of its R output rows reduced and stored through the mode's epilogue (lane 0).
-template <int R, int MODE, int NW, int NT>
-__device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int64_t n0,
-                                       int lane) {
-  static_assert(NW == (MODE == kSwiGLU ? 2 * R : R), "SwiGLU reads R gate and R up rows");
-#pragma unroll
-  for (int r = 0; r < NW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[r][t] = warp_sum(acc[r][t]);
-  if (lane != 0) return;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = n0 + r;
-    if (n >= a.n) break;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float v = acc[r][t];
-      if (MODE == kStore) {
-        const float b = a.bias != nullptr ? to_float(a.bias[n]) : 0.f;
-        if (a.out_f32) {
-          static_cast<float*>(a.out)[t * a.ldo + n] = v + b;
-        } else {
-          static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(v + b);
-        }
-      } else if (MODE == kAddResidual) {
-        bf16* o = static_cast<bf16*>(a.out) + t * a.ldo + n;
-        *o = from_float<bf16>(to_float(*o) + to_float(from_float<bf16>(v)));
-      } else {
-        // gate and up rounded where the unfused chain stores them, as decode_gemv_swiglu
-        const float g = to_float(from_float<bf16>(v));
-        const float u = to_float(from_float<bf16>(acc[R + r][t]));
-        static_cast<bf16*>(a.out)[t * a.ldo + n] = from_float<bf16>(g / (1.f + __expf(-g)) * u);
-      }
-    }
-  }
-}
-
-// out[t, n] for the warp's R output rows n (kSwiGLU: R gate rows and their R up rows).
-template <int R, int NT, int MODE>
-__global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
-  __shared__ __attribute__((aligned(16))) int8_t xq[kXCapacity];
-  __shared__ __attribute__((aligned(16))) float xds[kXCapacity / 16];
-  constexpr int NW = MODE == kSwiGLU ? 2 * R : R;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R;
-  const bool live = n0 < a.n;
-  const uint8_t* rows[NW];
-#pragma unroll
-  for (int r = 0; r < NW; ++r) {
-    int64_t row = n0 + r % R;
-    row = row < a.n ? row : a.n - 1;  // rows past N repeat the last (their sums are dropped)
-    rows[r] = a.w + (row + (r >= R ? a.n : 0)) * a.row_bytes;
-  }
-  const int units = static_cast<int>(a.k / kBlockWeights * kUnitsPerBlock);
-  Word hdr[kUnroll][NW], qs[kUnroll][NW];
-  // the first weights stream in while the previous kernel drains (programmatic launch) and
-  // while x is staged; x itself is read only after wait_for_inputs()
-  if (live) load_units<NW>(rows, 0, units, lane, hdr, qs);
-  wait_for_inputs();
-  stage_x<NT, kThreads>(a, xq, xds);
-  if (!live) return;  // whole warps: nothing below synchronises the block
-  // this lane's place in every block it reads: word j = 2c + h (see the file comment)
-  const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
-  const int64_t groups = a.k / 32;
-  float acc[NW][NT] = {};
-  for (int u0 = 0; u0 < units; u0 += kWarp * kUnroll) {
-    if (u0 > 0) load_units<NW>(rows, u0, units, lane, hdr, qs);
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const int u = u0 + i * kWarp + lane;
-      if (u >= units) break;
-      const int64_t blk = u / kUnitsPerBlock;
-      float f0[NW], f1[NW], m[NW][2];
-#pragma unroll
-      for (int r = 0; r < NW; ++r) {
-        const float d = gguf::half_bits_to_float(hdr[i][r].v[0] & 0xFFFFu);
-        const float dmin = gguf::half_bits_to_float(hdr[i][r].v[0] >> 16);
-        float sc0, mn0, sc1, mn1;
-        scale_min(hdr[i][r], 2 * c, &sc0, &mn0);
-        scale_min(hdr[i][r], 2 * c + 1, &sc1, &mn1);
-        f0[r] = d * sc0;
-        f1[r] = d * sc1;
-        m[r][0] = h == 0 ? dmin * mn0 : 0.f;  // each sub-block's min term counted once
-        m[r][1] = h == 0 ? dmin * mn1 : 0.f;
-      }
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* xp = xq + t * a.k + blk * kBlockWeights + 64 * c + 16 * h;
-        const Word x0 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp));
-        const Word x1 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp + 32));
-        // (d, d * sum q) of sub-blocks 2c and 2c + 1: 4 floats, 16-byte aligned (2c even)
-        const Vec<float, 4> ds = load_vec<float, 4>(xds + 2 * (t * groups + blk * 8 + 2 * c));
-#pragma unroll
-        for (int r = 0; r < NW; ++r) {
-          int p0 = 0, p1 = 0;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const uint32_t wv = qs[i][r].v[e];
-            p0 = dot4_i8(wv & 0x0F0F0F0Fu, x0.v[e], p0);
-            p1 = dot4_i8((wv >> 4) & 0x0F0F0F0Fu, x1.v[e], p1);
-          }
-          acc[r][t] += f0[r] * ds.v[0] * static_cast<float>(p0) +
-                       f1[r] * ds.v[2] * static_cast<float>(p1) -
-                       (m[r][0] * ds.v[1] + m[r][1] * ds.v[3]);
-        }
-      }
-    }
-  }
-  allow_dependents();
-  finish<R, MODE>(a, acc, n0, lane);
-}
-
-// out[t, n] for the warp's one output row n (kSwiGLU: its gate and up rows) over blocks of QT,
-// staged through shared memory a chunk of whole blocks at a time (gguf_gemv's staging); lanes
-// take the chunk's 32-weight units in turn, each meeting its x group in dot32_q8.
-template <int QT, int NT, int MODE>
-__global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
-  using B = gguf::Block<QT>;
-  constexpr int NW = MODE == kSwiGLU ? 2 : 1;
-  using Stage = gguf_stage::GgufStage<QT, NW>;
-  __shared__ __attribute__((aligned(16))) int8_t xq[kStagedCapacity];
-  __shared__ __attribute__((aligned(16))) float xds[kStagedCapacity / 16];
-  __shared__ __attribute__((aligned(16))) uint8_t staged[kStagedWarps][NW * Stage::kChunk];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kStagedWarps + warp;
-  const bool live = n0 < a.n;
-  const uint8_t* rows[NW];
-#pragma unroll
-  for (int r = 0; r < NW; ++r) {
-    const int64_t row = n0 < a.n ? n0 : a.n - 1;
-    rows[r] = a.w + (row + (r > 0 ? a.n : 0)) * a.row_bytes;
-  }
-  Stage stage;
-  const int bytes = static_cast<int>(a.row_bytes < Stage::kChunk ? a.row_bytes : Stage::kChunk);
-  if (live) stage.load(rows, 0, bytes, lane);  // in flight while x is staged
-  wait_for_inputs();
-  stage_x<NT, kStagedThreads>(a, xq, xds);
-  if (!live) return;  // whole warps: below, only the warp synchronises
-  const int64_t groups = a.k / 32;
-  float acc[NW][NT] = {};
-  uint8_t* mine = staged[warp];
-  gguf_stage::for_each_unit(stage, rows, a.row_bytes, bytes, mine, lane,
-                            [&](int blk, int64_t col, int u) {
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const uint32_t* xp = reinterpret_cast<const uint32_t*>(xq + t * a.k + col);
-      const Word x0 = load_vec<uint32_t, 4>(xp), x1 = load_vec<uint32_t, 4>(xp + 4);
-      const uint32_t xw[8] = {x0.v[0], x0.v[1], x0.v[2], x0.v[3],
-                              x1.v[0], x1.v[1], x1.v[2], x1.v[3]};
-      const Vec<float, 2> ds = load_vec<float, 2>(xds + 2 * (t * groups + col / 32));
-#pragma unroll
-      for (int r = 0; r < NW; ++r) {
-        acc[r][t] += gguf::dot32_q8<QT>(mine + r * Stage::kChunk + blk * B::kBytes, u, xw,
-                                        ds.v[0], ds.v[1]);
-      }
-    }
-  });
-  allow_dependents();
-  finish<1, MODE>(a, acc, n0, lane);
-}
-
-/*! \brief int8 x values a block of the kernel for `qtype` stages (tokens * K at most). */
-inline int64_t capacity(int qtype) {
-  return qtype == gguf::kQ4_K ? kXCapacity : kStagedCapacity;
-}
-
-// Which kernel one call runs: go(kernel, blocks, threads) with the instantiation that the type,
-// the weight rows per warp (Q4_K; the staged types take one), the tokens and the mode select.
-// False for a type none reads. The launch part below and the emulated tests both launch
-// through it.
-template <int MODE, class Go>
-bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
-  const bool one = a.tokens == 1;
-  auto blocks = [&](int64_t rows_per_block) {
-    return static_cast<unsigned>(ceil_div(a.n, rows_per_block));
-  };
-  auto staged = [&](auto qt) {
-    constexpr int QT = decltype(qt)::value;
-    go(one ? staged_gemv_kernel<QT, 1, MODE> : staged_gemv_kernel<QT, 2, MODE>,
-       blocks(kStagedWarps), kStagedThreads);
-    return true;
-  };
-  switch (qtype) {
-    case gguf::kQ4_K:
-      if (rows == 2 || (rows == 0 && !one)) {
-        go(one ? q4k_gemv_kernel<2, 1, MODE> : q4k_gemv_kernel<2, 2, MODE>, blocks(2 * kWarps),
-           kThreads);
-      } else {
-        go(one ? q4k_gemv_kernel<1, 1, MODE> : q4k_gemv_kernel<1, 2, MODE>, blocks(kWarps),
-           kThreads);
-      }
-      return true;
-    case gguf::kQ4_0: return staged(std::integral_constant<int, gguf::kQ4_0>());
-    case gguf::kQ4_1: return staged(std::integral_constant<int, gguf::kQ4_1>());
-    case gguf::kQ8_0: return staged(std::integral_constant<int, gguf::kQ8_0>());
-    case gguf::kQ5_K: return staged(std::integral_constant<int, gguf::kQ5_K>());
-    case gguf::kQ6_K: return staged(std::integral_constant<int, gguf::kQ6_K>());
-    default: return false;
-  }
-}
-
-}  // namespace gemv_q8
-
-// ---------------------------------------------------------------- launches and checks
-// (tests/kernel/gguf_gemv_q8_emu.cc runs the kernel above on CPU threads, without this part)
-#if !defined(FT_HOST_EMULATION)
 namespace {
 
 using namespace gemv_q8;
 
-template <int MODE>
+// One launch of the instantiation dispatch<MODE, GATHER> picks, `grid_y` block rows (1, the
+// MoE pairs or the tokens).
+template <int MODE, int GATHER = kDense>
 void launch_mode(const Args& a, int qtype, int64_t rows, bool pdl, int device,
-                 cudaStream_t stream) {
-  dispatch<MODE>(a, qtype, rows, [&](auto kernel, unsigned blocks, int threads) {
-    launch_maybe_pdl(kernel, dim3(blocks), dim3(threads), stream, pdl, device, a);
-  });
+                 cudaStream_t stream, unsigned grid_y = 1) {
+  const bool launched = dispatch<MODE, GATHER>(
+      a, qtype, rows, [&](auto kernel, unsigned blocks, int threads) {
+        launch_maybe_pdl(kernel, dim3(blocks, grid_y), dim3(threads), stream, pdl, device, a);
+      });
+  TVM_FFI_ICHECK(launched) << "gguf_gemv_q8: no kernel reads qtype " << qtype;
 }
 
 /*!
- * \brief The decode product over GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows (a multiple
- * of 16 bytes) on int8-quantized activations.
+ * \brief The decode product over GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows (whole
+ * blocks padded to 16-byte words) on int8-quantized activations.
  * mode 0: out[T, N] = xn @ W.T (+ bias), out bf16 or f32, may be a column slice;
  * mode 1: out[T, N] += xn @ W.T (out bf16, the residual; the product rounded first);
  * mode 2: out[T, N] = silu(g) * u, [g | u] = xn @ W.T with W [2N, K] (out bf16).
@@ -402,8 +38,8 @@ void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
   int weights = 0, block_bytes = 0;
   gguf::block_shape(static_cast<int>(qtype), &weights, &block_bytes);
   TVM_FFI_ICHECK(weights > 0)
-      << "gguf_gemv_q8 reads Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14), "
-      << "got qtype " << qtype;
+      << "gguf_gemv_q8 reads Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K "
+      << "(13) and Q6_K (14), got qtype " << qtype;
   TVM_FFI_ICHECK(mode == kStore || mode == kAddResidual || mode == kSwiGLU)
       << "mode must be 0 (store), 1 (residual add) or 2 (SwiGLU), got " << mode;
   TVM_FFI_ICHECK(rows == 0 || rows == 1 || rows == 2)
@@ -413,10 +49,11 @@ void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
   check_ndim(qweight, 2, "qweight");
   check_contiguous(qweight, "qweight");
   TVM_FFI_ICHECK(aligned16(qweight)) << "qweight must start on a 16-byte boundary";
+  // a row is its blocks, padded to whole 16-byte words (less than one block of padding)
   const int64_t rb = qweight.size(1), k = rb / block_bytes * weights;
-  TVM_FFI_ICHECK(rb % block_bytes == 0 && k > 0 && rb % 16 == 0)
-      << "qweight rows must be whole blocks of " << block_bytes << " bytes and a multiple of 16 "
-      << "bytes, got " << rb << " (gguf_matmul takes any row)";
+  TVM_FFI_ICHECK(gguf::row_holds(static_cast<int>(qtype), k, rb) && rb % 16 == 0)
+      << "qweight rows must be whole blocks of " << block_bytes << " bytes padded to a multiple "
+      << "of 16 bytes, got " << rb << " bytes (gguf_matmul takes any row)";
   const int64_t n_rows = qweight.size(0), n = mode == kSwiGLU ? n_rows / 2 : n_rows;
   TVM_FFI_ICHECK(mode != kSwiGLU || n_rows % 2 == 0) << "gate_up must have 2*I rows";
   check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
@@ -459,10 +96,171 @@ void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
   check_launch("gguf_gemv_q8");
 }
 
+
+// ---------------------------------------------------------------- the MoE decode halves
+
+/*! \brief The routing operands both halves take: ids [T, K] int32 and expert_map [E] int32 on
+ * the device; their sizes into `a`. */
+void check_routing(Args* a, const TensorView& topk_ids, const TensorView& expert_map,
+                   int64_t tokens, int dev) {
+  check_gpu(topk_ids, "topk_ids", dev);
+  check_dtype(topk_ids, kDLInt, 32, "topk_ids", "int32");
+  check_ndim(topk_ids, 2, "topk_ids");
+  check_contiguous(topk_ids, "topk_ids");
+  check_gpu(expert_map, "expert_map", dev);
+  check_dtype(expert_map, kDLInt, 32, "expert_map", "int32");
+  check_ndim(expert_map, 1, "expert_map");
+  check_contiguous(expert_map, "expert_map");
+  const int64_t k = topk_ids.size(1), e = expert_map.size(0);
+  TVM_FFI_ICHECK(topk_ids.size(0) == tokens && tokens >= 1 && tokens <= kMaxMoETokens)
+      << "topk_ids must be [T, K] with 1 <= T <= " << kMaxMoETokens << " (x rows), got ["
+      << topk_ids.size(0) << ", " << k << "]";
+  TVM_FFI_ICHECK(k >= 1 && k <= kMaxTopK) << "top_k must be in 1.." << kMaxTopK << ", got " << k;
+  TVM_FFI_ICHECK(e >= 1 && e < (int64_t{1} << 31)) << "expert_map must hold 1.. experts";
+  a->gather = kDense;
+  a->topk_ids = data_of<int>(topk_ids);
+  a->expert_map = data_of<int>(expert_map);
+  a->top_k = static_cast<int>(k);
+  a->experts = static_cast<int>(e);
+}
+
+/*! \brief Stacked experts [S, rows, row_bytes] of GGUF type qtype holding `weights` weights a
+ * row: checked, and their row bytes. */
+int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t weights,
+                      const char* name, int dev) {
+  int per_block = 0, block_bytes = 0;
+  gguf::block_shape(static_cast<int>(qtype), &per_block, &block_bytes);
+  TVM_FFI_ICHECK(per_block > 0)
+      << name << ": the MoE decode reads Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K "
+      << "(12), Q5_K (13) and Q6_K (14), got qtype " << qtype;
+  check_gpu(w, name, dev);
+  check_dtype(w, kDLUInt, 8, name, "uint8");
+  check_ndim(w, 3, name);
+  check_contiguous(w, name);
+  TVM_FFI_ICHECK(aligned16(w)) << name << " must start on a 16-byte boundary";
+  const int64_t rb = (weights / per_block * block_bytes + 15) / 16 * 16;  // padded to words
+  TVM_FFI_ICHECK(weights % per_block == 0 && w.size(1) == rows && w.size(2) == rb)
+      << name << " must be [S, " << rows << ", " << rb << "] (rows of " << weights
+      << " weights in whole " << block_bytes << "-byte blocks, padded to 16 bytes), got ["
+      << w.size(0) << ", " << w.size(1) << ", " << w.size(2) << "]";
+  TVM_FFI_ICHECK(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31)) << name << ": no expert slots";
+  return rb;
+}
+
+/*!
+ * \brief act[p] = silu(gate_s . x_t) * (up_s . x_t) for every routed pair p = t * K + k, with
+ * slot s = expert_map[topk_ids[t, k]] (zeros for a pair without a slot); x bf16 [T, H] (rows
+ * 16-byte aligned), w13 uint8 [S, 2I, row_bytes] (gate rows, then up rows) of qtype, act
+ * bf16 [T * K, I] contiguous. H a multiple of the block's weights, H <= the type's staging.
+ */
+void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
+                    TensorView topk_ids, TensorView expert_map, bool pdl) {
+  const int dev = w13.device().device_id;
+  check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
+  check_ndim(x, 2, "x");
+  const int64_t tokens = x.size(0), h = x.size(1);
+  check_aligned_rows(x, dev, "x", h);
+  Args a{};
+  check_routing(&a, topk_ids, expert_map, tokens, dev);
+  TVM_FFI_ICHECK(w13.ndim() == 3 && w13.size(1) % 2 == 0)
+      << "w13 must be [S, 2I, row_bytes] with gate rows then up rows";
+  const int64_t inter = w13.size(1) / 2;
+  const int64_t rb = check_experts(w13, qtype, 2 * inter, h, "w13", dev);
+  TVM_FFI_ICHECK(h <= capacity(static_cast<int>(qtype)))
+      << "moe_q8_gate_up stages at most " << capacity(static_cast<int>(qtype))
+      << " values of x for qtype " << qtype << ", got H = " << h;
+  check_gpu(act, "act", dev);
+  check_dtype(act, kDLBfloat, 16, "act", "bfloat16");
+  check_contiguous(act, "act");
+  TVM_FFI_ICHECK(act.ndim() == 2 && act.size(0) == tokens * a.top_k && act.size(1) == inter)
+      << "act must be [T * K, I] = [" << tokens * a.top_k << ", " << inter << "]";
+  a.out = data_of<void>(act);
+  a.x = data_of<bf16>(x);
+  a.w = data_of<uint8_t>(w13);
+  a.n = inter;
+  a.k = h;
+  a.row_bytes = rb;
+  a.ldx = row_view(x, 1, "x").stride;
+  a.ldo = inter;
+  a.tokens = 1;
+  a.gather = kExpertGateUp;
+  a.slots = static_cast<int>(w13.size(0));
+  a.expert_bytes = 2 * inter * rb;
+  DeviceGuard guard(dev);
+  launch_mode<kSwiGLU, kExpertGateUp>(a, static_cast<int>(qtype), 1, pdl, dev, stream_for(w13),
+                                      static_cast<unsigned>(tokens * a.top_k));
+  check_launch("moe_q8_gate_up");
+}
+
+/*!
+ * \brief out[t] (+)= sum_k topk_weights[t, k] * (down_s . act[t * K + k]) with the slots of
+ * moe_q8_gate_up (a pair without one adds nothing): act bf16 [T * K, I] contiguous, w2 uint8
+ * [S, H, row_bytes] of qtype, out bf16 [T, H] (rows may be strided); accumulate adds to out
+ * (the residual stream), rounding the sum to bf16 first. I a multiple of the block's weights
+ * (of 256 for Q4_K); K * I within the type's staging.
+ */
+void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
+                 TensorView topk_ids, TensorView topk_weights, TensorView expert_map,
+                 bool accumulate, bool pdl) {
+  const int dev = w2.device().device_id;
+  check_gpu(out, "out", dev);
+  check_dtype(out, kDLBfloat, 16, "out", "bfloat16");
+  check_ndim(out, 2, "out");
+  const int64_t tokens = out.size(0);
+  Args a{};
+  check_routing(&a, topk_ids, expert_map, tokens, dev);
+  check_gpu(topk_weights, "topk_weights", dev);
+  check_dtype(topk_weights, kDLFloat, 32, "topk_weights", "float32");
+  check_contiguous(topk_weights, "topk_weights");
+  TVM_FFI_ICHECK(topk_weights.ndim() == 2 && topk_weights.size(0) == tokens &&
+                 topk_weights.size(1) == a.top_k)
+      << "topk_weights must be [T, K] like topk_ids";
+  check_gpu(act, "act", dev);
+  check_dtype(act, kDLBfloat, 16, "act", "bfloat16");
+  check_contiguous(act, "act");
+  TVM_FFI_ICHECK(act.ndim() == 2 && act.size(0) == tokens * a.top_k)
+      << "act must be [T * K, I] with T * K = " << tokens * a.top_k << " rows";
+  TVM_FFI_ICHECK(aligned16(act)) << "act must start on a 16-byte boundary";
+  const int64_t inter = act.size(1);
+  TVM_FFI_ICHECK(w2.ndim() == 3) << "w2 must be [S, H, row_bytes]";
+  const int64_t h = w2.size(1);
+  const int64_t rb = check_experts(w2, qtype, h, inter, "w2", dev);
+  TVM_FFI_ICHECK(qtype != gguf::kQ4_K || inter % kBlockWeights == 0)
+      << "moe_q8_down reads Q4_K rows of whole 256-weight blocks: I must be a multiple of 256, "
+      << "got " << inter;
+  TVM_FFI_ICHECK(a.top_k * inter <= capacity(static_cast<int>(qtype)))
+      << "moe_q8_down stages K * I <= " << capacity(static_cast<int>(qtype))
+      << " activations for qtype " << qtype << ", got " << a.top_k << " x " << inter;
+  RowView ro = row_view(out, 1, "out");
+  TVM_FFI_ICHECK(ro.width == h) << "out must be [T, H] with H = " << h << " (w2 rows)";
+  a.out = data_of<void>(out);
+  a.x = data_of<bf16>(act);
+  a.w = data_of<uint8_t>(w2);
+  a.n = h;
+  a.k = a.top_k * inter;
+  a.row_bytes = rb;
+  a.ldx = a.k;
+  a.ldo = ro.stride;
+  a.tokens = 1;
+  a.gather = kExpertDown;
+  a.topk_w = data_of<float>(topk_weights);
+  a.slots = static_cast<int>(w2.size(0));
+  a.expert_bytes = h * rb;
+  a.seg = inter;
+  DeviceGuard guard(dev);
+  const int qt = static_cast<int>(qtype);
+  const unsigned grid_y = static_cast<unsigned>(tokens);
+  if (accumulate) {
+    launch_mode<kAddResidual, kExpertDown>(a, qt, 1, pdl, dev, stream_for(w2), grid_y);
+  } else {
+    launch_mode<kStore, kExpertDown>(a, qt, 1, pdl, dev, stream_for(w2), grid_y);
+  }
+  check_launch("moe_q8_down");
+}
+
 }  // namespace
-#endif  // !FT_HOST_EMULATION
 }  // namespace freetoken
 
-#if !defined(FT_HOST_EMULATION)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gguf_gemv_q8, freetoken::gguf_gemv_q8);
-#endif
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_q8_gate_up, freetoken::moe_q8_gate_up);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_q8_down, freetoken::moe_q8_down);

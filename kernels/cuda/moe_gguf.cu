@@ -1,6 +1,6 @@
 // The routed experts' SwiGLU MLPs over GGUF blocks kept in VRAM: moe_experts with w13
-// [S, 2I, row_bytes] and w2 [S, H, row_bytes] uint8 tensors of Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
-// rows (gate/up and down may differ in type, as in the _M mixes); activations bf16.
+// [S, 2I, row_bytes] and w2 [S, H, row_bytes] uint8 tensors of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/
+// Q5_K/Q6_K rows (gate/up and down may differ in type, as in the _M mixes); activations bf16.
 //
 // The launch sequence is moe.cu's, fixed on the host from (T, K, E) alone (graph-capturable,
 // no host sync, no allocation), over the same workspace plan and alignment pass
@@ -36,6 +36,8 @@ using moe_gguf_tile::kThreads;
   switch (qtype) {                                                             \
     case gguf::kQ4_0: { constexpr int QT = gguf::kQ4_0; __VA_ARGS__; break; } \
     case gguf::kQ4_1: { constexpr int QT = gguf::kQ4_1; __VA_ARGS__; break; } \
+    case gguf::kQ5_0: { constexpr int QT = gguf::kQ5_0; __VA_ARGS__; break; } \
+    case gguf::kQ5_1: { constexpr int QT = gguf::kQ5_1; __VA_ARGS__; break; } \
     case gguf::kQ8_0: { constexpr int QT = gguf::kQ8_0; __VA_ARGS__; break; } \
     case gguf::kQ4_K: { constexpr int QT = gguf::kQ4_K; __VA_ARGS__; break; } \
     case gguf::kQ5_K: { constexpr int QT = gguf::kQ5_K; __VA_ARGS__; break; } \
@@ -86,8 +88,8 @@ int64_t row_bytes_of(int64_t qtype, int64_t weights, const char* name, const cha
   int bw = 0, bb = 0;
   gguf::block_shape(static_cast<int>(qtype), &bw, &bb);
   TVM_FFI_ICHECK(bw > 0) << name << ": GGUF type " << qtype
-                         << " is not one the GPU reads (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, "
-                            "Q5_K 13, Q6_K 14)";
+                         << " is not one the GPU reads (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, "
+                            "Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14)";
   TVM_FFI_ICHECK(weights % bw == 0) << name << ": rows of " << bw << "-weight blocks need " << dim
                                     << " a multiple of " << bw << ", got " << weights;
   return weights / bw * bb;
@@ -114,14 +116,18 @@ void moe_experts_gguf(TensorView out, TensorView x, TensorView w13, TensorView w
   TVM_FFI_ICHECK(S >= 1 && I >= 1 && w13.size(1) == 2 * I)
       << "w13 must be [S, 2I, row_bytes] with S, I >= 1, got [" << S << ", " << w13.size(1)
       << ", " << w13.size(2) << "]";
-  const int64_t rb13 = row_bytes_of(qtype13, H, "w13", "H");
-  const int64_t rb2 = row_bytes_of(qtype2, I, "w2", "I");
-  TVM_FFI_ICHECK(w13.size(2) == rb13) << "w13 rows must hold H = " << H << " weights: " << rb13
-                                      << " bytes, got " << w13.size(2);
-  TVM_FFI_ICHECK(w2.size(0) == S && w2.size(1) == H && w2.size(2) == rb2)
-      << "w2 must be [S, H, row_bytes] = [" << S << ", " << H << ", " << rb2
-      << "] (I = " << I << " weights a row), got [" << w2.size(0) << ", " << w2.size(1) << ", "
-      << w2.size(2) << "]";
+  // rows are their blocks, or those padded to whole 16-byte words (weights.gpu_rows)
+  const int64_t rb13 = w13.size(2), rb2 = w2.size(2);
+  const int64_t data13 = row_bytes_of(qtype13, H, "w13", "H");
+  const int64_t data2 = row_bytes_of(qtype2, I, "w2", "I");
+  TVM_FFI_ICHECK(gguf::row_holds(static_cast<int>(qtype13), H, rb13))
+      << "w13 rows must hold H = " << H << " weights: " << data13 << " bytes (or those padded "
+      << "to 16-byte words), got " << rb13;
+  TVM_FFI_ICHECK(w2.size(0) == S && w2.size(1) == H && gguf::row_holds(static_cast<int>(qtype2),
+                                                                        I, rb2))
+      << "w2 must be [S, H, row_bytes] = [" << S << ", " << H << ", " << data2
+      << " or that padded to 16 bytes] (I = " << I << " weights a row), got [" << w2.size(0)
+      << ", " << w2.size(1) << ", " << w2.size(2) << "]";
   TVM_FFI_ICHECK(topk_ids.size(0) == T && topk_weights.size(0) == T && topk_weights.size(1) == K)
       << "topk_ids and topk_weights must both be [T, K] with T = " << T << " (x rows)";
   TVM_FFI_ICHECK(K >= 1 && K <= moe_align::kMaxTopK)

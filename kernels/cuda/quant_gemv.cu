@@ -1,10 +1,11 @@
-// gguf_gemv: the decode GEMV (T <= 8 activation rows) over GGUF Q4_0 / Q8_0 / Q4_K / Q6_K rows
-// whose byte length is a multiple of 16, written to stream the weight bytes at the memory's
-// rate. A warp owns R weight rows; it loads a chunk of whole blocks of each (about 4 KB per
-// warp) in 16-byte loads in which its 32 lanes cover 512 contiguous bytes, stages the chunk
-// from registers into shared memory, issues the loads of the next chunk, then decodes the
-// staged one with the host-tested gguf::dot32 (scales applied once per 32 weights, f32 sums);
-// each activation value a lane loads serves the warp's R rows.
+// gguf_gemv: the decode GEMV (T <= 8 activation rows) over GGUF Q4_0 / Q5_0 / Q5_1 / Q8_0 /
+// Q4_K / Q6_K rows whose byte length is a multiple of 16 (K a multiple of 64 for Q5_1, 256 for
+// Q4_0, Q5_0, Q8_0 and Q4_K, 2048 for Q6_K), written to stream the weight bytes at the
+// memory's rate. A warp owns R weight rows; it loads a chunk of whole blocks of each (about
+// 4 KB per warp) in 16-byte loads in which its 32 lanes cover 512 contiguous bytes, stages the
+// chunk from registers into shared memory, issues the loads of the next chunk, then decodes
+// the staged one with the host-tested gguf::dot32 (scales applied once per 32 weights, f32
+// sums); each activation value a lane loads serves the warp's R rows.
 //
 // gguf_matmul (gguf_gemm.cu) stays as it was: the model picks one or the other by
 // FREETOKEN_QUANT_GEMV, and `rows` = 0 lets the kernel choose R.
@@ -85,8 +86,9 @@ __global__ void __launch_bounds__(kWarps * kWarp)
 
 #if !defined(FT_HOST_EMULATION)  // tests/kernel/gguf_gemv_emu.cc runs the kernel above alone
 /*! \brief out[T, N] = x[T, K] @ dequant(qweight).T for T <= 8; x bf16 (16-byte aligned rows),
- * qweight uint8 [N, row_bytes] of Q4_0 / Q8_0 / Q4_K / Q6_K blocks, row_bytes a multiple of 16
- * (16-byte aligned), out f32 or bf16 with contiguous rows; rows: weight rows per warp. */
+ * qweight uint8 [N, row_bytes] of Q4_0 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K blocks, row_bytes a
+ * multiple of 16 (16-byte aligned), out f32 or bf16 with contiguous rows; rows: weight rows per
+ * warp. */
 void gguf_gemv(TensorView out, TensorView x, TensorView qweight, int64_t qtype, int64_t rows) {
   const int dev = qweight.device().device_id;
   check_gpu(out, "out", dev);
@@ -99,16 +101,17 @@ void gguf_gemv(TensorView out, TensorView x, TensorView qweight, int64_t qtype, 
   check_ndim(qweight, 2, "qweight");
   check_contiguous(qweight, "qweight");
   check_rows(rows);
-  TVM_FFI_ICHECK(qtype == gguf::kQ4_0 || qtype == gguf::kQ8_0 || qtype == gguf::kQ4_K ||
-                 qtype == gguf::kQ6_K)
-      << "gguf_gemv reads Q4_0 (2), Q8_0 (8), Q4_K (12) and Q6_K (14), got qtype " << qtype;
+  TVM_FFI_ICHECK(qtype == gguf::kQ4_0 || qtype == gguf::kQ5_0 || qtype == gguf::kQ5_1 ||
+                 qtype == gguf::kQ8_0 || qtype == gguf::kQ4_K || qtype == gguf::kQ6_K)
+      << "gguf_gemv reads Q4_0 (2), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12) and Q6_K (14), got "
+      << "qtype " << qtype;
   RowView rx = row_view(x, 1, "x"), ro = row_view(out, 1, "out");
   int weights = 0, bytes = 0;
   gguf::block_shape(static_cast<int>(qtype), &weights, &bytes);
   const int64_t n = qweight.size(0), k = rx.width, rb = qweight.size(1);
-  TVM_FFI_ICHECK(k % weights == 0 && rb == k / weights * bytes)
-      << "qweight rows must hold " << k << " weights: " << k / weights * bytes << " bytes, got "
-      << rb;
+  TVM_FFI_ICHECK(gguf::row_holds(static_cast<int>(qtype), k, rb))
+      << "qweight rows must hold " << k << " weights: " << k / weights * bytes << " bytes (or "
+      << "those padded to 16-byte words), got " << rb;
   TVM_FFI_ICHECK(rb % 16 == 0 && aligned16(qweight))
       << "gguf_gemv needs 16-byte aligned rows of a multiple of 16 bytes (got " << rb
       << "); gguf_matmul takes any row";
@@ -134,6 +137,8 @@ void gguf_gemv(TensorView out, TensorView x, TensorView qweight, int64_t qtype, 
     };
     switch (qtype) {
       case gguf::kQ4_0: go(gguf_gemv_kernel<gguf::kQ4_0, R, NT>); break;
+      case gguf::kQ5_0: go(gguf_gemv_kernel<gguf::kQ5_0, R, NT>); break;
+      case gguf::kQ5_1: go(gguf_gemv_kernel<gguf::kQ5_1, R, NT>); break;
       case gguf::kQ8_0: go(gguf_gemv_kernel<gguf::kQ8_0, R, NT>); break;
       case gguf::kQ4_K: go(gguf_gemv_kernel<gguf::kQ4_K, R, NT>); break;
       default: go(gguf_gemv_kernel<gguf::kQ6_K, R, NT>); break;

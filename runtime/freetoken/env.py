@@ -82,7 +82,6 @@ class Env:
     log_level: str              # FREETOKEN_LOG_LEVEL
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
-    gguf_gpu_experts: bool      # FREETOKEN_GGUF_GPU_EXPERTS: GGUF MoE experts stay blocks in VRAM
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
@@ -110,14 +109,13 @@ VARIABLES = {
     "FREETOKEN_RELEASE_URL": f"where ci/nightly.sh publishes pairs (default {RELEASE_URL})",
     "FREETOKEN_FUSED_DECODE": "GPU steps of up to 4 tokens run the fused decode kernels "
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
-    "FREETOKEN_GGUF_GPU_EXPERTS": "GGUF MoE experts stay in their blocks in VRAM (moe_experts_gguf)"
-                                  " instead of bf16 (default off: not yet passing its GPU tests)",
     "FREETOKEN_MOE_DECODE": "MoE layers' 1-token GPU steps run the small-step moe_decode kernels "
                             "(default on; off: the general fused-MoE path)",
-    "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v2 (gguf_gemv / fp8_gemv, "
-                            "16-byte streaming, default), v1 (gguf_matmul / scaled_gemv) or v3 "
-                            "(v2 plus gguf_gemv_q8 on int8 activations and the fused decode "
-                            "chain for GGUF and FP8 models; not yet run on a GPU)",
+    "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v3 (default: gguf_gemv_q8 "
+                            "on int8 activations and the fused decode chain for GGUF and FP8 "
+                            "models, gguf_gemv / fp8_gemv for the rest), v2 (gguf_gemv / "
+                            "fp8_gemv, 16-byte streaming, bf16 activations) or v1 (gguf_matmul "
+                            "/ scaled_gemv), for comparison",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
@@ -134,7 +132,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
     level = e.get("FREETOKEN_LOG_LEVEL", "info").strip().lower() or "info"
     if level not in ("debug", "info", "warning", "error"):
         raise EnvError(f"FREETOKEN_LOG_LEVEL={level!r}; use debug, info, warning or error")
-    quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v2").strip().lower() or "v2"
+    quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v3").strip().lower() or "v3"
     if quant_gemv not in QUANT_GEMV_VARIANTS:
         raise EnvError(f"FREETOKEN_QUANT_GEMV={quant_gemv!r}; use v1, v2 or v3")
     return Env(
@@ -156,8 +154,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), True),
-        gguf_gpu_experts=_bool("FREETOKEN_GGUF_GPU_EXPERTS", e.get("FREETOKEN_GGUF_GPU_EXPERTS"),
-                               False),
         quant_gemv=quant_gemv,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),

@@ -48,7 +48,7 @@ def offloaded_model(model_dir, rate: float, cpu: bool = False):
     from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
     from freetoken.models.loader import load_model
 
-    loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype: True)
+    loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype, weights: True)
     cache = attach_expert_cache(loaded.model, OffloadDecision(rate, 2048, None, None, False))
     if cpu:
         cache.policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), cache.expert_bytes,
@@ -188,7 +188,7 @@ def make_engine(model_dir, rate: float, num_tokens: int = 2048, graphs: bool = F
                           device="cuda", cuda_graphs=graphs)
     if rate >= 1.0:
         return Engine.from_loaded(load_model(str(model_dir), device="cuda"), config).start()
-    loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype: True)
+    loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype, weights: True)
     decision = OffloadDecision(rate, num_tokens, None, None, False)
     return Engine.from_loaded(loaded, config, decision).start()
 

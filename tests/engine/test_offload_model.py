@@ -38,7 +38,7 @@ def test_offloaded_forward_gives_the_resident_logits(model_dir, monkeypatch, rat
 
     monkeypatch.setattr(offload_setup, "pin", lambda t, total=0: t)
     resident = build(model_dir)
-    offloaded = build(model_dir, plan=lambda cfg, dtype: True)
+    offloaded = build(model_dir, plan=lambda cfg, dtype, weights: True)
     assert offloaded.layers[0].mlp.w13.device.type == "cpu"
     cache = attach_expert_cache(offloaded, OffloadDecision(rate, 1024, None, None, False))
     assert cache.num_slots == max(2, int(rate * 48)) and offloaded.layers[0].mlp.w13 is None
@@ -106,7 +106,7 @@ def test_the_gpu_tests_layer_check_passes_co_execution_only(model_dir, monkeypat
 
     monkeypatch.setattr(offload_setup, "pin", lambda t, total=0: t)
     monkeypatch.setattr(expert_cache, "cpu_experts", lambda *a: factor * cpu_experts(*a))
-    model = build(model_dir, plan=lambda cfg, dtype: True)
+    model = build(model_dir, plan=lambda cfg, dtype, weights: True)
     cache = attach_expert_cache(model, OffloadDecision(0.5, 1024, None, None, False))
     cache.kernel = slot_kernel
     cache.policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), cache.expert_bytes,

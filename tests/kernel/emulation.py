@@ -16,17 +16,24 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def build_emulation(tmp_path_factory, stem: str, restype, argtypes: list) -> ctypes._CFuncPtr:
-    """ft_<stem> from tests/kernel/<stem>.cc, compiled with g++ (skips without one)."""
+_BUILT: dict[str, ctypes.CDLL] = {}
+
+
+def build_emulation(tmp_path_factory, stem: str, restype, argtypes: list,
+                    entry: str | None = None) -> ctypes._CFuncPtr:
+    """ft_<entry> (default ft_<stem>) from tests/kernel/<stem>.cc, compiled with g++ once per
+    session (skips without one)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    so = tmp_path_factory.mktemp(stem.replace("_", "-")) / f"{stem}.so"
-    subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-Wall",
-                    "-Werror", "-Wno-unknown-pragmas", f"-I{HERE / 'emu'}",
-                    f"-I{REPO / 'kernels/include'}", str(HERE / f"{stem}.cc"), "-o", str(so)],
-                   check=True)
-    fn = getattr(ctypes.CDLL(str(so)), f"ft_{stem}")
+    if stem not in _BUILT:
+        so = tmp_path_factory.mktemp(stem.replace("_", "-")) / f"{stem}.so"
+        subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-Wall",
+                        "-Werror", "-Wno-unknown-pragmas", f"-I{HERE / 'emu'}",
+                        f"-I{REPO / 'kernels/include'}", str(HERE / f"{stem}.cc"), "-o",
+                        str(so)], check=True)
+        _BUILT[stem] = ctypes.CDLL(str(so))
+    fn = getattr(_BUILT[stem], f"ft_{entry or stem}")
     fn.restype, fn.argtypes = restype, argtypes
     return fn
 

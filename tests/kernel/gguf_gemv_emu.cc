@@ -19,8 +19,9 @@ extern "C" int ft_gguf_gemv_emu(void* out, int out_f32, const void* x, const voi
   int weights = 0, block_bytes = 0;
   gg::block_shape(qtype, &weights, &block_bytes);
   const long rb = weights ? k / weights * block_bytes : 0;
-  if ((qtype != gg::kQ4_0 && qtype != gg::kQ8_0 && qtype != gg::kQ4_K && qtype != gg::kQ6_K) ||
-      k % weights != 0 || rb % 16 != 0 || tokens < 1 || tokens > qg::kMaxTokens ||
+  const bool read = qtype == gg::kQ4_0 || qtype == gg::kQ5_0 || qtype == gg::kQ5_1 ||
+                    qtype == gg::kQ8_0 || qtype == gg::kQ4_K || qtype == gg::kQ6_K;
+  if (!read || k % weights != 0 || rb % 16 != 0 || tokens < 1 || tokens > qg::kMaxTokens ||
       (rows != 0 && rows != 1 && rows != 2 && rows != 4)) {
     return 0;
   }
@@ -35,6 +36,8 @@ extern "C" int ft_gguf_gemv_emu(void* out, int out_f32, const void* x, const voi
     };
     switch (qtype) {
       case gg::kQ4_0: go(freetoken::gguf_gemv_kernel<gg::kQ4_0, R, NT>); break;
+      case gg::kQ5_0: go(freetoken::gguf_gemv_kernel<gg::kQ5_0, R, NT>); break;
+      case gg::kQ5_1: go(freetoken::gguf_gemv_kernel<gg::kQ5_1, R, NT>); break;
       case gg::kQ8_0: go(freetoken::gguf_gemv_kernel<gg::kQ8_0, R, NT>); break;
       case gg::kQ4_K: go(freetoken::gguf_gemv_kernel<gg::kQ4_K, R, NT>); break;
       default: go(freetoken::gguf_gemv_kernel<gg::kQ6_K, R, NT>); break;

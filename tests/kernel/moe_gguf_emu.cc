@@ -10,6 +10,8 @@ namespace fe = freetoken::emu;
 using freetoken::bf16;
 using freetoken::gguf::kQ4_0;
 using freetoken::gguf::kQ4_1;
+using freetoken::gguf::kQ5_0;
+using freetoken::gguf::kQ5_1;
 using freetoken::gguf::kQ4_K;
 using freetoken::gguf::kQ5_K;
 using freetoken::gguf::kQ6_K;
@@ -26,6 +28,8 @@ bool dispatch(int qtype, F f) {
   switch (qtype) {
     case kQ4_0: f(std::integral_constant<int, kQ4_0>()); return true;
     case kQ4_1: f(std::integral_constant<int, kQ4_1>()); return true;
+    case kQ5_0: f(std::integral_constant<int, kQ5_0>()); return true;
+    case kQ5_1: f(std::integral_constant<int, kQ5_1>()); return true;
     case kQ8_0: f(std::integral_constant<int, kQ8_0>()); return true;
     case kQ4_K: f(std::integral_constant<int, kQ4_K>()); return true;
     case kQ5_K: f(std::integral_constant<int, kQ5_K>()); return true;

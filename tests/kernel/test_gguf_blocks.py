@@ -52,7 +52,20 @@ def host_decoder(tmp_path_factory):
                    x.ctypes.data, out.ctypes.data)
         return out
 
+    dot_q8 = lib.ft_gguf_dot_q8
+    dot_q8.restype = ctypes.c_int
+    dot_q8.argtypes = fn.argtypes[:5] + [ctypes.c_void_p] * 3
+
+    def dot_q8_rows(blocks: np.ndarray, qtype: int, xq: np.ndarray, dx: np.ndarray) -> np.ndarray:
+        blocks = np.ascontiguousarray(blocks)
+        xq, dx = np.ascontiguousarray(xq, dtype=np.int8), np.ascontiguousarray(dx, np.float32)
+        out = np.full(blocks.shape[0], np.nan, dtype=np.float32)
+        assert dot_q8(blocks.ctypes.data, qtype, blocks.shape[0], xq.size, blocks.shape[1],
+                      xq.ctypes.data, dx.ctypes.data, out.ctypes.data)
+        return out
+
     decode.dot = dot_rows
+    decode.dot_q8 = dot_q8_rows
     return decode
 
 
@@ -69,23 +82,26 @@ def test_block_decoding_matches_gguf(host_decoder, qtype):
     assert np.abs(expected).max() > 0
 
 
-@pytest.mark.parametrize("qtype", [12, 14], ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("qtype", [6, 7, 12, 14], ids=lambda t: NAMES[t])
 def test_subnormal_and_special_scales(host_decoder, qtype):
-    """f16 scales at the edges (subnormal, zero, negative) decode as gguf reads them."""
+    """f16 scales at the edges (subnormal, zero, negative) decode as gguf reads them (the d of
+    each row's first block; Q5_1's m too)."""
     rng = np.random.default_rng(1)
-    blocks = random_blocks(qtype, 4, 256, rng).reshape(4, 1, -1)
-    field = 208 if qtype == 14 else 0
+    blocks = random_blocks(qtype, 4, 256, rng)
+    first = blocks[:, :BLOCKS[qtype][1]]
+    fields = {6: (0,), 7: (0, 2), 12: (0,), 14: (208,)}[qtype]
     for row, value in enumerate((3e-7, 0.0, -2e-3, 6.1e-5)):
-        blocks[row, 0, field:field + 2] = np.array([value], np.float16).view(np.uint8)
-    blocks = blocks.reshape(4, -1)
+        for field in fields:
+            first[row, field:field + 2] = np.array([value], np.float16).view(np.uint8)
     np.testing.assert_allclose(host_decoder(blocks, qtype, 256), dequantize(blocks, qtype),
                                rtol=2.0 ** -23, atol=0)
 
 
 def test_unknown_type_or_ragged_row_is_refused(host_decoder):
     blocks = np.zeros((2, row_bytes(12, 256)), np.uint8)
-    assert host_decoder(blocks, 6, 256) is None            # Q5_0: not read here
+    assert host_decoder(blocks, 10, 256) is None           # Q2_K: not read here
     assert host_decoder(blocks, 12, 128) is None           # half a Q4_K block
+    assert host_decoder(blocks, 6, 48) is None             # a Q5_0 block and a half
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
@@ -105,3 +121,32 @@ def test_gemv_dot_products_match_gguf(host_decoder, qtype):
     tol = cols * 2.0 ** -23 * (np.abs(x) * (np.abs(w) + offset)).sum(axis=1)
     assert (np.abs(ours - expected) <= tol).all(), np.abs(ours - expected).max()
     assert np.abs(ours - expected).max() < 1e-3 * np.abs(expected).max()   # far below a bug
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 values and float32 scales per group of 32, as gguf_gemv_q8 stages x (the check does
+    not depend on how they were chosen: kernel and reference take the same ones)."""
+    groups = x.reshape(-1, 32)
+    dx = (np.abs(groups).max(axis=1) / np.float32(127)).astype(np.float32)
+    q = np.rint(groups / np.where(dx > 0, dx, 1)[:, None]).clip(-127, 127)
+    return q.astype(np.int8).reshape(-1), dx
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
+def test_int8_dot_products_match_gguf(host_decoder, qtype):
+    """dot32_q8 (gguf_gemv_q8's inner product: integer sums of quants and int8 x, the scales
+    and folded offsets applied per unit in float32) against float64 products of gguf's
+    dequantized rows with the dequantized int8 x. Bounded as the float dot32 above, with x the
+    int8 values times their group's scale."""
+    rng = np.random.default_rng(qtype + 90)
+    cols = 2048
+    blocks = random_blocks(qtype, 32, cols, rng)
+    xq, dx = quantize_x(rng.standard_normal(cols).astype(np.float32))
+    x = xq.astype(np.float64) * np.repeat(dx.astype(np.float64), 32)
+    w = dequantize(blocks, qtype).astype(np.float64)
+    expected = w @ x
+    ours = host_decoder.dot_q8(blocks, qtype, xq, dx)
+    offset = 256 * np.abs(w).max(axis=1, keepdims=True)
+    tol = cols * 2.0 ** -23 * (np.abs(x) * (np.abs(w) + offset)).sum(axis=1)
+    assert (np.abs(ours - expected) <= tol).all(), np.abs(ours - expected).max()
+    assert np.abs(ours - expected).max() < 1e-3 * np.abs(expected).max()

@@ -56,7 +56,8 @@ def test_matmul_matches_torch_on_dequantized_weights(qtype, m):
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: NAMES[t])
 def test_rows_that_are_not_16_byte_multiples(qtype):
-    """One block per row (18, 20, 34, 144, 176, 210 bytes): the GEMV's 2-byte staging path."""
+    """One block per row (18, 20, 22, 24, 34, 144, 176, 210 bytes): the GEMV's 2-byte staging
+    path."""
     n, k = 37, BLOCKS[qtype][0]
     qweight, w = _case(qtype, n, k, seed=7)
     for m in (1, 5, 20):
@@ -91,12 +92,31 @@ def test_dequantize_rows_gathers_embedding_rows(qtype):
         torch.testing.assert_close(out.cpu(), expected.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("k", (256, 768), ids=("k256", "k768"))
+def test_dequantize_writes_the_whole_weight_in_bf16(qtype, k):
+    """gguf_dequantize (prefill's scratch weights): gguf's values rounded once to bf16 (the
+    block reader agrees with gguf to a float32 ulp, which may flip a bf16 rounding: one bf16
+    ulp), from rows as the loader keeps them (padded to 16-byte words: Q6_K's 630-byte rows of
+    k = 768) and as the file has them."""
+    from freetoken.models.checkpoint.weights import gpu_rows
+
+    blocks = random_blocks(qtype, 37, k, np.random.default_rng(k + qtype))
+    want = torch.from_numpy(dequantize(blocks, qtype)).to(torch.bfloat16)
+    for rows in {blocks.shape[1]: blocks, gpu_rows(blocks).shape[1]: gpu_rows(blocks)}.values():
+        out = torch.full((37, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.gguf_dequantize(out, torch.from_numpy(np.ascontiguousarray(rows)).cuda(), qtype)
+        torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2.0 ** -7, atol=0,
+                                   msg=f"rows of {rows.shape[1]} bytes")
+
+
 def test_bad_arguments_raise_named_errors():
     qweight, _ = _case(12, 16, 256, 0)
     x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, 16, device="cuda", dtype=torch.float32)
-    with pytest.raises(Exception, match="qtype 6"):
-        ops.gguf_matmul(out, x, qweight, 6)
+    with pytest.raises(Exception, match="qtype 10 is not a GGUF type the GPU reads .Q4_0 2, "
+                                       "Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8"):
+        ops.gguf_matmul(out, x, qweight, 10)
     with pytest.raises(Exception, match="x must be bfloat16"):
         ops.gguf_matmul(out, x.float(), qweight, 12)
     with pytest.raises(Exception, match="qweight rows must hold 512"):

@@ -19,7 +19,8 @@ from tests.kernel.test_gguf_gemm import _check
 
 N = 37  # odd: the last warp's rows run past N
 # K per type: one chunk and several chunks with a partial last one, rows whole 16-byte words
-GGUF_K = {2: (256, 8192), 8: (256, 4352), 12: (256, 7680), 14: (2048, 6144)}
+GGUF_K = {2: (256, 8192), 6: (256, 8192), 7: (64, 6016), 8: (256, 4352), 12: (256, 7680),
+          14: (2048, 6144)}
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,5 @@ def test_refuses_what_the_entry_point_refuses(emulated):
                         13, 0)                                   # Q5_K: gguf_matmul's
     assert not emulated(out.data_ptr(), 1, x.data_ptr(), blocks.ctypes.data, 256, 4, 9, 4, 256,
                         12, 0)                                   # 9 tokens
+    assert not emulated(out.data_ptr(), 1, x.data_ptr(), blocks.ctypes.data, 256, 4, 1, 4, 128,
+                        6, 0)                                    # Q5_0: 88 bytes, not words

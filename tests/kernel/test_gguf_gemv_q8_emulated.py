@@ -27,8 +27,9 @@ from tests.kernel.gguf_random import dequantize, random_blocks
 from tests.tolerances import EPS
 
 BF16 = torch.bfloat16
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K",
+         Q5_K: "Q5_K", Q6_K: "Q6_K"}
 ULPS = 32  # f32 ulps of the sum's magnitude per sqrt(K), as test_decode_gemv_emulated.py
 STORE, ADD, SWIGLU = 0, 1, 2
 
@@ -45,9 +46,18 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
+def padded(blocks: np.ndarray) -> np.ndarray:
+    """GGUF rows as the GPU keeps them: padded with zeros to whole 16-byte words."""
+    pad = -blocks.shape[-1] % 16
+    if not pad:
+        return blocks
+    return np.ascontiguousarray(np.pad(blocks, [(0, 0)] * (blocks.ndim - 1) + [(0, pad)]))
+
+
 def _run(fn, out, x, blocks, bias=None, norm=None, mode=STORE, rows=0, eps=1e-6, qtype=Q4_K):
     t, k = x.shape
     n = out.shape[1]
+    blocks = padded(blocks)
     ok = fn(_ptr(out), int(out.dtype == torch.float32), _ptr(x), blocks.ctypes.data,
             _ptr(bias), _ptr(norm), x.stride(0), out.stride(0), t, n, k, qtype, mode, rows, eps)
     assert ok, "the configuration was refused"
@@ -83,15 +93,18 @@ def _normed(x, nw, norm):
 
 def offset_terms(blocks: np.ndarray, qtype: int = Q4_K) -> np.ndarray:
     """The part of every weight (float64 [rows, K]) that the kernel sums apart from its scaled
-    quant, so that the two may cancel in float32: |dmin * m_s| (Q4_K, Q5_K), |8 d| (Q4_0), |m|
-    (Q4_1); none for Q8_0 and Q6_K, whose offsets are taken in integers. Read from the bytes."""
+    quant, so that the two may cancel in float32: |dmin * m_s| (Q4_K, Q5_K), |8 d| (Q4_0),
+    |16 d| (Q5_0), |m| (Q4_1, Q5_1); none for Q8_0 and Q6_K, whose offsets are taken in
+    integers. Read from the bytes."""
     rows = blocks.shape[0]
-    half = {Q4_0: 18, Q4_1: 20}
-    if qtype in half:
-        b = blocks.reshape(rows, -1, half[qtype])
-        field = 0 if qtype == Q4_0 else 2
+    # block bytes, the f16 field of the offset, and what multiplies it: -8 d (Q4_0), -16 d
+    # (Q5_0), m (Q4_1, Q5_1)
+    small = {Q4_0: (18, 0, 8), Q4_1: (20, 2, 1), Q5_0: (22, 0, 16), Q5_1: (24, 2, 1)}
+    if qtype in small:
+        size, field, times = small[qtype]
+        b = blocks.reshape(rows, -1, size)
         v = np.abs(b[:, :, field:field + 2].copy().view(np.float16)[..., 0].astype(np.float64))
-        return np.repeat(v * (8 if qtype == Q4_0 else 1), 32, axis=1)
+        return np.repeat(v * times, 32, axis=1)
     if qtype not in (Q4_K, Q5_K):
         return np.zeros((rows, blocks.shape[1] // {Q8_0: 34, Q6_K: 210}[qtype]
                          * {Q8_0: 32, Q6_K: 256}[qtype]))
@@ -164,7 +177,8 @@ def test_int8_activations_stay_within_their_rounding(emulated):
 
 @pytest.mark.parametrize("qtype,t,n,k,rows", [(Q4_K, 1, 17, 4096, 0), (Q4_K, 2, 12, 2560, 1),
                                               (Q4_K, 2, 7, 512, 2), (Q6_K, 1, 17, 12288, 0),
-                                              (Q5_K, 2, 12, 4096, 0)])
+                                              (Q5_K, 2, 12, 4096, 0),
+                                              (Q6_K, 2, 9, 768, 0)])   # padded rows
 def test_residual_add(emulated, qtype, t, n, k, rows):
     x, blocks, w, _, g = _case(t, n, k, seed=7 * n + rows, qtype=qtype)
     residual = torch.randn(t, n, generator=g).to(BF16)
@@ -209,8 +223,120 @@ def test_refuses_what_the_entry_point_refuses(emulated):
     assert not emulated(*args, 1, 8, 32768 + 256, Q4_K, STORE, 0, 1e-6)  # past the staging
     assert not emulated(*args, 1, 8, 24576 + 2048, Q6_K, STORE, 0, 1e-6)  # (staged: less room)
     assert not emulated(*args, 1, 8, 200, Q4_K, STORE, 0, 1e-6)          # not whole blocks
-    assert not emulated(*args, 1, 8, 256, Q6_K, STORE, 0, 1e-6)   # 210 bytes: not whole words
-    assert not emulated(*args, 1, 8, 256, 6, STORE, 0, 1e-6)             # Q5_0: not read
+    assert not emulated(*args, 1, 8, 256, 10, STORE, 0, 1e-6)            # Q2_K: not read
     assert not emulated(*args, 1, 8, 256, Q4_K, STORE, 3, 1e-6)          # rows per warp
     f32 = torch.zeros(1, 8, dtype=torch.float32)
     assert not emulated(_ptr(f32), 1, *args[2:], 1, 8, 256, Q4_K, ADD, 0, 1e-6)
+
+
+# ---------------------------------------------------------------- the MoE decode halves
+
+@pytest.fixture(scope="module")
+def emulated_moe(tmp_path_factory):
+    return build_emulation(tmp_path_factory, "gguf_gemv_q8_emu", ctypes.c_int,
+                           [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_long] * 3
+                           + [ctypes.c_int] * 3, entry="moe_q8_emu")
+
+
+# Six experts over five slots, expert 3 unmapped (its pairs add nothing), and routes that two
+# tokens share (expert 1), as offload maps and real routers give them.
+EXPERT_MAP = np.array([4, 0, 2, -1, 1, 3], dtype=np.int32)
+IDS = np.array([[1, 3, 5], [0, 1, 4], [5, 2, 1]], dtype=np.int32)
+# (gate/up type, down type, H, I): the Q4_K_M mix (Q6_K down rows of 630 bytes padded to 640,
+# I = 768 as Qwen3-30B-A3B's), all Q4_K, and staged gate/up rows (Q6_K: 420 bytes padded).
+MOE_CASES = [(Q4_K, Q6_K, 512, 768), (Q4_K, Q4_K, 512, 512), (Q8_0, Q8_0, 256, 128),
+             (Q5_1, Q5_0, 256, 128),
+             (Q6_K, Q5_K, 512, 256)]
+
+
+def _expert_floats(blocks: np.ndarray, qtype: int) -> np.ndarray:
+    return np.stack([dequantize(b, qtype).astype(np.float64) for b in blocks])
+
+
+def moe_case(q13, q2, h, inter, tokens):
+    """(x, padded w13 and w2 blocks, their unpadded blocks, ids, routing weights) of a case."""
+    rng, g = np.random.default_rng(q13 * 31 + q2 + h), torch.Generator().manual_seed(inter)
+    slots, k = 5, IDS.shape[1]
+    ids, wts = IDS[:tokens].copy(), rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
+    b13 = np.stack([random_blocks(q13, 2 * inter, h, rng) for _ in range(slots)])
+    b2 = np.stack([random_blocks(q2, h, inter, rng) for _ in range(slots)])
+    x = torch.randn(tokens, h, generator=g).to(BF16)
+    return x, padded(b13), padded(b2), b13, b2, ids, wts
+
+
+def check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual=None):
+    """act (bf16 [T * K, I]) and out (bf16 [T, H], after residual when given) of the two MoE
+    halves against gguf's dequantized experts and the documented int8 activations; the down
+    half from the kernel's own act, so the halves are checked apart."""
+    tokens, k = ids.shape
+    inter = act.shape[1]
+    w13, w2 = _expert_floats(b13, q13), _expert_floats(b2, q2)
+    xq = quantize_rows(x)
+    got_act = act.double().numpy()
+    aq = quantize_rows(act)
+    want = residual.double().numpy().copy() if residual is not None else np.zeros(out.shape)
+    bound = np.zeros(out.shape)
+    for p in range(tokens * k):
+        t, slot = p // k, EXPERT_MAP[ids[p // k, p % k]]
+        if slot < 0:
+            assert (got_act[p] == 0).all(), "an unmapped pair's act is zeros"
+            continue
+        gu = xq[t] @ w13[slot].T
+        gate, up = gu[:inter], gu[inter:]
+        silu = gate / (1 + np.exp(-gate))
+        lim = (q8_bound(x[t:t + 1], xq[t:t + 1], w13[slot], b13[slot], False, q13)[0]
+               + 2 * EPS["bfloat16"] * np.abs(gu))
+        lg, lu = lim[:inter], lim[inter:]
+        assert_bf16_within(act[p:p + 1], (silu * up)[None],
+                           (1.1 * lg * np.abs(up) + np.abs(silu) * lu + lg * lu)[None],
+                           f"act of pair {p}")
+        y = aq[p] @ w2[slot].T
+        want[t] += wts[t, p % k] * y
+        bound[t] += wts[t, p % k] * (
+            q8_bound(act[p:p + 1], aq[p:p + 1], w2[slot], b2[slot], False, q2)[0]
+            + 4 * EPS["float32"] * (np.abs(aq[p]) @ np.abs(w2[slot]).T))
+    # the routed sum rounded to bf16 (and, accumulating, the sum with the residual once more)
+    base = residual.double().numpy() if residual is not None else 0
+    bound += 2 * EPS["bfloat16"] * (np.abs(want - base) + np.abs(want))
+    assert_bf16_within(out, want, bound, "y")
+
+
+@pytest.mark.parametrize("q13,q2,h,inter", MOE_CASES,
+                         ids=[f"{TYPES[c[0]]}-{TYPES[c[1]]}-{c[2]}x{c[3]}" for c in MOE_CASES])
+@pytest.mark.parametrize("tokens", (1, 2, 3))
+@pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
+def test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter, tokens,
+                                                accumulate):
+    """act[p] = silu(g) * u of pair p's expert, then y_t = sum_k w_k * down_k(act[p]) over the
+    token's routed experts (check_moe)."""
+    x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
+    k = ids.shape[1]
+    act = torch.full((tokens * k, inter), float("nan"), dtype=BF16)
+    whole = torch.randn(tokens, h + 8, generator=torch.Generator().manual_seed(h)).to(BF16)
+    out = whole[:, :h]
+    residual = out.clone()
+    ok = emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
+                      ids.ctypes.data, wts.ctypes.data, EXPERT_MAP.ctypes.data, tokens, k,
+                      len(EXPERT_MAP), p13.shape[0], h, inter, whole.stride(0), q13, q2,
+                      int(accumulate))
+    assert ok, "the configuration was refused"
+    check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual if accumulate else None)
+    assert torch.isfinite(whole[:, h:]).all()
+
+
+def test_moe_halves_refuse_what_the_entry_points_refuse(emulated_moe):
+    zeros = np.zeros(1 << 20, dtype=np.uint8)
+    buf = torch.zeros(4096, dtype=BF16)
+    ids = IDS[:1].copy()
+    wts = np.ones((1, 3), dtype=np.float32)
+
+    def run(q13, q2, h, inter, tokens=1, k=3):
+        return emulated_moe(_ptr(buf), _ptr(buf), _ptr(buf), zeros.ctypes.data,
+                            zeros.ctypes.data, ids.ctypes.data, wts.ctypes.data,
+                            EXPERT_MAP.ctypes.data, tokens, k, 6, 5, h, inter, h, q13, q2, 0)
+
+    assert run(Q8_0, Q8_0, 64, 32)
+    assert not run(Q4_K, Q4_K, 256, 128)          # Q4_K down rows of whole 256-weight blocks
+    assert not run(Q8_0, Q8_0, 64, 32, k=17)      # top_k <= 16
+    assert not run(Q6_K, Q8_0, 24576 + 256, 32)   # x past the staging
+    assert not run(Q8_0, Q8_0, 64, 30)            # not whole blocks

@@ -18,8 +18,8 @@ from freetoken.kernel import ops
 from tests.kernel.gguf_random import NAMES, dequantize, random_blocks
 from tests.kernel.test_moe_cuda import UNIT, check_experts, check_routing, gpu, reference_experts
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-TYPES = [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K]
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
 BF16 = torch.bfloat16
 
 
@@ -84,7 +84,8 @@ def test_each_type(qtype, T):
 
 
 @gpu
-@pytest.mark.parametrize("q13,q2", [(Q4_K, Q6_K), (Q5_K, Q8_0), (Q4_0, Q4_K), (Q6_K, Q4_1)],
+@pytest.mark.parametrize("q13,q2", [(Q4_K, Q6_K), (Q5_K, Q8_0), (Q4_0, Q4_K), (Q6_K, Q4_1),
+                                     (Q5_0, Q6_K), (Q4_K, Q5_1)],
                          ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("T", [1, 7, 200])
 def test_gate_up_and_down_of_different_types(q13, q2, T):
@@ -194,7 +195,7 @@ def test_bad_arguments_name_the_argument():
             ops.moe_experts_gguf(*wrong)
 
     bad(9, ws[: need - 1], f"workspace must hold at least {need} bytes")
-    bad(4, 6, "w13: GGUF type 6 is not one the GPU reads")
+    bad(4, 10, "w13: GGUF type 10 is not one the GPU reads .Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7")
     bad(5, Q4_0, "w2 must be")                     # Q6_K rows read as Q4_0 rows: wrong width
     bad(2, w13[:, :10], "w13")
     bad(3, w2.view(torch.int8), "w2")

@@ -20,7 +20,7 @@ from tests.kernel.emulation import build_emulation
 from tests.kernel.gguf_random import NAMES, dequantize, random_blocks
 from tests.kernel.test_moe_cuda import UNIT, check_experts, reference_experts
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 E, K, H, INTER = 4, 2, 256, 256
 DECODE_T, PREFILL_T = 3, 12          # 6 pairs take the GEMV path, 24 the tiled one (> 4 * E)
 
@@ -68,13 +68,15 @@ def check(fn, T, q13, q2, slots=E, seed=0):
     check_experts(out, *reference_experts(x, f13, f2, ids, weights, emap, weight_unit=unit))
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K], ids=NAMES.get)
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K],
+                         ids=NAMES.get)
 @pytest.mark.parametrize("T", [DECODE_T, PREFILL_T])
 def test_each_type(emulated, qtype, T):
     check(emulated, T, qtype, qtype, seed=qtype + T)
 
 
-@pytest.mark.parametrize("q13,q2", [(Q4_K, Q6_K), (Q8_0, Q4_1)], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("q13,q2", [(Q4_K, Q6_K), (Q8_0, Q4_1), (Q5_1, Q5_0)],
+                         ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("T", [DECODE_T, PREFILL_T])
 def test_mixed_types_and_spare_slots(emulated, q13, q2, T):
     check(emulated, T, q13, q2, slots=7, seed=T)

@@ -73,16 +73,18 @@ def test_gguf_gemv_q8_reads_steps_within_its_staging():
     assert quant_gemv.q8_reads(12, 4096, 1) and quant_gemv.q8_reads(12, 12288, 2)
     assert quant_gemv.q8_reads(12, 32768, 1) and not quant_gemv.q8_reads(12, 32768, 2)
     assert not quant_gemv.q8_reads(12, 4096, 3)               # 3 tokens: gguf_gemv
-    # the staged types: less room, rows of whole 16-byte words
+    # the staged types: less room; any row of whole blocks (the GPU pads rows to 16 bytes)
     assert quant_gemv.q8_reads(14, 4096, 2) and quant_gemv.q8_reads(14, 12288, 2)
-    assert not quant_gemv.q8_reads(14, 16384, 2) and not quant_gemv.q8_reads(14, 256, 1)
-    assert quant_gemv.q8_reads(8, 256, 1) and not quant_gemv.q8_reads(8, 32, 1)
+    assert not quant_gemv.q8_reads(14, 16384, 2) and quant_gemv.q8_reads(14, 256, 1)
+    assert not quant_gemv.q8_reads(14, 200, 1)
+    assert quant_gemv.q8_reads(8, 256, 1) and quant_gemv.q8_reads(8, 32, 1)
     assert quant_gemv.q8_reads(13, 256, 1) and quant_gemv.q8_reads(3, 128, 1)
-    assert not quant_gemv.q8_reads(6, 256, 1)                 # Q5_0: not read
+    assert quant_gemv.q8_reads(6, 256, 1) and quant_gemv.q8_reads(7, 64, 1)   # Q5_0, Q5_1
+    assert not quant_gemv.q8_reads(10, 256, 1)                # Q2_K: not read
 
 
 def test_variant_is_read_and_checked(monkeypatch):
-    assert env.read({}).quant_gemv == "v2"
+    assert env.read({}).quant_gemv == "v3"
     assert env.read({"FREETOKEN_QUANT_GEMV": " V1 "}).quant_gemv == "v1"
     assert env.read({"FREETOKEN_QUANT_GEMV": " V2 "}).quant_gemv == "v2"
     assert env.read({"FREETOKEN_QUANT_GEMV": "v3"}).quant_gemv == "v3"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from freetoken.models.checkpoint.weights import gpu_rows
 from freetoken.models.config import QuantWeight
 from freetoken.models.forward.linear import PartsLinear, QuantLinear
 from freetoken.models.loader import load_model
@@ -40,6 +41,9 @@ def _k_quant_file(tmp_path, mix: dict = K_MIX, shape: dict = SHAPE) -> tuple:
     h = shape["hidden_size"]
     raw = {"token_embd.weight": (random_blocks(Q6_K, hf.config.vocab_size, h, rng), Q6_K),
            "output.weight": (random_blocks(Q6_K, hf.config.vocab_size, h, rng), Q6_K)}
+    # zero-mean blocks, as a quantizer writes them (random_blocks' doc): through int8
+    # activations a model of raw random K-quant bytes moves its logits by 10-30% (measured
+    # with the rounding restated in numpy on the float weights), a quantized file's by ~1%
     for name, param in hf.state_dict().items():
         if ".layers." not in name or param.ndim != 2:
             continue
@@ -47,7 +51,8 @@ def _k_quant_file(tmp_path, mix: dict = K_MIX, shape: dict = SHAPE) -> tuple:
 
         gname = gguf_name(name)
         qtype = mix[gname.split(".")[2]]
-        raw[gname] = (random_blocks(qtype, param.shape[0], param.shape[1], rng), qtype)
+        raw[gname] = (random_blocks(qtype, param.shape[0], param.shape[1], rng, centered=True),
+                      qtype)
     path = tmp_path / "k-mix.gguf"
     write_gguf(hf, tmp_path, path, "llama", None, raw=raw)
     return path, raw
@@ -83,7 +88,9 @@ def test_k_quant_mix_stays_in_vram_and_matches_the_dequantized_float_path(tmp_pa
     assert isinstance(qkv, PartsLinear)                      # Q4_K q + k rows, Q6_K v rows
     for part, names in zip(qkv.parts, (("attn_q", "attn_k"), ("attn_v",))):
         assert part.data.dtype == torch.uint8 and part.data.is_cuda
-        assert part.data.nbytes == sum(raw[f"blk.0.{n}.weight"][0].nbytes for n in names)
+        # the file's blocks, rows padded to whole 16-byte words (Q6_K rows of 210 bytes: 224)
+        assert part.data.nbytes == sum(gpu_rows(raw[f"blk.0.{n}.weight"][0]).nbytes
+                                       for n in names)
     down = layer.mlp.down
     assert isinstance(down, QuantLinear) and down.qtype == Q5_K
     assert down.data.nbytes == raw["blk.0.ffn_down.weight"][0].nbytes
@@ -160,7 +167,8 @@ def test_smollm2_on_the_gpu_keeps_q8_0_embedding_and_matches_the_cpu():
     gpu, cpu = load_model(None, device="cuda"), load_model(None)
     embed = gpu.model._embed
     assert isinstance(embed, QuantWeight) and embed.qtype == Q8_0 and embed.data.is_cuda
-    assert embed.data.nbytes == 49152 * 576 // 32 * 34          # the file's Q8_0 bytes
+    # the file's Q8_0 bytes, each 612-byte row padded to whole 16-byte words
+    assert embed.data.nbytes == 49152 * (-(-(576 // 32 * 34) // 16) * 16)
     assert isinstance(gpu.model._lm_head, QuantLinear) and gpu.model._lm_head.data is embed.data
     ids = gpu.tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
                                "<|im_start|>assistant\n")

@@ -114,7 +114,7 @@ def test_offloaded_hybrid_decodes_in_graph_segments_with_the_resident_tokens(tmp
     for rate in (1.0, 0.25):
         offload = rate < 1.0
         loaded = load_model(str(tmp_path), device="cuda",
-                            plan=(lambda cfg, dtype: True) if offload else None)
+                            plan=(lambda cfg, dtype, weights: True) if offload else None)
         if prompts is None:
             gen = torch.Generator().manual_seed(4)
             prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()

@@ -1,7 +1,7 @@
 """MoE GGUF files on the GPU with their routed experts kept in VRAM (moe_experts_gguf).
 
-A Q4_K_M-like file (Q4_K gate/up experts, Q6_K down experts: random valid blocks, since gguf's
-quantizer has no K-quants) on the GPU against the same file with its experts dequantized to
+A Q4_K_M-like file (Q4_K gate/up experts, Q6_K down experts: random valid zero-mean blocks,
+since gguf's quantizer has no K-quants) on the GPU against the same file with its experts dequantized to
 bf16 at load (the float experts kernel; every other tensor identical), and a Q8_0-expert file
 on the GPU against the CPU's quantized experts kernel. The comparisons are those of
 test_gguf_gpu.py (5% of the largest logit; a wrong block decode is off by O(100%)). The first
@@ -17,7 +17,8 @@ import torch
 
 from freetoken.kernel import ops, reference
 from freetoken.models import loader
-from freetoken.models.checkpoint.weights import Placement
+from freetoken.models.checkpoint.weights import Placement, gpu_rows
+from freetoken.models.forward.moe_decode_quant import QuantMoEDecode
 from freetoken.models.loader import load_model
 from tests.kernel.gguf_random import dequantize, random_blocks
 from tests.models.helpers import PagedRunner, tiny_hf_model
@@ -46,7 +47,8 @@ def k_mix_moe_file(tmp_path) -> tuple:
     for i in range(cfg.num_hidden_layers):
         for part, qtype, rows, cols in (("gate", Q4_K, inter, h), ("up", Q4_K, inter, h),
                                         ("down", Q6_K, h, inter)):
-            blocks = random_blocks(qtype, e * rows, cols, rng, EXPERT_SIZE).reshape(e, rows, -1)
+            blocks = random_blocks(qtype, e * rows, cols, rng, EXPERT_SIZE,
+                                   centered=True).reshape(e, rows, -1)
             raw[f"blk.{i}.ffn_{part}_exps.weight"] = (blocks, qtype)
     path = tmp_path / "moe-k-mix.gguf"
     write_gguf(hf, tmp_path, path, "qwen3_moe", None, raw=raw)
@@ -65,10 +67,14 @@ def _check_placement(model, raw: dict, on_gpu: bool) -> None:
         w13, w2 = mlp.w13, mlp.w2
         assert w13.dtype == w2.dtype == torch.uint8 and w13.is_cuda == on_gpu
         gate, up = raw[f"blk.{i}.ffn_gate_exps.weight"][0], raw[f"blk.{i}.ffn_up_exps.weight"][0]
-        assert w13.nbytes == gate.nbytes + up.nbytes         # the file's blocks, nothing more
-        assert w2.nbytes == raw[f"blk.{i}.ffn_down_exps.weight"][0].nbytes
-        expected = np.concatenate([gate, up], axis=1)     # gate rows, then up rows, per expert
-        assert np.array_equal(w13.cpu().numpy(), expected)
+        # the file's blocks, nothing more: rows padded to whole 16-byte words (Q6_K rows of
+        # I = 256 weights are 210 bytes, kept as 224)
+        expected = gpu_rows(np.concatenate([gate, up], axis=1))   # gate rows, then up rows
+        assert w13.nbytes == expected.nbytes and np.array_equal(w13.cpu().numpy(), expected)
+        down = raw[f"blk.{i}.ffn_down_exps.weight"][0]
+        assert w2.shape[-1] == -(-down.shape[-1] // 16) * 16
+        assert np.array_equal(w2.cpu().numpy()[..., :down.shape[-1]], down)
+        assert not w2.cpu().numpy()[..., down.shape[-1]:].any()
 
 
 def _fake_moe_experts_gguf(out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights,
@@ -81,24 +87,10 @@ def _fake_moe_experts_gguf(out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weig
                           topk_weights, expert_map, workspace)
 
 
-@pytest.fixture(autouse=True)
-def gguf_gpu_experts(monkeypatch):
-    """The GGUF-experts-in-VRAM path is opt-in (FREETOKEN_GGUF_GPU_EXPERTS); these tests are
-    about it."""
-    monkeypatch.setenv("FREETOKEN_GGUF_GPU_EXPERTS", "1")
-
-
-def test_gpu_experts_stay_float_unless_asked(fake_moe_gpu, monkeypatch, tmp_path):
-    path, _ = k_mix_moe_file(tmp_path)
-    monkeypatch.delenv("FREETOKEN_GGUF_GPU_EXPERTS")
+def test_gpu_experts_stay_in_their_blocks(fake_moe_gpu, tmp_path):
+    path, raw = k_mix_moe_file(tmp_path)
     mlp = load_model(str(path), device="cuda").model.layers[0].mlp
-    assert not mlp.qtypes and mlp.w13.dtype == torch.bfloat16
-
-
-# Seen failing on the H200 at c017fee (the kernel tests and the k-mix match passed), hence the
-# opt-in: Q8_0 experts against the CPU and graph replay against eager decode.
-H200_FAILED = pytest.mark.xfail(reason="failed on the H200 at c017fee; under investigation",
-                                strict=False)
+    assert mlp.qtypes == (Q4_K, Q6_K) and mlp.w13.dtype == torch.uint8
 
 
 @pytest.fixture
@@ -142,6 +134,8 @@ def test_k_mix_experts_stay_in_vram_and_match_the_dequantized_experts(monkeypatc
     path, raw = k_mix_moe_file(tmp_path)
     gpu = load_model(str(path), device="cuda")
     _check_placement(gpu.model, raw, on_gpu=True)
+    # decode steps of 1-2 tokens take the int8 MoE decode kernels (moe_decode_quant.py)
+    assert all(isinstance(layer.mlp.decode, QuantMoEDecode) for layer in gpu.model.layers)
     _experts_dequantized(monkeypatch)
     reference_model = load_model(str(path), device="cuda")
     assert not reference_model.model.layers[0].mlp.qtypes
@@ -149,12 +143,16 @@ def test_k_mix_experts_stay_in_vram_and_match_the_dequantized_experts(monkeypatc
 
 
 @gpu_test
-@H200_FAILED
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-def test_q8_0_experts_on_the_gpu_match_the_cpu(arch, tiny_checkpoint, tmp_path):
-    directory, hf = tiny_checkpoint(arch)
+def test_q8_0_experts_on_the_gpu_match_the_cpu(arch, tmp_path):
+    # head_dim 64: the GPU's attention kernels take 64, 128 and 256
+    sizes = {"qwen2_moe": dict(num_hidden_layers=4, decoder_sparse_step=2,
+                               moe_intermediate_size=64, shared_expert_intermediate_size=128),
+             "mixtral": dict(intermediate_size=64)}[arch]
+    hf = tiny_hf_model(arch, tmp_path, seed=6, hidden_size=256, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, **sizes)
     path = tmp_path / f"{arch}-q8.gguf"
-    write_gguf(hf, directory, path, arch, Q8_0, quantize_only=("_exps.weight",))
+    write_gguf(hf, tmp_path, path, arch, Q8_0, quantize_only=("_exps.weight",))
     gpu, cpu = load_model(str(path), device="cuda"), load_model(str(path))
     sparse = [layer.mlp for layer in gpu.model.layers if getattr(layer.mlp, "qtypes", None)]
     assert sparse and all(m.qtypes == (Q8_0, Q8_0) and m.w13.is_cuda for m in sparse)
@@ -162,7 +160,6 @@ def test_q8_0_experts_on_the_gpu_match_the_cpu(arch, tiny_checkpoint, tmp_path):
 
 
 @gpu_test
-@H200_FAILED
 def test_k_mix_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
     import asyncio
 

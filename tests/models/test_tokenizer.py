@@ -155,3 +155,29 @@ def test_gguf_add_bos_and_unknown_pre(tiny_checkpoint):
     assert tok.encode("hi")[0] != bos
     with pytest.raises(UnsupportedModelError, match="tokenizer.ggml.pre 'klingon'"):
         tokenizer_from_gguf(gguf_meta_from(directory, "klingon", False), "m.gguf")
+
+
+def test_gguf_qwen35_pre_tokenizer_matches_transformers(tiny_checkpoint):
+    """Qwen3.5/3.6 files (tokenizer.ggml.pre qwen35) keep combining marks inside words, as
+    transformers' Qwen3_5Tokenizer does; Qwen2's split would cut the Devanagari below apart."""
+    from transformers import Qwen3_5Tokenizer
+
+    from freetoken.models.tokenizer.gguf import tokenizer_from_gguf
+
+    directory, _ = tiny_checkpoint("llama")
+    meta = gguf_meta_from(directory, "qwen35", False)
+    ours = tokenizer_from_gguf(meta, "m.gguf")
+    vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    theirs = Qwen3_5Tokenizer(vocab=vocab, merges=merges)
+    texts = ["नमस्ते दुनिया", "a\u0302\u0301b c\u0327a", "12345 abc, héllo wörld!\n\n  x"]
+
+    def pieces(backend, text: str) -> list[str]:
+        normed = backend.normalizer.normalize_str(text)
+        return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(normed)]
+
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+        assert pieces(ours.backend, text) == pieces(theirs.backend_tokenizer, text), text
+    qwen2 = tokenizer_from_gguf(gguf_meta_from(directory, "qwen2", False), "m.gguf")
+    assert len(pieces(ours.backend, texts[0])) < len(pieces(qwen2.backend, texts[0]))

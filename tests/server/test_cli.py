@@ -127,3 +127,28 @@ def test_serve_on_cuda_without_a_gpu_says_so(tiny_model_dir):
     result = CliRunner().invoke(main, ["serve", "--model", str(tiny_model_dir), "--device", "cuda",
                                        "--port", "0"])
     assert result.exit_code != 0 and "sees 0 CUDA GPU(s)" in result.output
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("bogus", "must be a SIZE (24GiB, 24GB, 24G, 512MiB or a number of bytes) or a FRACTION"),
+    ("1.5", "a FRACTION must be in (0, 1]"), ("0", "a FRACTION must be in (0, 1]"),
+    ("-4GiB", "must be positive"), ("24", "write the unit (24GiB)")])
+def test_serve_refuses_a_bad_gpu_memory_limit(value, fragment):
+    result = CliRunner().invoke(main, ["serve", "--gpu-memory-limit", value])
+    assert result.exit_code == 2
+    assert "Invalid value for '--gpu-memory-limit'" in result.output
+    assert fragment in result.output
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], None), (["--gpu-memory-limit", "none"], None),
+    (["--gpu-memory-limit", "24GiB"], (24 << 30, 0.0)),
+    (["--gpu-memory-limit", "0.3"], (0, 0.3))])
+def test_serve_carries_the_gpu_memory_limit_into_the_engine_config(monkeypatch, flags, expected):
+    seen = []
+    monkeypatch.setattr("freetoken.cli.serve.run_server",
+                        lambda model, dtype, engine_config, *rest: seen.append(engine_config))
+    result = CliRunner().invoke(main, ["serve", "--device", "cpu", *flags])
+    assert result.exit_code == 0, result.output
+    limit = seen[0].gpu_memory_limit
+    assert (None if limit is None else (limit.size, limit.fraction)) == expected

@@ -3,10 +3,13 @@
 //
 // Every reader decodes 8 consecutive weights of one block: group g covers weights 8g..8g+7.
 // Layouts (bytes), with w the weight and q its stored integer:
-//   Q4_0  (32 w,  18 B): f16 d | 16 B nibbles            w = d * (q - 8)
-//   Q4_1  (32 w,  20 B): f16 d | f16 m | 16 B nibbles    w = d * q + m
-//   Q8_0  (32 w,  34 B): f16 d | 32 int8                 w = d * q
-//     (a nibble byte j holds weight j low and weight j + 16 high)
+//   Q4_0  (32 w,  18 B): f16 d | 16 B nibbles                    w = d * (q - 8)
+//   Q4_1  (32 w,  20 B): f16 d | f16 m | 16 B nibbles            w = d * q + m
+//   Q5_0  (32 w,  22 B): f16 d | 4 B qh | 16 B nibbles           w = d * (q - 16)
+//   Q5_1  (32 w,  24 B): f16 d | f16 m | 4 B qh | 16 B nibbles   w = d * q + m
+//   Q8_0  (32 w,  34 B): f16 d | 32 int8                         w = d * q
+//     (a nibble byte j holds weight j low and weight j + 16 high; Q5's fifth bit of weight e
+//     is bit e of qh read as a little-endian 32-bit word)
 //   Q4_K (256 w, 144 B): f16 d | f16 dmin | 12 B packed 6-bit (scale, min) x 8 | 128 B nibbles
 //   Q5_K (256 w, 176 B): as Q4_K, with 32 B of fifth bits before the nibbles
 //     w = d * scale_s * q - dmin * min_s for sub-block s = w / 32; nibbles of sub-blocks 2c and
@@ -30,7 +33,8 @@ namespace freetoken {
 namespace gguf {
 
 // GGML type ids (gguf.GGMLQuantizationType values).
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+              kQ6_K = 14;
 
 template <int QT>
 struct Block;
@@ -38,6 +42,10 @@ template <>
 struct Block<kQ4_0> { static constexpr int kWeights = 32, kBytes = 18; };
 template <>
 struct Block<kQ4_1> { static constexpr int kWeights = 32, kBytes = 20; };
+template <>
+struct Block<kQ5_0> { static constexpr int kWeights = 32, kBytes = 22; };
+template <>
+struct Block<kQ5_1> { static constexpr int kWeights = 32, kBytes = 24; };
 template <>
 struct Block<kQ8_0> { static constexpr int kWeights = 32, kBytes = 34; };
 template <>
@@ -52,12 +60,25 @@ FT_GGUF_HD void block_shape(int qtype, int* weights, int* bytes) {
   switch (qtype) {
     case kQ4_0: *weights = 32; *bytes = 18; return;
     case kQ4_1: *weights = 32; *bytes = 20; return;
+    case kQ5_0: *weights = 32; *bytes = 22; return;
+    case kQ5_1: *weights = 32; *bytes = 24; return;
     case kQ8_0: *weights = 32; *bytes = 34; return;
     case kQ4_K: *weights = 256; *bytes = 144; return;
     case kQ5_K: *weights = 256; *bytes = 176; return;
     case kQ6_K: *weights = 256; *bytes = 210; return;
     default: *weights = 0; *bytes = 0;
   }
+}
+
+/*! \brief Whether a row of `row_bytes` holds `k` weights of qtype as the GPU may keep them:
+ * exactly their whole blocks, or those blocks padded with up to 15 bytes to whole 16-byte words
+ * (weights.gpu_rows), so that every row starts 16-byte aligned. */
+FT_GGUF_HD bool row_holds(int qtype, int64_t k, int64_t row_bytes) {
+  int weights = 0, bytes = 0;
+  block_shape(qtype, &weights, &bytes);
+  if (weights == 0 || k <= 0 || k % weights != 0) return false;
+  const int64_t data = k / weights * bytes;
+  return row_bytes == data || row_bytes == (data + 15) / 16 * 16;
 }
 
 // IEEE half -> float by bit manipulation: the same code on host and device (no intrinsics, so
@@ -93,16 +114,36 @@ FT_GGUF_HD void scale_min_k4(const uint8_t* q, int s, int* sc, int* mn) {
   }
 }
 
+/*! \brief The fields of the 32-weight nibble blocks (Q4_0, Q4_1, Q5_0, Q5_1): whether an f16
+ * m follows d, whether qh holds fifth bits, the byte offsets of qh and of the nibbles, and
+ * the offset taken from q where there is no m (w = d * (q - kOffset)). */
+template <int QT>
+struct Nibbles {
+  static constexpr bool kMin = QT == kQ4_1 || QT == kQ5_1, kFifth = QT == kQ5_0 || QT == kQ5_1;
+  static constexpr int kQh = kMin ? 4 : 2, kQs = kQh + (kFifth ? 4 : 0);
+  static constexpr int kOffset = kFifth ? 16 : 8;
+};
+
+template <int QT>
+constexpr bool kIsNibbles = QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1;
+
 /*! \brief out[0..8) = weights 8g..8g+7 of the block at `blk` (g < Block<QT>::kWeights / 8). */
 template <int QT>
 FT_GGUF_HD void decode8(const uint8_t* blk, int g, float* out) {
-  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+  if constexpr (kIsNibbles<QT>) {
+    using N = Nibbles<QT>;
     const float d = half_at(blk);
-    const float m = QT == kQ4_1 ? half_at(blk + 2) : -8.f * d;
-    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2) + (g & 1) * 8;
+    // -kOffset * d is exact (a power of two times an f16), so only the final add rounds
+    const float m = N::kMin ? half_at(blk + 2) : -static_cast<float>(N::kOffset) * d;
+    const uint8_t* qs = blk + N::kQs + (g & 1) * 8;
     const int shift = (g >> 1) * 4;
+    // the fifth bits of weights 8g..8g+7 are the bits of qh's byte g
+    const int qh = N::kFifth ? blk[N::kQh + g] : 0;
 FT_GGUF_UNROLL
-    for (int i = 0; i < 8; ++i) out[i] = d * static_cast<float>((qs[i] >> shift) & 0xF) + m;
+    for (int i = 0; i < 8; ++i) {
+      const int q = ((qs[i] >> shift) & 0xF) | (((qh >> i) & 1) << 4);
+      out[i] = d * static_cast<float>(q) + m;
+    }
   } else if constexpr (QT == kQ8_0) {
     const float d = half_at(blk);
     const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2) + g * 8;
@@ -167,6 +208,13 @@ FT_GGUF_HD float byte_float(uint32_t v) {
 #endif
 }
 
+/*! \brief Bits 0..3 of n as bit 4 of bytes 0..3: the fifth bits of 4 Q5_0 / Q5_1 quants.
+ * The multiply places copies of n at bits 0, 7, 14 and 21, which cannot overlap (n < 16), so
+ * bit b of n lands on bit 8b; then one mask and one shift. */
+FT_GGUF_HD uint32_t fifth_bits(uint32_t n) {
+  return (((n & 0xFu) * 0x00204081u) & 0x01010101u) << 4;
+}
+
 FT_GGUF_HD float dot4(uint32_t v, const float* x, float acc) {
   acc += byte_float<0>(v) * x[0];
   acc += byte_float<1>(v) * x[1];
@@ -201,16 +249,19 @@ FT_GGUF_HD uint32_t q6k_word(const uint8_t* blk, int u, int i) {
 template <int QT>
 FT_GGUF_HD float dot32(const uint8_t* blk, int u, const float* x, float xlo, float xhi) {
   float s = 0.f;
-  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
-    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
+  if constexpr (kIsNibbles<QT>) {
+    using N = Nibbles<QT>;
+    const uint8_t* qs = blk + N::kQs;
+    const uint32_t qh = N::kFifth ? load_u32(blk + N::kQh) : 0u;
     FT_GGUF_UNROLL
     for (int j = 0; j < 4; ++j) {
       const uint32_t v = load_u32(qs + 4 * j);
-      s = dot4(v & 0x0F0F0F0Fu, x + 4 * j, s);
-      s = dot4((v >> 4) & 0x0F0F0F0Fu, x + 16 + 4 * j, s);
+      s = dot4((v & 0x0F0F0F0Fu) | fifth_bits(qh >> (4 * j)), x + 4 * j, s);
+      s = dot4(((v >> 4) & 0x0F0F0F0Fu) | fifth_bits(qh >> (16 + 4 * j)), x + 16 + 4 * j, s);
     }
     const float d = half_at(blk);
-    return QT == kQ4_1 ? d * s + half_at(blk + 2) * (xlo + xhi) : d * (s - 8.f * (xlo + xhi));
+    return N::kMin ? d * s + half_at(blk + 2) * (xlo + xhi)
+                   : d * (s - static_cast<float>(N::kOffset) * (xlo + xhi));
   } else if constexpr (QT == kQ8_0) {
     // int8 q read as q + 128 (flipping the sign bit), the 128 taken back with sum(x)
     FT_GGUF_UNROLL
@@ -265,17 +316,20 @@ FT_GGUF_HD int dot4_i8(uint32_t a, uint32_t b, int c) {
 template <int QT>
 FT_GGUF_HD float dot32_q8(const uint8_t* blk, int u, const uint32_t* x, float dx, float sx) {
   int s = 0;
-  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
-    const uint8_t* qs = blk + (QT == kQ4_1 ? 4 : 2);
+  if constexpr (kIsNibbles<QT>) {
+    // quants 0..31 are non-negative signed bytes: dp4a takes them as they are
+    using N = Nibbles<QT>;
+    const uint8_t* qs = blk + N::kQs;
+    const uint32_t qh = N::kFifth ? load_u32(blk + N::kQh) : 0u;
     FT_GGUF_UNROLL
     for (int j = 0; j < 4; ++j) {
       const uint32_t v = load_u32(qs + 4 * j);
-      s = dot4_i8(v & 0x0F0F0F0Fu, x[j], s);
-      s = dot4_i8((v >> 4) & 0x0F0F0F0Fu, x[4 + j], s);
+      s = dot4_i8((v & 0x0F0F0F0Fu) | fifth_bits(qh >> (4 * j)), x[j], s);
+      s = dot4_i8(((v >> 4) & 0x0F0F0F0Fu) | fifth_bits(qh >> (16 + 4 * j)), x[4 + j], s);
     }
     const float d = half_at(blk);
-    return QT == kQ4_1 ? d * dx * static_cast<float>(s) + half_at(blk + 2) * sx
-                       : d * (dx * static_cast<float>(s) - 8.f * sx);
+    return N::kMin ? d * dx * static_cast<float>(s) + half_at(blk + 2) * sx
+                   : d * (dx * static_cast<float>(s) - static_cast<float>(N::kOffset) * sx);
   } else if constexpr (QT == kQ8_0) {
     FT_GGUF_UNROLL
     for (int j = 0; j < 8; ++j) s = dot4_i8(load_u32(blk + 2 + 4 * j), x[j], s);
@@ -314,6 +368,8 @@ inline float dot32_q8_any(const uint8_t* blk, int qtype, int u, const uint32_t* 
   switch (qtype) {
     case kQ4_0: return dot32_q8<kQ4_0>(blk, u, x, dx, sx);
     case kQ4_1: return dot32_q8<kQ4_1>(blk, u, x, dx, sx);
+    case kQ5_0: return dot32_q8<kQ5_0>(blk, u, x, dx, sx);
+    case kQ5_1: return dot32_q8<kQ5_1>(blk, u, x, dx, sx);
     case kQ8_0: return dot32_q8<kQ8_0>(blk, u, x, dx, sx);
     case kQ4_K: return dot32_q8<kQ4_K>(blk, u, x, dx, sx);
     case kQ5_K: return dot32_q8<kQ5_K>(blk, u, x, dx, sx);
@@ -332,6 +388,8 @@ inline float dot32_any(const uint8_t* blk, int qtype, int u, const float* x) {
   switch (qtype) {
     case kQ4_0: return dot32<kQ4_0>(blk, u, x, xlo, xhi);
     case kQ4_1: return dot32<kQ4_1>(blk, u, x, xlo, xhi);
+    case kQ5_0: return dot32<kQ5_0>(blk, u, x, xlo, xhi);
+    case kQ5_1: return dot32<kQ5_1>(blk, u, x, xlo, xhi);
     case kQ8_0: return dot32<kQ8_0>(blk, u, x, xlo, xhi);
     case kQ4_K: return dot32<kQ4_K>(blk, u, x, xlo, xhi);
     case kQ5_K: return dot32<kQ5_K>(blk, u, x, xlo, xhi);
@@ -353,6 +411,8 @@ inline bool dequantize_row(const uint8_t* row, int qtype, int64_t n, float* out)
       switch (qtype) {
         case kQ4_0: decode8<kQ4_0>(blk, g, o); break;
         case kQ4_1: decode8<kQ4_1>(blk, g, o); break;
+        case kQ5_0: decode8<kQ5_0>(blk, g, o); break;
+        case kQ5_1: decode8<kQ5_1>(blk, g, o); break;
         case kQ8_0: decode8<kQ8_0>(blk, g, o); break;
         case kQ4_K: decode8<kQ4_K>(blk, g, o); break;
         case kQ5_K: decode8<kQ5_K>(blk, g, o); break;

@@ -1,7 +1,7 @@
 // Staging GGUF weight rows through shared memory, a chunk of whole blocks at a time: a warp
 // loads the chunk of each of its R rows in 16-byte words (its 32 lanes cover 512 contiguous
 // bytes per load), stores the words to shared memory, and decodes blocks there at any
-// alignment (Q8_0 and Q6_K blocks are only 2-byte aligned). Shared by gguf_gemv
+// alignment (Q4_0, Q5_0, Q8_0 and Q6_K blocks are only 2-byte aligned). Shared by gguf_gemv
 // (quant_gemv.cu) and gguf_gemv_q8's staged kernel (gguf_gemv_q8.cu); kept free of the host
 // API so the emulated tests build it too.
 #pragma once

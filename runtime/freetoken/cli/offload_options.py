@@ -1,4 +1,5 @@
-"""Click types of the memory flags: `--num-tokens auto|N` and `--moe-cache-rate auto|R`."""
+"""Click types of the memory flags: `--num-tokens auto|N`, `--moe-cache-rate auto|R` and
+`--gpu-memory-limit SIZE|FRACTION`."""
 
 from __future__ import annotations
 
@@ -42,5 +43,23 @@ class CacheRate(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+class GpuMemoryLimitParam(click.ParamType):
+    """none -> None; SIZE (24GiB, 24GB, 24G, bytes) or FRACTION -> a GpuMemoryLimit."""
+
+    name = "SIZE|FRACTION"
+
+    def convert(self, value, param, ctx):
+        from freetoken.engine.config import (EngineConfigError, GpuMemoryLimit,
+                                             parse_gpu_memory_limit)
+
+        if value is None or isinstance(value, GpuMemoryLimit):
+            return value
+        try:
+            return parse_gpu_memory_limit(value)
+        except EngineConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 NUM_TOKENS = NumTokens()
 CACHE_RATE = CacheRate()
+GPU_MEMORY_LIMIT = GpuMemoryLimitParam()

@@ -12,7 +12,7 @@ import click
 from freetoken.engine.config import DEVICES, KV_DTYPES, SAMPLING_DEFAULT_MODES, EngineConfig
 from freetoken.engine.offload_setup import MOE_CPU_MODES, OffloadConfig
 from freetoken.server.config import ServerConfig
-from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
+from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKENS
 
 
 @click.command("serve")
@@ -67,6 +67,12 @@ from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
               help="MoE on a GPU: the fraction (0 < R <= 1) of all experts kept in a GPU cache; "
                    "the rest live in pinned host memory. auto: 1 when every expert fits, else "
                    "the largest rate that fits.")
+@click.option("--gpu-memory-limit", default=EngineConfig.gpu_memory_limit, type=GPU_MEMORY_LIMIT,
+              help="The most the engine plans to hold on the GPU (default: none, the whole "
+                   "device): a SIZE (24GiB, 512MiB: binary; 24GB: decimal; 24G: binary, as "
+                   "llama.cpp and vLLM; or bytes) or a FRACTION in (0, 1] of the device. It "
+                   "covers weights, KV pool, experts or expert cache, states, graphs, "
+                   "workspaces and the margin (5% of the limit, at least 1 GiB).")
 @click.option("--moe-cpu", default=OffloadConfig.cpu, show_default=True,
               type=click.Choice(MOE_CPU_MODES),
               help="With offloaded experts: auto computes a missed expert on the CPU when the "
@@ -87,7 +93,7 @@ from freetoken.cli.offload_options import CACHE_RATE, NUM_TOKENS
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
-                  prefix_cache, moe_cache_rate, moe_cpu, allow_image_urls,
+                  prefix_cache, moe_cache_rate, gpu_memory_limit, moe_cpu, allow_image_urls,
                   max_image_pixels, tensor_parallel_size, gpus) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
@@ -103,7 +109,7 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
                                  cuda_graphs=cuda_graphs, overlap=overlap, kv_dtype=kv_dtype,
-                                 prefix_cache=prefix_cache)
+                                 prefix_cache=prefix_cache, gpu_memory_limit=gpu_memory_limit)
     offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu)
     from freetoken.parallel.options import parallel_engine_config
 

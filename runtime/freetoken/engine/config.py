@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 SAMPLING_DEFAULT_MODES = ("model", "none")
@@ -11,6 +12,79 @@ KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 class EngineConfigError(ValueError):
     """An engine setting is out of range; the message names the setting and the fix."""
+
+
+# --gpu-memory-limit units. GiB/MiB/KiB are binary and GB/MB/KB decimal, as written; a bare
+# G/M/K is binary, as llama.cpp's and vLLM's users mean it (a "24G" card holds 24 GiB).
+KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+SIZE_UNITS = {"": 1, "b": 1, "k": KIB, "kib": KIB, "kb": 10**3, "m": MIB, "mib": MIB,
+              "mb": 10**6, "g": GIB, "gib": GIB, "gb": 10**9, "t": TIB, "tib": TIB,
+              "tb": 10**12}
+_LIMIT_FORMS = ("a SIZE (24GiB, 24GB, 24G, 512MiB or a number of bytes) or a FRACTION in "
+                "(0, 1] of the GPU's memory (0.5)")
+_LIMIT_TEXT = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
+
+
+@dataclass(frozen=True)
+class GpuMemoryLimit:
+    """--gpu-memory-limit: the most this process may hold on its GPU, as `size` bytes or as a
+    `fraction` of the device's total memory (exactly one of the two is set). It caps every
+    pool the memory plan sizes (weights, KV, experts or the expert cache, recurrent states,
+    graphs, workspaces) and the margin, which becomes a share of the limit (engine/
+    memory_plan.py); `text` is the flag's value as written, for messages."""
+
+    size: int = 0
+    fraction: float = 0.0
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.size > 0) == (self.fraction > 0) or self.size < 0 or \
+                not 0.0 <= self.fraction <= 1.0:
+            raise EngineConfigError(f"--gpu-memory-limit must be {_LIMIT_FORMS}, got "
+                                    f"{self.text or (self.size or self.fraction)!r}")
+
+    def bytes_on(self, total: int) -> int:
+        """The limit in bytes on a device of `total` bytes; a size beyond the device is an
+        error (the plan would promise memory the GPU does not have)."""
+        if self.fraction:
+            return int(self.fraction * total)
+        if self.size > total:
+            raise EngineConfigError(
+                f"--gpu-memory-limit {self} is more than this GPU's {total / GIB:.2f} GiB; pass "
+                f"a smaller SIZE, a FRACTION in (0, 1], or leave the flag out to use the whole "
+                f"device")
+        return self.size
+
+    def __str__(self) -> str:
+        return self.text or (f"{self.size}" if self.size else f"{self.fraction:g}")
+
+
+def parse_gpu_memory_limit(text: str | None) -> GpuMemoryLimit | None:
+    """'none' (or nothing) -> None; else a GpuMemoryLimit. A bare number is a FRACTION when it
+    is at most 1 or has a decimal point, else bytes. Raises EngineConfigError naming the flag."""
+    raw = "" if text is None else str(text).strip()
+    if raw.lower() in ("", "none"):
+        return None
+    if raw.startswith("-"):
+        raise EngineConfigError(f"--gpu-memory-limit must be positive: {_LIMIT_FORMS}, got "
+                                f"{raw!r}")
+    match = _LIMIT_TEXT.fullmatch(raw.lower())
+    if match is None or match.group(2) not in SIZE_UNITS:
+        raise EngineConfigError(f"--gpu-memory-limit must be {_LIMIT_FORMS}, got {raw!r}")
+    number, unit = match.groups()
+    value = float(number)
+    if not unit and ("." in number or value <= 1):
+        if not 0.0 < value <= 1.0:
+            raise EngineConfigError(f"--gpu-memory-limit: a FRACTION must be in (0, 1], got "
+                                    f"{raw!r}; a SIZE needs a unit (24GiB) or whole bytes")
+        return GpuMemoryLimit(fraction=value, text=raw)
+    size = int(value * SIZE_UNITS[unit])
+    if not unit and size < MIB:    # "24" is surely 24 GiB, not 24 bytes
+        raise EngineConfigError(f"--gpu-memory-limit {raw} is {size} bytes; write the unit "
+                                f"({raw}GiB) or a FRACTION in (0, 1]")
+    if size <= 0:
+        raise EngineConfigError(f"--gpu-memory-limit must be more than 0 bytes, got {raw!r}")
+    return GpuMemoryLimit(size=size, text=raw)
 
 
 @dataclass(frozen=True)
@@ -31,6 +105,8 @@ class EngineConfig:
         tokens, and start later requests with the same prefix from them.
     overlap: on a GPU, schedule and prepare the next decode step while the current one runs
         (see engine/overlap.py); the CPU computes on the engine thread, so it never overlaps.
+    gpu_memory_limit: the most the engine plans to hold on its GPU (None: the whole device);
+        see GpuMemoryLimit. Ignored on the CPU.
     """
 
     num_tokens: int = 0
@@ -43,6 +119,7 @@ class EngineConfig:
     kv_dtype: str = "auto"
     prefix_cache: bool = True
     overlap: bool = True
+    gpu_memory_limit: GpuMemoryLimit | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -54,6 +131,8 @@ class EngineConfig:
              f"sampling_defaults must be one of {SAMPLING_DEFAULT_MODES}"),
             (self.device.split(":")[0] in DEVICES, f"device must be one of {DEVICES} (or cuda:N)"),
             (self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}"),
+            (self.gpu_memory_limit is None or isinstance(self.gpu_memory_limit, GpuMemoryLimit),
+             "gpu_memory_limit must be None or a GpuMemoryLimit (see parse_gpu_memory_limit)"),
         )
         for ok, message in checks:
             if not ok:

@@ -97,6 +97,7 @@ class Engine(OverlapSteps):
         if vision is not None:
             self.rope_spare, self.encoder_cache = attach_vision(
                 model, vision, self.config.max_prefill_tokens + self.config.max_num_seqs)
+        self.memory_plan = offload.plan if offload is not None else None   # the start-up plan
         self.expert_cache = None
         if offload is not None and offload.offloaded:
             from freetoken.engine.offload_setup import attach_expert_cache

@@ -2,9 +2,10 @@
 and the expert cache while serving.
 
 A resize runs between two engine steps (the engine holds its step lock): the plan is checked
-first against what the device has free now (a new pool is allocated beside the old one while
-the pages or slots that stay are copied over, so the check asks for the whole new pool), and a
-refusal changes nothing. Page ids, state slots and expert slots below the new size keep their
+first against what the device has free now, and under --gpu-memory-limit against the limit
+less what the process holds (a new pool is allocated beside the old one while the pages or
+slots that stay are copied over, so the check asks for the whole new pool), and a refusal
+changes nothing. Page ids, state slots and expert slots below the new size keep their
 data, so the requests in flight continue on the same pages and states.
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
-                                          gpu_margin, host_available_bytes, HOST_MARGIN)
+from freetoken.engine.memory_plan import (HOST_MARGIN, MemoryPlan, MemoryPlanError, ModelSizes,
+                                          cache_slots, host_available_bytes, measure_gpu_room)
 from freetoken.models.batch import KVCache
 
 
@@ -28,37 +29,52 @@ def _nbytes(array) -> int:
 
 
 def pool_stats(engine) -> dict[str, Any]:
-    """Pool sizes, device and pinned bytes and the expert cache's totals."""
+    """Pool sizes, device and pinned bytes, the GPU memory limit and the expert cache's
+    totals."""
     kv = engine.kv
     cache = getattr(engine, "expert_cache", None)
     moe = engine.model.config.moe
+    limit = engine.config.gpu_memory_limit
     stats: dict[str, Any] = {
         "kv_pool_tokens": engine.pool.num_pages * engine.pool.block_size,
         "kv_pool_bytes": sum(_nbytes(t) for t in kv.k + kv.v),
         "moe_offload": cache is not None,
         "vram_allocated_bytes": 0, "vram_reserved_bytes": 0,
+        "gpu_memory_limit": "none" if limit is None else str(limit),
+        "gpu_memory_limit_bytes": None,
     }
     if not engine.arrays.device.is_cpu:
         import torch
 
         dev = engine.arrays.torch_device
         stats.update(vram_allocated_bytes=torch.cuda.memory_allocated(dev),
-                     vram_reserved_bytes=torch.cuda.memory_reserved(dev))
+                     vram_reserved_bytes=torch.cuda.memory_reserved(dev),
+                     gpu_memory_limit_bytes=measure_gpu_room(dev, limit).limit)
     if cache is not None:
         stats.update(moe_cache_rate=cache.num_slots / (cache.num_layers * cache.num_experts),
                      expert_cache_slots=cache.num_slots, expert_pool_bytes=cache.pool_bytes,
                      pinned_bytes=cache.pinned_bytes, **cache.stats.as_dict())
     else:
         total = moe.num_experts * sum(moe.sparse_layers) if moe else 0
-        sizes = ModelSizes.of(engine.model.config, engine.model.dtype) if moe else None
         stats.update(moe_cache_rate=1.0 if moe else 0.0, expert_cache_slots=total,
-                     expert_pool_bytes=total * sizes.expert_bytes if sizes else 0,
+                     expert_pool_bytes=_resident_expert_bytes(engine, total),
                      pinned_bytes=0, expert_hits=0, expert_misses=0, expert_hit_rate=0.0,
                      expert_cpu_executed=0, expert_bytes_h2d=0, expert_bytes_per_token=0.0,
                      expert_tokens=0, expert_streamed_layers=0)
     if engine.states is not None:
         stats.update(engine.states.stats())
     return stats
+
+
+def _resident_expert_bytes(engine, total: int) -> int:
+    """Every resident expert's bytes: the start-up plan's (each in its on-device format), else
+    (no plan: the CPU) the activation dtype's arithmetic."""
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None and "experts" in plan.pools:
+        return plan.pools["experts"]
+    if not total:
+        return 0
+    return total * ModelSizes.of(engine.model.config, engine.model.dtype).expert_bytes
 
 
 def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None,
@@ -133,11 +149,9 @@ def _check_fits(engine, pools: dict[str, int]) -> None:
         if available is not None:
             MemoryPlan("the host", pools, HOST_MARGIN, available).check(fix)
         return
-    import torch
-
-    free, total = torch.cuda.mem_get_info(engine.arrays.torch_device)
+    room = measure_gpu_room(engine.arrays.torch_device, engine.config.gpu_memory_limit)
     try:
-        MemoryPlan("the GPU", pools, gpu_margin(total), free).check(fix)
+        MemoryPlan("the GPU", pools, room.margin, room.available, limit=room.limit).check(fix)
     except MemoryPlanError as exc:
         raise MemoryPlanError(f"{exc} (the new pool is allocated beside the old one while "
                               f"what stays is copied over)") from None

@@ -11,7 +11,8 @@ from typing import Any
 
 from freetoken.engine.config import EngineConfigError, default_num_tokens
 from freetoken.engine.memory_plan import (MemoryPlan, MemoryPlanError, ModelSizes, cache_slots,
-                                          fmt_bytes, host_available_bytes, plan_gpu, plan_host)
+                                          fmt_bytes, host_available_bytes, measure_gpu_room,
+                                          plan_gpu, plan_host)
 from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT
 
 log = logging.getLogger("freetoken.offload")
@@ -64,18 +65,22 @@ class OffloadDecision:
         return self.rate < 1.0
 
 
-def workspace_bytes(cfg, dtype: str, tokens: int) -> int:
-    """An upper estimate of the forward's work buffers for steps of `tokens` tokens."""
+def workspace_bytes(cfg, dtype: str, tokens: int, weights=None) -> int:
+    """An upper estimate of the forward's work buffers for steps of `tokens` tokens, with the
+    bf16 scratch that prefill dequantizes GGUF weights into when `weights` (WeightBytes) keeps
+    blocks (forward/dequant.py)."""
     from freetoken.kernel.ops import moe_workspace_bytes
+    from freetoken.models.forward.dequant import scratch_elements
 
     item = 4 if dtype == "float32" else 2
+    scratch = 2 * scratch_elements(cfg) if getattr(weights, "blocks", False) else 0
     moe = cfg.moe
     widths = 8 * cfg.hidden_size + 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size
     if moe is None:
-        return tokens * widths * item
+        return tokens * widths * item + scratch
     widths += moe.num_experts + 2 * moe.top_k + 3 * moe.shared_intermediate_size
-    return tokens * widths * item + moe_workspace_bytes(tokens, moe.top_k, moe.num_experts,
-                                                        moe.intermediate_size, item)
+    return scratch + tokens * widths * item + moe_workspace_bytes(
+        tokens, moe.top_k, moe.num_experts, moe.intermediate_size, item)
 
 
 def state_rows(cfg, engine_config) -> dict[str, int]:
@@ -92,7 +97,8 @@ class OffloadPlanner:
     """The load_model `plan` hook: checks memory before any weight is placed and decides where
     the experts go. `decision` holds the result (None on the CPU path). `vision` (a
     VisionBudget, engine/vision_memory.py) counts a vision tower, its encoder cache and its
-    work buffers beside the text model."""
+    work buffers beside the text model. On a GPU the budget is the free memory capped by the
+    engine config's gpu_memory_limit (memory_plan.GpuRoom)."""
 
     def __init__(self, engine_config, offload: OffloadConfig, device: Any, vision: Any = None):
         self.config, self.offload, self.device = engine_config, offload, device
@@ -107,31 +113,27 @@ class OffloadPlanner:
         return vision_pools(self.vision, dtype,
                             self.config.max_prefill_tokens + self.config.max_num_seqs)
 
-    def __call__(self, cfg, dtype: str) -> bool:
+    def __call__(self, cfg, dtype: str, weights=None) -> bool:
+        """`weights`: load_model's WeightBytes (each weight in its on-device format), or None
+        to count every parameter at the dtype's bytes."""
         c = self.config
         min_tokens = default_num_tokens(cfg.max_position)
         extra = self._vision_pools(dtype)
         if self.device.is_cpu:
-            # NOTE: GGUF weights stay quantized on the CPU (down to ~0.56 bytes a parameter for
-            # Q4_0), so the check counts them at that floor: it refuses only what cannot fit.
-            sizes = ModelSizes.of(cfg, dtype, "float16")
-            floor = int(cfg.num_params * 0.5625)
-            sizes = replace(sizes, other_weight_bytes=floor, expert_bytes=0)
-            plan_host(sizes, pinned_experts=False, num_tokens=c.num_tokens or min_tokens,
-                      available=host_available_bytes(), on_cpu=True, extra=extra,
-                      **state_rows(cfg, c))
+            self._check_host(cfg, dtype, weights, min_tokens, extra)
             return False
         import torch
 
-        sizes = ModelSizes.of(cfg, dtype)
-        free, total = torch.cuda.mem_get_info(torch.device(str(self.device)))
+        sizes = ModelSizes.of(cfg, dtype, weights=weights)
+        room = measure_gpu_room(torch.device(str(self.device)), c.gpu_memory_limit)
         rate = self.offload.cache_rate if cfg.moe is not None else 1.0
         tokens = c.num_tokens or "auto"
         plan, rate, num_tokens = plan_gpu(
-            sizes, rate="auto" if rate is None else rate, num_tokens=tokens, free=free,
-            total=total, workspace=workspace_bytes(cfg, dtype, c.max_prefill_tokens
-                                                   + c.max_num_seqs),
-            min_tokens=min_tokens, extra=extra, **state_rows(cfg, c))
+            sizes, rate="auto" if rate is None else rate, num_tokens=tokens, free=room.free,
+            total=room.total, workspace=workspace_bytes(cfg, dtype, c.max_prefill_tokens
+                                                        + c.max_num_seqs, weights),
+            min_tokens=min_tokens, extra=extra, limit=room.limit, held=room.held,
+            **state_rows(cfg, c))
         if tokens == "auto":   # more KV than max_num_seqs full contexts is never used at once
             num_tokens = min(num_tokens, max(min_tokens, c.max_num_seqs * cfg.max_position))
         host = None
@@ -142,6 +144,22 @@ class OffloadPlanner:
         log.info("memory plan: %s; expert cache rate %.3f, KV pool %d tokens", plan.describe(),
                  rate, num_tokens)
         return rate < 1.0
+
+    def _check_host(self, cfg, dtype: str, weights, min_tokens: int, extra) -> None:
+        """The CPU path's host RAM plan (every weight, the KV pool, states, extra pools)."""
+        c = self.config
+        if c.gpu_memory_limit is not None:
+            log.warning("--gpu-memory-limit %s is ignored: the model runs on the CPU",
+                        c.gpu_memory_limit)
+        sizes = ModelSizes.of(cfg, dtype, "float16", weights)
+        if weights is None:
+            # NOTE: GGUF weights stay quantized on the CPU (down to ~0.56 bytes a parameter for
+            # Q4_0); unknown formats count at that floor: the check refuses only what cannot fit.
+            sizes = replace(sizes, other_weight_bytes=int(cfg.num_params * 0.5625),
+                            expert_bytes=0)
+        plan_host(sizes, pinned_experts=False, num_tokens=c.num_tokens or min_tokens,
+                  available=host_available_bytes(), on_cpu=True, extra=extra,
+                  **state_rows(cfg, c))
 
 
 def pin(tensor, total: int = 0):

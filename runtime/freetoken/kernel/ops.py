@@ -155,17 +155,18 @@ def dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
 
 def gguf_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
     """GPU: out[M, N] (bf16 or f32) = x[M, K] bf16 @ dequant(qweight).T; qweight uint8
-    [N, row_bytes] holds GGUF blocks of one weight row per row: Q4_0 (2), Q4_1 (3), Q8_0 (8),
-    Q4_K (12), Q5_K (13) or Q6_K (14). out rows may be a column slice of a wider buffer.
-    M <= 8 runs a GEMV, larger M a tiled tensor-core GEMM; no allocation, no host sync."""
+    [N, row_bytes] holds GGUF blocks of one weight row per row: Q4_0 (2), Q4_1 (3), Q5_0 (6),
+    Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13) or Q6_K (14). out rows may be a column slice of a
+    wider buffer. M <= 8 runs a GEMV, larger M a tiled tensor-core GEMM; no allocation, no host
+    sync."""
     _fn("gguf_matmul", x.device)(out, x, qweight, qtype)
 
 
 def gguf_gemv(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int,
               rows: int = 0) -> None:
-    """GPU decode product (x rows T <= 8) as gguf_matmul, for Q4_0/Q8_0/Q4_K/Q6_K rows whose
-    byte length is a multiple of 16: 16-byte coalesced loads, `rows` weight rows per warp (1, 2
-    or 4; 0 picks by T). out bf16 or f32, rows may be a column slice."""
+    """GPU decode product (x rows T <= 8) as gguf_matmul, for Q4_0/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K rows
+    whose byte length is a multiple of 16: 16-byte coalesced loads, `rows` weight rows per warp
+    (1, 2 or 4; 0 picks by T). out bf16 or f32, rows may be a column slice."""
     _fn("gguf_gemv", x.device)(out, x, qweight, qtype, rows)
 
 
@@ -180,6 +181,31 @@ def gguf_gemv_q8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtyp
     1, 2); pdl: launch as a programmatic dependent where the GPU has it."""
     _fn("gguf_gemv_q8", x.device)(out, x, qweight, qtype, bias, norm_weight, eps, mode, rows,
                                   pdl)
+
+
+def moe_q8_gate_up(act: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, qtype: int,
+                   topk_ids: torch.Tensor, expert_map: torch.Tensor, pdl: bool = False) -> None:
+    """GPU MoE decode, first half: act[t * K + k] (bf16 [T * K, I]) = silu(gate) * up of
+    token t's k-th routed expert (slot expert_map[topk_ids[t, k]]; zeros without a slot) over
+    GGUF experts w13 uint8 [S, 2I, row_bytes] of qtype, on int8 activations of x (bf16 [T, H],
+    T <= 2)."""
+    _fn("moe_q8_gate_up", x.device)(act, x, w13, qtype, topk_ids, expert_map, pdl)
+
+
+def moe_q8_down(out: torch.Tensor, act: torch.Tensor, w2: torch.Tensor, qtype: int,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor,
+                accumulate: bool = False, pdl: bool = False) -> None:
+    """GPU MoE decode, second half: out[t] (bf16 [T, H]; += with accumulate) = sum over k of
+    topk_weights[t, k] * w2[slot] @ act[t * K + k], w2 uint8 [S, H, row_bytes] of qtype (I a
+    multiple of 256 for Q4_K; K * I within the kernel's staging)."""
+    _fn("moe_q8_down", act.device)(out, act, w2, qtype, topk_ids, topk_weights, expert_map,
+                                   accumulate, pdl)
+
+
+def gguf_dequantize(out: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
+    """GPU: out[N, K] (bf16, contiguous) = dequant(qweight), qweight uint8 [N, row_bytes] of
+    GGUF blocks (rows padded to 16 bytes or not): a prefill product's weight in the scratch."""
+    _fn("gguf_dequantize", qweight.device)(out, qweight, qtype)
 
 
 def gguf_dequantize_rows(out: torch.Tensor, ids: torch.Tensor, qweight: torch.Tensor,
@@ -434,8 +460,9 @@ def moe_experts_gguf(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: 
                      workspace: torch.Tensor) -> None:
     """``moe_experts`` on the GPU over GGUF blocks kept in VRAM: out/x bf16 [T, H]; w13 uint8
     [S, 2I, row_bytes] (gate rows, then up rows) and w2 uint8 [S, H, row_bytes] hold one weight
-    row per row in GGML type qtype13 / qtype2 (each any of Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12,
-    Q5_K 13, Q6_K 14); workspace as moe_experts with itemsize 2. No host sync, no allocation."""
+    row per row in GGML type qtype13 / qtype2 (each any of Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,
+    Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); workspace as moe_experts with itemsize 2. No host sync,
+    no allocation."""
     _fn("moe_experts_gguf", x.device)(
         out, x, w13, w2, qtype13, qtype2, topk_ids, topk_weights, expert_map, workspace)
 

@@ -96,8 +96,18 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_star
         out[start:end] = torch.einsum("hts,shd->thd", probs, vals).to(out.dtype)
 
 
+def unpadded(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF rows without the padding the GPU keeps after their blocks (weights.gpu_rows)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+    data = qweight.shape[-1] // size * size
+    return qweight if data == qweight.shape[-1] else qweight[..., :data].contiguous()
+
+
 def dequantize(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """uint8 [N, row_bytes] GGUF blocks -> float32 [N, K]."""
+    """uint8 [N, row_bytes] GGUF blocks (rows padded or not) -> float32 [N, K]."""
+    qweight = unpadded(qweight, qtype)
     n = qweight.shape[0]
     if qtype not in BLOCK_BYTES:   # Q5_0/Q5_1 and the K-quants: the gguf package's numpy path
         from gguf import GGMLQuantizationType, quants
@@ -119,6 +129,11 @@ def dequantize(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
         else:
             vals = d * (q - 8.0)
     return torch.from_numpy(vals.reshape(n, -1).astype(np.float32))
+
+
+def gguf_dequantize(out, qweight, qtype):
+    """out[N, K] = the float values of GGUF rows qweight [N, row_bytes] (padded or not)."""
+    out.copy_(dequantize(qweight.cpu(), qtype).to(out.device, out.dtype))
 
 
 def quantize(weight: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -212,7 +227,8 @@ def _experts_rows(x, w13, w2, weights, lib):
 
 def moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace):
     """out[t] = sum_k w[t,k] * w2[s] @ (silu(w13[s,:I] @ x[t]) * (w13[s,I:] @ x[t])),
-    s = expert_map[topk_ids[t,k]]; f32 accumulation; the workspace is not needed here."""
+    s = expert_map[topk_ids[t,k]]; a pair whose expert has no slot (s < 0) adds nothing, as in
+    the kernels; f32 accumulation; the workspace is not needed here."""
     torch_mode = isinstance(x, torch.Tensor)
     lib = torch if torch_mode else np
     xs = x.float() if torch_mode else _host(x).astype(np.float32)
@@ -220,6 +236,9 @@ def moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace):
     ids, tw = (topk_ids, topk_weights) if torch_mode else (_host(topk_ids), _host(topk_weights))
     emap = expert_map if torch_mode else _host(expert_map)
     slots = emap[ids.long() if torch_mode else ids]
+    if (slots < 0).any():   # unmapped: weight 0, any slot's rows (multiplied by that 0)
+        tw = lib.where(slots < 0, 0 * tw, tw)
+        slots = lib.where(slots < 0, 0 * slots, slots)
     tokens = xs.shape[0]
     step = _token_chunk(ids.shape[1], w13a.shape[1] * w13a.shape[2])
     results = []
@@ -302,6 +321,45 @@ def gguf_gemv_q8(out, x, qweight, qtype, bias=None, norm_weight=None, eps=0.0, m
     blocks, then the mode's epilogue (0: + bias, 1: residual add, 2: SwiGLU)."""
     xq = quantize_activations(_normed(x, norm_weight, eps))
     _epilogue(out, xq @ dequantize(qweight.cpu(), qtype).T.to(xq.device), bias, mode)
+
+
+def _expert_slots(topk_ids, expert_map):
+    """Slot per routed pair (flat, t * K + k), -1 where the id is out of range or unmapped."""
+    ids = topk_ids.reshape(-1).long()
+    valid = (ids >= 0) & (ids < expert_map.shape[0])
+    slots = torch.where(valid, expert_map[ids.clamp(0, expert_map.shape[0] - 1)].long(),
+                        torch.full_like(ids, -1))
+    return slots
+
+
+def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, pdl=False):
+    """act[p] = silu(gate) * up of pair p's expert on int8 activations of x (zeros for a pair
+    without a slot), rounded where the unfused chain stores."""
+    k = topk_ids.shape[1]
+    xq = quantize_activations(x)
+    for p, slot in enumerate(_expert_slots(topk_ids, expert_map).tolist()):
+        if slot < 0:
+            act[p].zero_()
+            continue
+        gu = xq[p // k] @ dequantize(w13[slot].cpu(), qtype).T.to(xq.device)
+        silu_and_mul(act[p:p + 1], gu[None].to(act.dtype))
+
+
+def moe_q8_down(out, act, w2, qtype, topk_ids, topk_weights, expert_map, accumulate=False,
+                pdl=False):
+    """out[t] (+)= sum_k w[t, k] * down_s(int8 activations of act[t * K + k]), the routed sum
+    rounded once to out's dtype (then the residual add, rounded again)."""
+    k = topk_ids.shape[1]
+    aq = quantize_activations(act)
+    y = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for p, slot in enumerate(_expert_slots(topk_ids, expert_map).tolist()):
+        if slot >= 0:
+            w = topk_weights.reshape(-1)[p].float()
+            y[p // k] += w * (aq[p] @ dequantize(w2[slot].cpu(), qtype).T.to(aq.device))
+    if accumulate:
+        out.copy_((out.float() + y.to(out.dtype).float()).to(out.dtype))
+    else:
+        out.copy_(y.to(out.dtype))
 
 
 def _epilogue(out, y, bias, mode):

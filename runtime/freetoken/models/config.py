@@ -31,6 +31,11 @@ class LinearAttentionConfig:
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int                   # taps of the short causal convolution over q, k, v
+    # The out projection reads the value heads tiled over the key heads (head i * Hk + g,
+    # llama.cpp's qwen35 GGUF layout) instead of grouped by key head (g * Hv/Hk + i): every
+    # other tensor is read back in grouped order, the forward reorders the out projection's
+    # input (its quantized columns cannot be moved block by block).
+    tiled_value_heads: bool = False
 
     @property
     def key_dim(self) -> int:

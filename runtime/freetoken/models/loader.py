@@ -14,6 +14,7 @@ from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.forward.decoder import Decoder
 from freetoken.models.errors import ModelFormatError, ModelOptionError
 from freetoken.models.tokenizer.core import Tokenizer
+from freetoken.models.checkpoint.footprint import weight_bytes
 from freetoken.models.checkpoint.weights import Placement, build_decoder_weights
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def _is_gguf(path: Path) -> bool:
 
 
 def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
-               plan: Callable[[ModelConfig, str], bool] | None = None,
+               plan: Callable[[ModelConfig, str, Any], bool] | None = None,
                shard: Callable | None = None) -> LoadedModel:
     """Load a model for serving.
 
@@ -82,9 +83,12 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
         device: "cpu", "cuda" ("cuda:N") or "auto".
         dtype: activation and KV-cache dtype; "auto" = bfloat16 on CUDA, float32 (the only
             choice) on the CPU.
-        plan: called with the model's config and dtype once the checkpoint's header is read,
-            before any weight is placed; it may raise (a memory plan that does not fit), and
-            True puts the routed experts in host memory (expert offload) instead of on device.
+        plan: called with the model's config, dtype and weight bytes once the checkpoint's
+            header is read, before any weight is placed; it may raise (a memory plan that does
+            not fit), and True puts the routed experts in host memory (expert offload) instead
+            of on device. The weight bytes (checkpoint/footprint.py's WeightBytes, or None
+            when the reader cannot tell) count each weight in the format it keeps on the
+            device, its routed experts as they would stay there.
         shard: tensor parallelism: called with the config and tensor source once the header
             is read, returns the rank's (config, source) of weight slices
             (freetoken.parallel.shard); the forward is built for that shape, `plan` sees it.
@@ -121,8 +125,10 @@ def _build_model(tensors, config: ModelConfig, placement: Placement, plan=None,
                  shard=None) -> Decoder:
     if shard is not None:
         config, tensors = shard(config, tensors)
-    if plan is not None and plan(config, placement.dtype) and not placement.arrays.device.is_cpu:
-        placement = replace(placement, experts=TorchArrays(parse_device("cpu")))
+    if plan is not None:
+        offload = plan(config, placement.dtype, weight_bytes(tensors, config, placement))
+        if offload and not placement.arrays.device.is_cpu:
+            placement = replace(placement, experts=TorchArrays(parse_device("cpu")))
     weights = build_decoder_weights(tensors, config, placement)
     return Decoder(config, weights, placement.arrays, placement.dtype)
 

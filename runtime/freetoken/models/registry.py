@@ -80,6 +80,14 @@ GGUF_LAYER = {  # under blk.{i}.
     "experts.up": "ffn_up_exps.weight", "experts.down": "ffn_down_exps.weight",
     "shared.gate": "ffn_gate_shexp.weight", "shared.up": "ffn_up_shexp.weight",
     "shared.down": "ffn_down_shexp.weight", "shared_gate": "ffn_gate_inp_shexp.weight",
+    # Gated DeltaNet, as llama.cpp's converter writes it (checkpoint/gguf_hybrid.py undoes what
+    # it changed): qwen3next files split in_proj_qkvz into attn_qkv (q, k, v of every head)
+    # and attn_gate (z) and keep in_proj_ba; older ones kept in_proj_qkvz as ssm_in. ssm_a
+    # holds -exp(A_log).
+    "gdn.qkvz": "ssm_in.weight", "gdn.ba": "ssm_ba.weight", "gdn.qkv": "attn_qkv.weight",
+    "gdn.z": "attn_gate.weight", "gdn.b": "ssm_beta.weight", "gdn.a": "ssm_alpha.weight",
+    "gdn.conv": "ssm_conv1d.weight", "gdn.dt_bias": "ssm_dt.bias", "gdn.A_log": "ssm_a",
+    "gdn.norm": "ssm_norm.weight", "gdn.out": "ssm_out.weight",
 }
 
 
@@ -118,12 +126,19 @@ class MoESpec:
 class HybridSpec:
     """Gated DeltaNet layers between gated full-attention ones (Qwen3-Next, Qwen3.5/3.6).
 
-    The layer pattern comes from config.json (layer_types, or full_attention_interval); full
-    attention layers double q_proj into query + a sigmoid output gate; RMSNorms scale by
-    (1 + w) except the GDN output norm."""
+    The layer pattern comes from config.json (layer_types, or full_attention_interval) or the
+    GGUF metadata (attention.recurrent_layers, or full_attention_interval); full attention
+    layers double q_proj into query + a sigmoid output gate; RMSNorms scale by (1 + w) except
+    the GDN output norm (GGUF files store 1 + w)."""
 
     gdn_layout: str = "split"                # "qkvz": fused per key head (qwen3_next)
     partial_rotary_factor: float = 0.25      # when config.json does not say
+    # llama.cpp calls the norm in front of the MLP post_attention_norm in these families
+    gguf_layer_names: tuple[tuple[str, str], ...] = (
+        ("post_norm", "post_attention_norm.weight"),)
+    # llama.cpp's converter reorders the value heads from grouped by key head (HF: value head
+    # j reads key head j // (Hv / Hk)) to tiled (head i * Hk + g reads key head g) when Hv > Hk
+    gguf_tiled_value_heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,13 +191,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                  gguf_permuted_qk=True),
         ArchSpec("olmoe", ("OlmoeForCausalLM",), ("olmoe",), AttentionSpec(qk_norm="full"),
                  MoESpec(hf_intermediate="intermediate_size")),
-        ArchSpec("qwen3_next", ("Qwen3NextForCausalLM",), (), AttentionSpec(qk_norm="head"),
-                 MoESpec(sparse_step=True, shared_expert=True),
+        # llama.cpp's graphs renormalize the top-k probabilities of both hybrids (no GGUF key)
+        ArchSpec("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3next",),
+                 AttentionSpec(qk_norm="head"),
+                 MoESpec(sparse_step=True, shared_expert=True, gguf_renormalize=True),
                  hybrid=HybridSpec(gdn_layout="qkvz")),
         ArchSpec("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
-                 (), AttentionSpec(qk_norm="head"),
-                 MoESpec(shared_expert=True, renormalize=True),
-                 hybrid=HybridSpec(), text_config=True),
+                 ("qwen35moe",), AttentionSpec(qk_norm="head"),
+                 MoESpec(shared_expert=True, renormalize=True, gguf_renormalize=True),
+                 hybrid=HybridSpec(gguf_tiled_value_heads=True), text_config=True),
         # Qwen3-VL: the qwen3 text model behind the vision tower (its DeepStack features are
         # the tower's business: checkpoint/vision_config.py, forward/deepstack.py)
         ArchSpec("qwen3_vl", ("Qwen3VLForConditionalGeneration",), (),

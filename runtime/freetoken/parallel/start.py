@@ -74,8 +74,8 @@ def no_offload(planner: Callable | None) -> Callable | None:
     if planner is None:
         return None
 
-    def plan(cfg, dtype: str) -> bool:
-        if planner(cfg, dtype):
+    def plan(cfg, dtype: str, weights=None) -> bool:
+        if planner(cfg, dtype, weights):
             from freetoken.models.errors import ModelOptionError
 
             raise ModelOptionError("this rank's experts do not fit on its GPU and expert "

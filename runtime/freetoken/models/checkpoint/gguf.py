@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from freetoken.models.checkpoint import gguf_hybrid
+from freetoken.models.checkpoint.footprint import FLOAT, GGUF, StoredTensor
 from freetoken.models.checkpoint.gguf_config import config_from_gguf, gguf_spec
 from freetoken.models.checkpoint.weights import Weight
 from freetoken.models.config import GenerationDefaults, ModelConfig, QuantWeight
@@ -55,11 +57,13 @@ class GGUFTensors:
         self._file = file
         self._by_name = file.tensors
         self._spec, self._config = spec, config
+        overrides = spec.hybrid.gguf_layer_names if spec.hybrid is not None else ()
+        self._layer_names = {**GGUF_LAYER, **dict(overrides)}
 
     def file_name(self, name: str) -> str:
         if name.startswith("layers."):
             _, index, part = name.split(".", 2)
-            return f"blk.{index}.{GGUF_LAYER[part]}"
+            return f"blk.{index}.{self._layer_names[part]}"
         return GGUF_GLOBAL[name]
 
     def get(self, name: str) -> Weight | None:
@@ -70,7 +74,24 @@ class GGUFTensors:
         if self._spec.gguf_permuted_qk and name.endswith((".q", ".k")):
             heads = self._config.num_heads if name.endswith(".q") else self._config.num_kv_heads
             weight = _take_rows(weight, _unpermute_index(weight.shape[0], heads))
+        part = name.split(".", 2)[-1]
+        if part.startswith("gdn.") and self._config.linear is not None:
+            weight = gguf_hybrid.canonical(part, weight, self._config.linear, tensor.name,
+                                           self.source)
         return weight
+
+    def stored(self, name: str) -> StoredTensor | None:
+        """The tensor's type, shape and bytes from the tensor table (footprint.py); None when
+        the file lacks it."""
+        if self._config.linear is None and name.split(".", 2)[-1].startswith("gdn."):
+            return None      # another family's tensor of that name is not a GDN weight
+        tensor = self._by_name.get(self.file_name(name))
+        if tensor is None or tensor.nbytes is None:
+            return None
+        shape = tuple(reversed(tensor.dims))
+        if tensor.type_id in (F32, F16, BF16):
+            return StoredTensor(shape, FLOAT, tensor.nbytes)
+        return StoredTensor(shape, GGUF, tensor.nbytes, tensor.type_id)
 
     def release(self, name: str) -> None:
         """The caller copied this tensor: its file pages may leave memory."""

@@ -6,7 +6,7 @@ from typing import Any, Collection
 
 from freetoken.models.checkpoint import gemma_config
 from freetoken.models.checkpoint.hf_config import require, serving_context
-from freetoken.models.config import ModelConfig, MoEConfig
+from freetoken.models.config import LinearAttentionConfig, ModelConfig, MoEConfig
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
 from freetoken.models.registry import ArchSpec, spec_for_gguf
 
@@ -66,6 +66,41 @@ def _moe_from_gguf(meta: dict[str, Any], spec: ArchSpec, arch: str, layers: int,
                             for i in range(layers)))
 
 
+def _hybrid_from_gguf(meta: dict[str, Any], spec: ArchSpec, arch: str, layers: int,
+                      source: str) -> dict[str, Any]:
+    """The ModelConfig fields of a hybrid model from llama.cpp's ssm.* keys (group_count: key
+    heads, time_step_rank: value heads, state_size: key head width, inner_size: value width)
+    and its layer pattern; the file's RMSNorm weights already hold 1 + w. (qwen35moe's
+    rope.dimension_sections, interleaved M-RoPE, only matters for image positions: text
+    positions rotate as plain rope over rope.dimension_count.)"""
+    if spec.hybrid is None:
+        return {}
+
+    def key(name: str) -> int:
+        return int(require(meta, f"{arch}.{name}", source))
+
+    k_heads, v_heads = key("ssm.group_count"), key("ssm.time_step_rank")
+    if not k_heads or not v_heads or v_heads % k_heads or key("ssm.inner_size") % v_heads:
+        raise ModelFormatError(f"{source}: {arch}.ssm.time_step_rank ({v_heads} value heads) "
+                               f"must be a multiple of {arch}.ssm.group_count ({k_heads} key "
+                               f"heads) and divide {arch}.ssm.inner_size")
+    linear = LinearAttentionConfig(
+        num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=key("ssm.state_size"),
+        head_v_dim=key("ssm.inner_size") // v_heads, conv_kernel=key("ssm.conv_kernel"),
+        tiled_value_heads=spec.hybrid.gguf_tiled_value_heads and v_heads > k_heads)
+    # one flag per block (MTP blocks included, listed after the trunk's), else every n-th
+    # layer is full attention as in llama.cpp's loader
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(meta.get(f"{arch}.full_attention_interval") or 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    elif len(recurrent) < layers:
+        raise ModelFormatError(f"{source}: {arch}.attention.recurrent_layers lists "
+                               f"{len(recurrent)} layers, the model has {layers}")
+    return {"linear": linear, "linear_layers": tuple(bool(r) for r in recurrent[:layers]),
+            "attn_output_gate": True, "norm_offset": False}
+
+
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,
                      tensor_names: Collection[str] = ()) -> ModelConfig:
     """A ``ModelConfig`` from GGUF metadata; `tensor_names` tells MoE layers from dense ones."""
@@ -76,7 +111,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,
         return require(meta, f"{arch}.{name}", source)
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    layers = int(key("block_count"))
+    # block_count includes the multi-token-prediction blocks the converter appends (not served)
+    layers = int(key("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if meta.get(k) is not None]
@@ -87,6 +123,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,
     dense_inter = meta.get(f"{arch}.feed_forward_length")
     if dense_inter is None and moe is None:
         raise ModelFormatError(f"{source}: missing required key '{arch}.feed_forward_length'")
+    if dense_inter is None and spec.hybrid is not None:
+        dense_inter = moe.shared_intermediate_size   # no dense MLP: as hf_config reads it
     return ModelConfig(
         architecture=spec.name,
         vocab_size=int(meta.get(f"{arch}.vocab_size") or vocab_size),
@@ -108,5 +146,6 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         moe=moe,
+        **_hybrid_from_gguf(meta, spec, arch, layers, source),
         **gemma_config.gguf_fields(meta, spec, arch, layers, head_dim),
     )

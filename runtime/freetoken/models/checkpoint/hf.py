@@ -7,15 +7,18 @@ and handed on stacked: ``experts.gate``/``experts.up`` [E, I, H], ``experts.down
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from freetoken.models.checkpoint.footprint import FLOAT, StoredTensor
 from freetoken.models.checkpoint.hf_config import config_from_hf
 from freetoken.models.checkpoint.json_file import read_json
 from freetoken.models.checkpoint.hf_quant import (QuantScheme, parse_scheme,
-                                                  read_modelopt_config, read_scaled)
+                                                  read_modelopt_config, read_scaled,
+                                                  stored_scaled)
 from freetoken.models.config import GenerationDefaults, ModelConfig
 from freetoken.models.errors import ModelFormatError
 from freetoken.models.quant import scaled
@@ -127,6 +130,46 @@ class HFTensors:
         if tensor is not None and self._norm_offset and name.endswith("norm"):
             tensor = tensor.float() + self._norm_offset
         return tensor
+
+    def stored(self, name: str) -> StoredTensor | None:
+        """The tensor's format, shape and bytes from the safetensors headers, without reading
+        it (footprint.py); None when the checkpoint lacks it."""
+        if ".experts." in name:
+            _, index, part = name.split(".", 2)
+            return self._stored_experts(index, part[8:])
+        return stored_scaled(self._scheme, self.file_name(name), self._header)
+
+    def _header(self, hf_name: str) -> tuple[str, list[int]] | None:
+        file = self._file_of.get(hf_name)
+        if file is None or not file.is_file():
+            return None
+        view = self._open(file).get_slice(hf_name)
+        return view.get_dtype(), view.get_shape()
+
+    def _stored_experts(self, index: str, proj: str) -> StoredTensor | None:
+        """[E, rows, cols] of one projection of every expert, from whichever layout exists
+        (as _experts reads them)."""
+        fused = stored_scaled(self._scheme, self._expert_names(index, proj, "fused"),
+                              self._header)
+        if fused is not None and self._transposed(fused.shape, proj):
+            fused = replace(fused, shape=(fused.shape[0], fused.shape[2], fused.shape[1]))
+        if fused is not None and proj != "down":     # gate or up: half of gate_up's rows
+            e, rows, cols = fused.shape
+            return replace(fused, shape=(e, rows // 2, cols), nbytes=fused.nbytes // 2)
+        if fused is not None:
+            return fused
+        stacked = stored_scaled(self._scheme, self._expert_names(index, proj, "stacked"),
+                                self._header)
+        if stacked is not None:
+            return stacked
+        parts = [stored_scaled(self._scheme, self._expert_names(index, proj, str(e)),
+                               self._header) for e in range(self._num_experts)]
+        if not parts or None in parts:
+            return None
+        first = parts[0]
+        kind = first.kind if all(p.kind == first.kind for p in parts) else FLOAT
+        return StoredTensor((len(parts),) + first.shape, kind, sum(p.nbytes for p in parts),
+                            kernel_ready=all(p.kernel_ready for p in parts))
 
     def get_part(self, name: str, dim: int, start: int, end: int) -> torch.Tensor | None:
         """`name` cut to start:end along `dim`, reading only that part of the file (tensor

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from freetoken.models.checkpoint.footprint import FLOAT, StoredTensor
 from freetoken.models.errors import ModelFormatError, UnsupportedModelError
-from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
+from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight, takes_layout
 
 METHODS = ("fp8", "compressed-tensors", "modelopt")
 NVFP4_GROUP = 16
@@ -235,3 +236,72 @@ def _nvfp4(scheme: QuantScheme, data, scale, second, where: str) -> ScaledWeight
     row_scale = per_tensor.expand(*lead, rows).contiguous()
     return ScaledWeight(NVFP4, data, scale.contiguous(), lead + (rows, cols),
                         (1, NVFP4_GROUP), row_scale)
+
+
+# ---- the same, from the safetensors headers alone (the memory plan: footprint.py) ----------
+
+# safetensors dtype names -> bytes per element
+SAFETENSORS_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                    "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8,
+                    "I64": 8, "BOOL": 1}
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+Header = Callable[[str], Any]   # HF name -> (safetensors dtype, shape), or None when absent
+
+
+def _count(shape) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def stored_plain(head) -> StoredTensor | None:
+    """A float tensor of header `head` (dtype, shape); None when absent."""
+    if head is None:
+        return None
+    dtype, shape = head
+    return StoredTensor(tuple(shape), FLOAT, _count(shape) * SAFETENSORS_ITEM.get(dtype, 4))
+
+
+def stored_scaled(scheme: QuantScheme | None, name: str, header: Header
+                  ) -> StoredTensor | None:
+    """What read_scaled reads for `name`, described from the headers: the values and their
+    scales as the reader keeps them. None when absent (or when read_scaled would refuse it,
+    which the load then does by name)."""
+    if scheme is None:
+        return stored_plain(header(name))
+    packed = companion(name, scheme.packed) if scheme.packed != "weight" else name
+    data = header(packed)
+    if data is None and packed != name:
+        return stored_plain(header(name))
+    if data is None or data[0] in _FLOAT_DTYPES:
+        return stored_plain(data)
+    scale = header(companion(name, scheme.scale))
+    if scale is None:
+        return None
+    if scheme.format == FP8:
+        return _stored_fp8(scheme, tuple(data[1]), tuple(scale[1]))
+    return _stored_nvfp4(tuple(data[1]), tuple(scale[1]))
+
+
+def _stored_fp8(scheme: QuantScheme, shape: tuple, grid_shape: tuple) -> StoredTensor | None:
+    """As _fp8: one e4m3 byte a value and the scale grid in float32 (converted at load)."""
+    rows, cols = shape[-2:]
+    count, grid = _count(shape[:-2]), _count(grid_shape)
+    if grid == count or (scheme.strategy == "channel" and grid == count * rows):
+        block_cols = cols
+    elif scheme.strategy == "block":
+        block_cols = scheme.block[1]
+    else:
+        return None
+    return StoredTensor(shape, FP8, _count(shape) + 4 * grid,
+                        kernel_ready=takes_layout(cols, block_cols))
+
+
+def _stored_nvfp4(shape: tuple, scale_shape: tuple) -> StoredTensor:
+    """As _nvfp4: two e2m1 values a byte, an e4m3 scale per 16 values and a float32 row scale
+    (the per-tensor second-level scale, one per row)."""
+    lead, rows, cols = shape[:-2], shape[-2], 2 * shape[-1]
+    nbytes = _count(shape) + _count(scale_shape) + 4 * _count(lead) * rows
+    return StoredTensor(lead + (rows, cols), NVFP4, nbytes,
+                        kernel_ready=takes_layout(cols, NVFP4_GROUP))

@@ -7,18 +7,21 @@ Rearranged once at load, so the forward reads one layout whatever the checkpoint
   and ``gdn.dt_bias`` in float32 whatever the compute dtype.
 - Gated attention: q_proj holds per head [query (D) | gate (D)]; the query rows join the fused
   qkv and the gate rows become ``o_gate`` [Hq*D, H].
-- RMSNorms that scale by (1 + w) get the 1 added here (the GDN output norm scales by w).
+- Projections keep their format: GGUF blocks are moved by whole rows, and parts of different
+  block types stay row parts of one projection.
+- RMSNorms that scale by (1 + w) get the 1 added here (the GDN output norm scales by w)
+  where the checkpoint stores w (``norm_offset``; GGUF files store 1 + w).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from freetoken.arrays import is_torch
-from freetoken.models.config import ModelConfig
+from freetoken.models.config import ModelConfig, QuantWeight
 
 if TYPE_CHECKING:
-    from freetoken.models.checkpoint.weights import Array, LayerWeights, _Reader
+    from freetoken.models.checkpoint.weights import Array, LayerWeights, Weight, _Reader
 
 
 def plus_one(weight: Array) -> Array:
@@ -28,10 +31,22 @@ def plus_one(weight: Array) -> Array:
     return (weight.astype("float32") + 1.0).astype(weight.dtype)
 
 
-def _cat(parts: list[Array]) -> Array:
-    from freetoken.models.checkpoint.weights import _concat
+def _rows(weight: Weight, pick: Callable[[Array], Array]) -> Weight:
+    """The rows `pick` takes from a matrix (it reshapes and slices the leading axes and keeps
+    the last), a float one or a GGUF one (rows of blocks)."""
+    if isinstance(weight, QuantWeight):
+        data = pick(weight.data)
+        data = data.reshape(-1, data.shape[-1])
+        return QuantWeight(weight.qtype, data, (data.shape[0], weight.shape[-1]))
+    taken = pick(weight)
+    return taken.reshape(-1, taken.shape[-1])
 
-    return _concat([p.reshape(-1, p.shape[-1]) for p in parts])
+
+def _join(parts: list[Weight]) -> list[Weight]:
+    """The parts as one matrix where they concatenate, else as row parts (make_linear)."""
+    from freetoken.models.checkpoint.weights import _fuse_rows
+
+    return _fuse_rows(parts)
 
 
 def _norm(read: _Reader, name: str, size: int, offset: bool) -> Array:
@@ -41,33 +56,49 @@ def _norm(read: _Reader, name: str, size: int, offset: bool) -> Array:
 
 def gated_attention(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:
     h, qs, kvs, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-    q_gate = read.required(p + "q", (2 * qs, h)).reshape(cfg.num_heads, 2, d, h)
-    qkv = _cat([q_gate[:, 0], read.required(p + "k", (kvs, h)), read.required(p + "v", (kvs, h))])
-    w = {"qkv": [qkv], "o_gate": _cat([q_gate[:, 1]]), "o": read.required(p + "o", (h, qs))}
+    q_gate = read.required(p + "q", (2 * qs, h))
+
+    def half(which: int) -> Weight:
+        return _rows(q_gate, lambda x: x.reshape(cfg.num_heads, 2, d, x.shape[-1])[:, which])
+
+    qkv = _join([half(0), read.required(p + "k", (kvs, h)), read.required(p + "v", (kvs, h))])
+    w = {"qkv": qkv, "o_gate": half(1), "o": read.required(p + "o", (h, qs))}
     if cfg.qk_norm == "head":
         w["q_norm"] = _norm(read, p + "q_norm", d, cfg.norm_offset)
         w["k_norm"] = _norm(read, p + "k_norm", d, cfg.norm_offset)
     return w
 
 
-def _gdn_projection(read: _Reader, cfg: ModelConfig, p: str) -> Array:
-    """[q | k | v | z | b | a] rows of the GDN input projection, as one matrix."""
+def _gdn_projection(read: _Reader, cfg: ModelConfig, p: str) -> list[Weight]:
+    """[q | k | v | z | b | a] rows of the GDN input projection, joined where the parts allow.
+
+    q, k, v, z come as gdn.qkv + gdn.z, or as gdn.qkvz (qwen3_next's HF files and older GGUF
+    ones: per key head [q | k | v | z]); b, a as gdn.b + gdn.a, or as gdn.ba (qwen3_next: per
+    key head [b | a])."""
     lin, h = cfg.linear, cfg.hidden_size
+    hk, dk, r = lin.num_k_heads, lin.head_k_dim, lin.num_v_heads // lin.num_k_heads
+    group_v = lin.value_dim // hk          # the value columns that share one key head
+
+    def per_key_head(weight: Weight, width: int, start: int, stop: int) -> Weight:
+        return _rows(weight, lambda x: x.reshape(hk, width, x.shape[-1])[:, start:stop])
+
     fused = read.src.get(p + "gdn.qkvz")
     if fused is None:
-        return _cat([read.required(p + "gdn.qkv", (lin.conv_dim, h)),
-                     read.required(p + "gdn.z", (lin.value_dim, h)),
-                     read.required(p + "gdn.b", (lin.num_v_heads, h)),
-                     read.required(p + "gdn.a", (lin.num_v_heads, h))])
-    hk, dk = lin.num_k_heads, lin.head_k_dim
-    group_v = lin.value_dim // hk          # the value columns that share one key head
-    r = lin.num_v_heads // hk
-    qkvz = read.check(p + "gdn.qkvz", fused, (lin.conv_dim + lin.value_dim, h))
-    qkvz = qkvz.reshape(hk, 2 * dk + 2 * group_v, h)
-    ba = read.required(p + "gdn.ba", (2 * lin.num_v_heads, h)).reshape(hk, 2 * r, h)
-    bounds = [0, dk, 2 * dk, 2 * dk + group_v, 2 * dk + 2 * group_v]
-    q, k, v, z = (qkvz[:, a:b] for a, b in zip(bounds, bounds[1:]))
-    return _cat([q, k, v, z, ba[:, :r], ba[:, r:]])
+        parts = [read.required(p + "gdn.qkv", (lin.conv_dim, h)),
+                 read.required(p + "gdn.z", (lin.value_dim, h))]
+    else:
+        qkvz = read.check(p + "gdn.qkvz", fused, (lin.conv_dim + lin.value_dim, h))
+        width = 2 * dk + 2 * group_v
+        bounds = [0, dk, 2 * dk, 2 * dk + group_v, width]
+        parts = [per_key_head(qkvz, width, a, b) for a, b in zip(bounds, bounds[1:])]
+    ba = read.src.get(p + "gdn.ba")
+    if ba is None:
+        parts += [read.required(p + "gdn.b", (lin.num_v_heads, h)),
+                  read.required(p + "gdn.a", (lin.num_v_heads, h))]
+    else:
+        ba = read.check(p + "gdn.ba", ba, (2 * lin.num_v_heads, h))
+        parts += [per_key_head(ba, 2 * r, 0, r), per_key_head(ba, 2 * r, r, 2 * r)]
+    return _join(parts)
 
 
 def gated_deltanet(read: _Reader, cfg: ModelConfig, p: str) -> LayerWeights:

@@ -35,7 +35,7 @@ class TensorSource(Protocol):
 # GGML block types the quantized kernels read: the CPU's quant_gemm, the GPU's gguf_gemm.
 # GGML type ids: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
 CPU_BLOCK_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
-GPU_BLOCK_TYPES = (2, 3, 8, 12, 13, 14)       # Q5_0 and Q5_1 are dequantized at load
+GPU_BLOCK_TYPES = CPU_BLOCK_TYPES
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,11 @@ class Placement:
 
     def keeps_experts(self, qtype: int) -> bool:
         """Whether stacked experts of GGML type `qtype` stay in their blocks here (read by the
-        CPU's moe_experts_quant, or by the GPU's moe_experts_gguf with bf16 activations).
-        Offloaded experts become floats: the expert cache moves float slots. On a GPU only with
-        FREETOKEN_GGUF_GPU_EXPERTS=1: that path does not pass its GPU tests yet."""
+        CPU's moe_experts_quant, or on a GPU by moe_experts_gguf and the decode kernels of
+        moe_decode_quant.py). Offloaded experts become floats: the expert cache moves float
+        slots."""
         if self.experts is not None:
             return False
-        if not self.arrays.device.is_cpu:
-            from freetoken import env
-
-            if not env.read().gguf_gpu_experts:
-                return False
         return self.keeps(qtype)
 
     def keeps(self, qtype: int) -> bool:
@@ -106,6 +101,16 @@ def dequantize(weight: QuantWeight) -> np.ndarray:
     return values.reshape(weight.shape)
 
 
+def gpu_rows(data: np.ndarray) -> np.ndarray:
+    """GGUF rows as the GPU kernels read them: each row's blocks padded with zeros to whole
+    16-byte words (Q6_K rows of 3 blocks are 630 bytes), so every row starts aligned for the
+    kernels' 16-byte loads. The blocks themselves are the file's."""
+    pad = -data.shape[-1] % 16
+    if not pad:
+        return data
+    return np.pad(data, [(0, 0)] * (data.ndim - 1) + [(0, pad)])
+
+
 def _shape(weight: Weight) -> tuple[int, ...]:
     return tuple(weight.shape)
 
@@ -120,7 +125,7 @@ def _place(weight: Weight, where: Placement) -> Weight:
         if where.keeps(weight.qtype):
             if where.arrays.device.is_cpu:
                 return weight
-            return QuantWeight(weight.qtype, where.arrays.place(weight.data, "uint8"),
+            return QuantWeight(weight.qtype, where.arrays.place(gpu_rows(weight.data), "uint8"),
                                weight.shape)
         weight = dequantize(weight)
     return where.arrays.place(weight, where.dtype)

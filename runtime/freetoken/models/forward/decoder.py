@@ -16,8 +16,9 @@ from freetoken.kernel import ops
 from freetoken.models.batch import Array, ForwardBatch, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
-from freetoken.models.forward import fused_decode, moe_decode
+from freetoken.models.forward import dequant, fused_decode, moe_decode
 from freetoken.models.forward.attention import AttentionBlock
+from freetoken.models.forward.dequant import DequantScratch
 from freetoken.models.forward.deepstack import add_deepstack, deepstack_levels, write_embeds
 from freetoken.models.forward.gdn import GatedDeltaNetBlock
 from freetoken.models.forward.linear import make_linear
@@ -118,6 +119,12 @@ class Decoder:
         self._lm_head = make_linear(weights.lm_head)
         self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == "float32"
         self._workspace = Workspace(config, dtype, arrays)
+        self._dequant = None
+        where = str(getattr(arrays, "torch_device", "cpu"))
+        if where.startswith("cuda") and _has_blocks(weights):
+            # prefill products over GGUF blocks go through one bf16 scratch (dequant.py)
+            self._dequant = DequantScratch.for_device(where)
+            self._dequant.reserve(dequant.scratch_elements(config))
         if self.device.is_cpu:
             _apply_kernel_threads()
 
@@ -200,6 +207,8 @@ class Decoder:
     def reserve(self, max_tokens: int) -> None:
         """Preallocate work buffers for steps of up to `max_tokens` tokens."""
         self._workspace.reserve(max_tokens)
+        if self._dequant is not None and max_tokens > dequant.MIN_TOKENS:
+            self._dequant.allocate()
 
     def _embed_into(self, out, ids) -> None:
         if isinstance(self._embed, QuantWeight):
@@ -247,6 +256,16 @@ def _soft_cap(logits, cap: float) -> None:
         return
     np.tanh(logits / cap, out=logits)
     logits *= cap
+
+
+def _has_blocks(weights: DecoderWeights) -> bool:
+    """Whether any layer weight is GGUF blocks (a fused entry may be a list of row parts)."""
+    for lw in weights.layers:
+        for value in lw.values():
+            parts = value if isinstance(value, list) else [value]
+            if any(isinstance(p, QuantWeight) for p in parts):
+                return True
+    return False
 
 
 def _apply_kernel_threads() -> None:

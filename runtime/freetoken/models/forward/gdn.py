@@ -4,7 +4,8 @@ One input projection gives [q k v | z | b a]; q, k, v go through the short causa
 and the gated delta-rule recurrence (ops.gdn_conv1d, ops.gdn_recurrence: both read and update
 the sequence's recurrent-state slot); the result is RMS-normed per value head times silu(z)
 (ops.rms_norm_gated) and projected back (out_proj), then the fused residual-add +
-post-attention norm.
+post-attention norm. Value heads are grouped by key head throughout; an out projection whose
+columns take them tiled (LinearAttentionConfig.tiled_value_heads) gets its input reordered.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class GatedDeltaNetBlock:
         self.norm = arg(w["gdn.norm"])
         self.post_norm = arg(w["post_norm"])
         self.eps = cfg.rms_norm_eps
+        self.tiled = cfg.linear.tiled_value_heads
 
     def forward(self, x: Array, w: WorkViews, batch: ForwardBatch, conv_state: Array,
                 ssm_state: Array, block_size: int) -> None:
@@ -52,4 +54,10 @@ class GatedDeltaNetBlock:
                        batch.query_start_loc, batch.state_slots)
         ops.gdn_recurrence(w.gdn_core, w.gdn_conv, w.gdn_ba, self.a_log, self.dt_bias, ssm_state,
                            batch.positions, batch.query_start_loc, batch.state_slots)
-        ops.rms_norm_gated(w.gdn_core, w.gdn_core, w.gdn_z, self.norm, self.eps)
+        if not self.tiled:
+            ops.rms_norm_gated(w.gdn_core, w.gdn_core, w.gdn_z, self.norm, self.eps)
+            return
+        # the out projection takes the value heads tiled (llama.cpp's qwen35 files): norm
+        # aside, then reorder into gdn_core
+        ops.rms_norm_gated(w.gdn_grouped, w.gdn_core, w.gdn_z, self.norm, self.eps)
+        w.tile_value_heads()

@@ -11,7 +11,8 @@ import numpy as np
 
 from freetoken.arrays import HostArrays, array_view, is_torch
 from freetoken.models.config import QuantWeight
-from freetoken.models.forward import quant_gemv
+from freetoken.models.forward import dequant, quant_gemv
+from freetoken.models.forward.dequant import DequantScratch
 from freetoken.models.quant.scaled import ScaledWeight
 from freetoken.models.checkpoint.weights import Array, Weight
 
@@ -108,22 +109,29 @@ def _bf16_vector(t) -> bool:
 
 
 class QuantLinear:
-    """out[T, N] = x[T, K] @ dequant(W).T (+ bias) on GGUF blocks, never dequantized: f32 on the
-    CPU (quant_matmul, or quant_matmul_packed over a copy repacked at load: packs_on_cpu); bf16 x
-    and a bf16 or f32 out on a GPU (gguf_matmul, which also writes into a column slice of a
-    wider out: ``strided_out``)."""
+    """out[T, N] = x[T, K] @ dequant(W).T (+ bias) on GGUF blocks, never dequantized at load: f32
+    on the CPU (quant_matmul, or quant_matmul_packed over a copy repacked at load:
+    packs_on_cpu); bf16 x and a bf16 or f32 out on a GPU, which may be a column slice of a wider
+    out (``strided_out``): gguf_gemv_q8 at 1-2 tokens, gguf_gemv at 3-4, the float GEMM over
+    the weight dequantized into the device's scratch above (dequant.py), gguf_matmul where the
+    scratch does not hold it."""
 
     def __init__(self, weight: QuantWeight, bias: Array | None = None):
         from freetoken.kernel import ops
 
         self.strided_out = is_torch(weight.data)
         self.packed = False
-        self._gemv = self._q8 = None
+        self._gemv = self._q8 = self._scratch = None
         if self.strided_out:
             self._matmul = ops.bind("gguf_matmul", weight.data.device)
             self._gemv = quant_gemv.gguf_decode(weight.qtype, weight.data)
             self._q8 = quant_gemv.q8_decode(weight.qtype, weight.shape[1], weight.data)
             self.data = weight.data
+            if weight.data.device.type == "cuda" and len(weight.shape) == 2:
+                # prefill steps dequantize into the device's shared scratch where it holds
+                # the weight (dequant.py; the decoder sizes it)
+                self._scratch = DequantScratch.for_device(weight.data.device)
+                self._dequantize = ops.bind("gguf_dequantize", weight.data.device)
         elif packs_on_cpu(weight.qtype, weight.shape[0]):
             self._matmul = ops.bind("quant_matmul_packed", "cpu")
             self.packed = True
@@ -148,7 +156,10 @@ class QuantLinear:
             if self._q8_bias is None and self.bias is not None:
                 array_view(out)[...] += self.bias
             return
-        if self._gemv is not None and tokens <= quant_gemv.GEMV_MAX_TOKENS:
+        if (self._scratch is not None and tokens > dequant.MIN_TOKENS
+                and self._scratch.holds(self.out_features * self.in_features)):
+            dequant.dense_product(out, x, self.data, self.qtype, self._scratch, self._dequantize)
+        elif self._gemv is not None and tokens <= quant_gemv.GEMV_MAX_TOKENS:
             self._gemv(out, x, self.data, self.qtype, quant_gemv.gguf_rows(self.qtype, tokens))
         else:
             self._matmul(out, x, self.data, self.qtype)

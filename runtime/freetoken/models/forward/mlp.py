@@ -18,6 +18,7 @@ from freetoken.arrays import HostArrays, TorchArrays, array_view, is_torch
 from freetoken.models.batch import Array
 from freetoken.models.checkpoint.weights import LayerWeights, Weight
 from freetoken.models.config import ModelConfig, QuantWeight
+from freetoken.models.forward.dequant import ExpertChunks
 from freetoken.models.forward.linear import make_linear, packed_copy, packs_on_cpu
 from freetoken.models.forward.workspace import WorkViews
 from freetoken.models.quant.scaled import ScaledWeight
@@ -82,6 +83,10 @@ class MoEMLP:
         elif self.qtypes:
             self.experts_quant = (kernels.moe_experts_quant if arrays.device.is_cpu
                                   else kernels.moe_experts_gguf)
+        # GPU prefill steps: the experts dequantized a chunk at a time (dequant.py)
+        self.prefill = None
+        if self.qtypes and getattr(w13, "is_cuda", False):
+            self.prefill = ExpertChunks(self.w13, self.w2, self.qtypes, w13.device)
         # every expert resident: slot e holds expert e (an offload cache remaps this later)
         self.expert_map = arg(arrays.index(np.arange(moe.num_experts, dtype=np.int32)))
         # Expert offload replaces the experts call: offload(out, x, topk_ids, topk_weights,
@@ -105,6 +110,8 @@ class MoEMLP:
             self.offload(out, x, w.topk_ids, w.topk_weights, w.moe_workspace)
         elif self.scaled is not None:
             self.scaled(out, x, w.topk_ids, w.topk_weights, self.expert_map, w.moe_workspace)
+        elif self.prefill is not None and self.prefill.applies(x.shape[0]):
+            self.prefill(out, x, w.topk_ids, w.topk_weights, self.expert_map, w.moe_workspace)
         elif self.qtypes:
             self.experts_quant(out, x, self.w13, self.w2, *self.qtypes, w.topk_ids,
                                w.topk_weights, self.expert_map, w.moe_workspace)
@@ -112,10 +119,15 @@ class MoEMLP:
             ops.moe_experts(out, x, self.w13, self.w2, w.topk_ids, w.topk_weights,
                             self.expert_map, w.moe_workspace)
         if self.shared is not None:
-            self.shared.into(w.shared_out, x, w.shared_gate_up, w.shared_act)
-            self.shared_gate(w.shared_gate, x)
-            _add_gated(array_view(out), array_view(w.shared_out), array_view(w.shared_gate))
+            self.add_shared(out, x, w)
         return out
+
+    def add_shared(self, out: Array, x: Array, w: WorkViews) -> None:
+        """out += sigmoid(x @ shared_gate) * shared_mlp(x): the shared expert of qwen2_moe and
+        the hybrid models, beside the routed ones."""
+        self.shared.into(w.shared_out, x, w.shared_gate_up, w.shared_act)
+        self.shared_gate(w.shared_gate, x)
+        _add_gated(array_view(out), array_view(w.shared_out), array_view(w.shared_gate))
 
     def decode_applies(self, tokens: int) -> bool:
         """Whether a step of `tokens` tokens takes the small-step decode kernels."""

@@ -61,7 +61,7 @@ def _plain(t) -> bool:
             and t.shape[-1] % 8 == 0)
 
 
-def _matrix(weight):
+def one_matrix(weight):
     """The one matrix of a fused entry (the loader stores fused rows as a list of parts)."""
     if isinstance(weight, list):
         return weight[0] if len(weight) == 1 else None
@@ -81,9 +81,9 @@ def eligible(cfg: ModelConfig, mlp: MoEMLP, w: LayerWeights, dtype: str, device)
         return False
     if moe.num_experts > MAX_EXPERTS:
         return False
-    weights = [mlp.w13, mlp.w2, _matrix(w["router"])]
+    weights = [mlp.w13, mlp.w2, one_matrix(w["router"])]
     if mlp.shared is not None:
-        weights += [_matrix(w["shared.gate_up"]), w["shared.down"]]
+        weights += [one_matrix(w["shared.gate_up"]), w["shared.down"]]
         if w.get("shared_gate") is not None:
             weights.append(w["shared_gate"])
     if not all(x is not None and _plain(x) for x in weights):
@@ -114,14 +114,14 @@ class MoEDecode:
             ("decode_gemv", "moe_topk_softmax", "moe_decode_gate_up", "moe_decode_down"))
         self.mlp = mlp
         self.max_tokens = max_tokens(mlp.w2.shape[-1])
-        self.router = _matrix(w["router"])
+        self.router = one_matrix(w["router"])
         self.renormalize = cfg.moe.renormalize
         self.group = router_group(self.router.shape[0], cfg.hidden_size, sms)
         # decode_gemv writes 16-byte aligned rows: 60 experts (Qwen1.5-MoE) take the mm
         self.gemv_router = self.router.shape[0] % 8 == 0
         self.shared_w13 = self.shared_w2 = self.gate_w = None
         if mlp.shared is not None:
-            self.shared_w13, self.shared_w2 = _matrix(w["shared.gate_up"]), w["shared.down"]
+            self.shared_w13, self.shared_w2 = one_matrix(w["shared.gate_up"]), w["shared.down"]
             gate = w.get("shared_gate")
             if gate is not None:
                 self.gate_w = gate.reshape(1, -1) if gate.dim() == 1 else gate
@@ -145,15 +145,23 @@ class MoEDecode:
 
 
 def attach(layers: list, weights: list, cfg: ModelConfig, dtype: str, arrays) -> int:
-    """Give every eligible MoE layer of a decoder its MoEDecode (layer.mlp.decode); returns how
+    """Give every eligible MoE layer of a decoder its small-step decode (layer.mlp.decode):
+    MoEDecode over float experts, moe_decode_quant.QuantMoEDecode over GGUF ones; returns how
     many got one. Only arrays on a real GPU qualify (host tensors may stand in for a GPU
     placement in tests)."""
+    from freetoken.models.forward import moe_decode_quant
     from freetoken.models.forward.mlp import MoEMLP
 
-    moe_layers = [(layer.mlp, lw) for layer, lw in zip(layers, weights)
-                  if isinstance(layer.mlp, MoEMLP)
-                  and eligible(cfg, layer.mlp, lw, dtype, arrays.device)]
-    if not moe_layers:
+    kinds = []
+    for layer, lw in zip(layers, weights):
+        mlp = layer.mlp
+        if not isinstance(mlp, MoEMLP):
+            continue
+        if eligible(cfg, mlp, lw, dtype, arrays.device):
+            kinds.append((mlp, lw, MoEDecode))
+        elif moe_decode_quant.eligible(cfg, mlp, dtype, arrays.device):
+            kinds.append((mlp, lw, moe_decode_quant.QuantMoEDecode))
+    if not kinds:
         return 0
     import torch
 
@@ -161,6 +169,6 @@ def attach(layers: list, weights: list, cfg: ModelConfig, dtype: str, arrays) ->
     if where.type != "cuda":
         return 0
     sms = torch.cuda.get_device_properties(where).multi_processor_count
-    for mlp, lw in moe_layers:
-        mlp.decode = MoEDecode(mlp, lw, cfg, sms, arrays.device)
-    return len(moe_layers)
+    for mlp, lw, kind in kinds:
+        mlp.decode = kind(mlp, lw, cfg, sms, arrays.device)
+    return len(kinds)

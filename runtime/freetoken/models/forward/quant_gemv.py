@@ -16,9 +16,10 @@ from freetoken import env
 
 GEMV_MAX_TOKENS = 8                 # kernels/cuda/quant_gemv.cu kMaxTokens
 Q8_MAX_TOKENS = 2                   # kernels/cuda/gguf_gemv_q8.cu kMaxTokens
-# The types gguf_gemv_q8 reads, (weights, bytes) per block: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
-Q8_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
-             14: (256, 210)}
+# The types gguf_gemv_q8 reads, (weights, bytes) per block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+# Q4_K, Q5_K, Q6_K
+Q8_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
+             13: (256, 176), 14: (256, 210)}
 Q8_STORE, Q8_ADD, Q8_SWIGLU = 0, 1, 2   # its modes (epilogues)
 
 
@@ -26,7 +27,7 @@ def q8_capacity(qtype: int) -> int:
     """int8 x values (T * K) a block of gguf_gemv_q8 stages: kXCapacity for Q4_K (read straight
     from memory), kStagedCapacity for the types it stages through shared memory."""
     return 32768 if qtype == 12 else 24576
-GGUF_TYPES = (2, 8, 12, 14)         # Q4_0, Q8_0, Q4_K, Q6_K: the types gguf_gemv reads
+GGUF_TYPES = (2, 6, 7, 8, 12, 14)   # Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K: what gguf_gemv reads
 FP8 = 0                             # scaled_gemv's format id for FP8 e4m3
 # Weight rows per warp at a 1-token step (0: the kernel's own rule, 1 at one token, 2 above),
 # the fastest summed over the Qwen3-8B projections in benchmarks/quant_gemv_sweep.py on an H200.
@@ -50,13 +51,14 @@ def gguf_reads(qtype: int, row_bytes: int) -> bool:
 
 
 def q8_reads(qtype: int, cols: int, tokens: int = Q8_MAX_TOKENS) -> bool:
-    """gguf_gemv_q8 reads this weight at steps of up to `tokens` tokens: one of its types, rows
-    of whole 16-byte words, x within its staging."""
+    """gguf_gemv_q8 reads this weight at steps of up to `tokens` tokens: one of its types, x
+    within its staging (rows of whole blocks; the GPU pads each row to 16-byte words,
+    weights.gpu_rows)."""
     if qtype not in Q8_BLOCKS:
         return False
-    weights, nbytes = Q8_BLOCKS[qtype]
-    return (cols % weights == 0 and cols // weights * nbytes % 16 == 0
-            and tokens <= Q8_MAX_TOKENS and tokens * cols <= q8_capacity(qtype))
+    weights, _ = Q8_BLOCKS[qtype]
+    return (cols % weights == 0 and tokens <= Q8_MAX_TOKENS
+            and tokens * cols <= q8_capacity(qtype))
 
 
 def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:
@@ -84,7 +86,8 @@ def gguf_decode(qtype: int, data: Any) -> Callable | None:
 def q8_decode(qtype: int, cols: int, data: Any) -> Callable | None:
     """gguf_gemv_q8 bound to data's device when v3 is selected and reads the weight (at one
     token at least), else None."""
-    return _bind("gguf_gemv_q8", data.device, ("v3",)) if q8_reads(qtype, cols, 1) else None
+    reads = q8_reads(qtype, cols, 1) and data.shape[1] % 16 == 0   # rows padded to words
+    return _bind("gguf_gemv_q8", data.device, ("v3",)) if reads else None
 
 
 def fp8_decode(fmt: int, block: tuple[int, int], data: Any) -> Callable | None:

@@ -29,7 +29,8 @@ class WorkViews:
     shared_gate_up [T, 2Is], shared_act [T, Is], shared_out [T, hidden], shared_gate [T, 1].
     Hybrid models add attn_gate [T, Hq*D] (the attention output gate) and, for their GDN
     layers, gdn_in [T, projection] (column views gdn_qkv, gdn_z, gdn_ba: the conv's input, the
-    output gate, the decay inputs), gdn_conv [T, conv channels], gdn_core [T, Hv*dv].
+    output gate, the decay inputs), gdn_conv [T, conv channels], gdn_core [T, Hv*dv] (and,
+    where the out projection takes value heads tiled, gdn_grouped and tile_value_heads()).
     Every public field is a kernel argument (``arrays.kernel_arg``); ``split_qkv`` copies
     between the arrays it kept aside.
     """
@@ -63,6 +64,8 @@ class WorkViews:
             self.gdn_qkv = self.gdn_in[:, :c]
             self.gdn_z = self.gdn_in[:, c:c + vd]
             self.gdn_ba = self.gdn_in[:, c + vd:]
+            if cfg.linear.tiled_value_heads:
+                self._tile_views(cfg, t)
         for name, value in list(vars(self).items()):
             if name[0] != "_" and not callable(value):
                 setattr(self, name, arrays.kernel_arg(value))
@@ -75,6 +78,22 @@ class WorkViews:
     def _copy_qk(self) -> None:
         for dst, src in self._copies:
             dst[...] = src
+
+    def _tile_views(self, cfg: ModelConfig, t: int) -> None:
+        """gdn_grouped [T, Hv*dv]: the GDN output in grouped head order, in gdn_conv's columns
+        (free once the recurrence has read them); tile_value_heads() copies it into gdn_core
+        with the heads tiled: gdn_core[:, i, g] = gdn_grouped[:, g, i] over [T, r, Hk, dv]."""
+        lin = cfg.linear
+        hk, r, dv = lin.num_k_heads, lin.num_v_heads // lin.num_k_heads, lin.head_v_dim
+        self.gdn_grouped = self.gdn_conv[:, :lin.value_dim]
+        # views, never copies: the cached views must read the buffers as each step leaves them
+        self._tiling = (view_as(self.gdn_core, (t, r, hk, dv)),
+                        view_as(self.gdn_grouped, (t, hk, r, dv)).swapaxes(1, 2))
+        self.tile_value_heads = self._tile
+
+    def _tile(self) -> None:
+        dst, src = self._tiling
+        dst[...] = src
 
 
 def view_as(array, shape: tuple[int, ...]):

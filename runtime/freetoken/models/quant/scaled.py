@@ -50,8 +50,12 @@ def _ceil(a: int, b: int) -> int:
 def kernel_ready(weight: ScaledWeight) -> bool:
     """Whether the GPU kernels take this layout: 16 values share one scale (columns a
     multiple of 16, column blocks too unless one block spans the row)."""
-    cols, bk = weight.shape[-1], weight.block[1]
-    return cols % 16 == 0 and (bk % 16 == 0 or bk >= cols)
+    return takes_layout(weight.shape[-1], weight.block[1])
+
+
+def takes_layout(cols: int, block_cols: int) -> bool:
+    """kernel_ready for a weight of `cols` columns with a scale per `block_cols` of them."""
+    return cols % 16 == 0 and (block_cols % 16 == 0 or block_cols >= cols)
 
 
 def e2m1_to_float(packed):

@@ -16,6 +16,9 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5/3.6: Qwen2's split with combining marks (\p{M}) kept inside words
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (family, BPE ignore_merges)
 _PRE_FAMILIES = {
@@ -25,6 +28,7 @@ _PRE_FAMILIES = {
     "llama-bpe": ("llama3", True), "llama3": ("llama3", True), "llama-v3": ("llama3", True),
     "smaug-bpe": ("llama3", True), "dbrx": ("llama3", True), "falcon3": ("llama3", True),
     "qwen2": ("qwen2", False), "deepseek-r1-qwen": ("qwen2", False),
+    "qwen35": ("qwen35", False),
 }
 
 
@@ -37,7 +41,7 @@ def _pre_tokenizer(family: str):
         return pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    split = _LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT
+    split = {"llama3": _LLAMA3_SPLIT, "qwen35": _QWEN35_SPLIT}.get(family, _QWEN2_SPLIT)
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -62,7 +66,7 @@ def _byte_level_backend(meta: dict[str, Any], tokens: list[str], source: str):
     backend = Backend(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     backend.pre_tokenizer = _pre_tokenizer(family)
     backend.decoder = decoders.ByteLevel()
-    if family == "qwen2":
+    if family in ("qwen2", "qwen35"):
         backend.normalizer = normalizers.NFC()
     return backend
 

@@ -1,0 +1,152 @@
+"""Device bytes of a checkpoint's weights, from its tensor table alone (nothing is read or
+placed), so the memory plan can count each weight in the format it keeps on the device.
+
+A source that can tell offers ``stored(name) -> StoredTensor | None`` beside ``get`` (the GGUF
+reader from its tensor table, the HF reader from the safetensors headers); ``weight_bytes``
+then applies the placement rules of weights.py to each tensor:
+
+- GGUF blocks the device's kernels read (``Placement.keeps``) count at their file bytes (on a
+  GPU each row padded to whole 16-byte words, as weights.gpu_rows places them); other block
+  types are dequantized at load and count at the activation dtype's bytes;
+- FP8/NVFP4 weights count at their values plus their scales where a GPU kernel takes their
+  layout, else (the CPU, an odd scale layout, an embedding) at the dtype's bytes;
+- float tensors count at the dtype's bytes;
+- routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
+  in their format only as a whole (``Placement.keeps_experts`` for GGUF), else become floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freetoken.models.checkpoint.weights import Placement
+from freetoken.models.config import ModelConfig
+from freetoken.models.quant.scaled import FORMATS, NVFP4
+from freetoken.models.registry import LAYER_PARTS
+
+FLOAT, GGUF = "float", "gguf"
+_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+_EXPERT_PARTS = ("experts.gate", "experts.up", "experts.down")
+# rope_freqs stays in host memory (the rope tables are built from it once)
+_GLOBALS = ("embed", "lm_head", "final_norm")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One canonical tensor as the checkpoint stores it, without its data."""
+
+    shape: tuple[int, ...]      # logical [..., rows, cols], as ``get`` would return it
+    kind: str                   # FLOAT, GGUF, or a scaled format (scaled.FP8, scaled.NVFP4)
+    nbytes: int                 # in its format: GGUF blocks; scaled: values + scales
+    qtype: int = -1             # GGML type id of a GGUF tensor
+    kernel_ready: bool = True   # scaled: the GPU kernels take its scale layout
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for n in self.shape:
+            count *= n
+        return count
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A model's weights on a device, in the bytes of the format each keeps there.
+
+    other: every weight but the routed experts. experts: the routed experts of every MoE
+    layer where they would stay resident beside the rest (None: the reader could not tell).
+    blocks: some layer weight stays in GGUF blocks (a GPU then plans prefill's dequantizing
+    scratch, forward/dequant.py)."""
+
+    other: int
+    experts: int | None
+    blocks: bool = False
+
+
+def weight_bytes(src, cfg: ModelConfig, where: Placement) -> WeightBytes | None:
+    """The weights of `cfg` from source `src` as `where` places them; None when the source
+    cannot describe its tensors (the plan then counts every parameter at the dtype)."""
+    stored = getattr(src, "stored", None)
+    if stored is None:
+        return None
+    seen: set[str] = set()
+    other = 0
+    names = [n for n in _GLOBALS if not (n == "lm_head" and cfg.tie_word_embeddings)]
+    names += [f"layers.{i}.{part}" for i in range(cfg.num_layers) for part in LAYER_PARTS
+              if not part.startswith("experts.")]
+    blocks = False
+    for name in names:
+        tensor = stored(name)
+        if tensor is None or src.file_name(name) in seen:  # absent, or two names of one tensor
+            continue
+        seen.add(src.file_name(name))
+        other += placed_bytes(tensor, where, lookup=name == "embed")
+        blocks |= (name.startswith("layers.") and tensor.kind == GGUF
+                   and where.keeps(tensor.qtype))
+    experts = _routed_expert_bytes(stored, cfg, where)
+    blocks |= cfg.moe is not None and any(
+        t is not None and t.kind == GGUF and where.keeps_experts(t.qtype)
+        for t in (stored(f"layers.{i}.experts.gate") for i in range(cfg.num_layers)))
+    return WeightBytes(other, experts, blocks)
+
+
+def _routed_expert_bytes(stored, cfg: ModelConfig, where: Placement) -> int | None:
+    if cfg.moe is None:
+        return 0
+    total = 0
+    for i in range(cfg.num_layers):
+        if not cfg.is_sparse(i):
+            continue
+        parts = [stored(f"layers.{i}.{part}") for part in _EXPERT_PARTS]
+        if None in parts:       # a layout this reader cannot describe: count at the dtype
+            return None
+        total += layer_expert_bytes(parts, where)
+    return total
+
+
+def placed_bytes(tensor: StoredTensor, where: Placement, lookup: bool = False) -> int:
+    """Bytes of one matrix (or vector) placed per weights._place; `lookup`: the embedding,
+    read by row, which a scaled checkpoint's embedding turns into floats for."""
+    if tensor.kind == GGUF and where.keeps(tensor.qtype):
+        return _block_bytes(tensor, where)
+    if tensor.kind in FORMATS and not lookup and tensor.kernel_ready and \
+            not where.arrays.device.is_cpu:
+        return tensor.nbytes
+    return tensor.numel * _ITEM[where.dtype]
+
+
+def layer_expert_bytes(parts: list[StoredTensor], where: Placement) -> int:
+    """One MoE layer's stacked experts [gate, up, down] as the reader places them: gate/up
+    (joined) and down each in their format when both keep one, else both floats."""
+    gate_up, down = _expert_kind(parts[:2], where), _expert_kind(parts[2:], where)
+    if gate_up != down:     # one kernel call takes both: one kind, else floats for both
+        gate_up = down = FLOAT
+    kinds = (gate_up, gate_up, down)
+    return sum(p.numel * _ITEM[where.dtype] if kind == FLOAT else
+               _block_bytes(p, where) if kind == GGUF else p.nbytes
+               for p, kind in zip(parts, kinds))
+
+
+def _block_bytes(tensor: StoredTensor, where: Placement) -> int:
+    """GGUF blocks as placed: the file's rows on the CPU; on a GPU each row padded with zeros
+    to whole 16-byte words (weights.gpu_rows: Q6_K rows of 3 blocks are 630 bytes, 640 there)."""
+    if where.arrays.device.is_cpu:
+        return tensor.nbytes
+    rows = tensor.numel // tensor.shape[-1]
+    row_bytes = tensor.nbytes // rows
+    return rows * (row_bytes + -row_bytes % 16)
+
+
+def _expert_kind(parts: list[StoredTensor], where: Placement) -> str:
+    """The kind stacked experts keep (mirrors _Reader.stacked): FP8 on a GPU with its kernel's
+    layout (NVFP4 experts are dequantized), GGUF blocks where keeps_experts says so, else
+    floats; offloaded experts are floats (the expert cache moves float slots)."""
+    first = parts[0]
+    if all(p.kind == first.kind for p in parts) and first.kind in FORMATS and \
+            first.kind != NVFP4 and all(p.kernel_ready for p in parts) and \
+            not where.keeps_quantized and where.experts is None:
+        return first.kind
+    if all(p.kind == GGUF for p in parts) and len({p.qtype for p in parts}) == 1 and \
+            where.keeps_experts(first.qtype):
+        return GGUF
+    return FLOAT

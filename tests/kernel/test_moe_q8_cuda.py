@@ -1,0 +1,107 @@
+"""The MoE decode halves over GGUF experts (moe_q8_gate_up, moe_q8_down) on the GPU: against
+gguf's dequantized experts and the documented int8 activations (check_moe, the same check the
+CPU-thread run of these kernel bodies passes), with and without the programmatic launch, and
+replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel.test_gguf_gemv_q8_emulated import (EXPERT_MAP, MOE_CASES, TYPES, check_moe,
+                                                      moe_case)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16 = torch.bfloat16
+
+
+def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None):
+    dev = torch.device("cuda")
+    tokens, k = ids.shape
+    w13, w2 = torch.from_numpy(p13).to(dev), torch.from_numpy(p2).to(dev)
+    ids_d, wts_d = torch.from_numpy(ids).to(dev), torch.from_numpy(wts).to(dev)
+    emap = torch.from_numpy(EXPERT_MAP).to(dev)
+    inter = w13.shape[1] // 2
+    act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
+    xd = x.to(dev)
+    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, pdl)
+    ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, accumulate, pdl)
+    return act
+
+
+@pytest.mark.parametrize("q13,q2,h,inter", MOE_CASES,
+                         ids=[f"{TYPES[c[0]]}-{TYPES[c[1]]}-{c[2]}x{c[3]}" for c in MOE_CASES])
+@pytest.mark.parametrize("tokens", (1, 2, 3))
+@pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
+@pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
+def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accumulate, pdl):
+    from freetoken.kernel import ops
+
+    x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
+    whole = torch.randn(tokens, h + 8, generator=torch.Generator().manual_seed(h)).to(BF16)
+    residual = whole[:, :h].clone()
+    whole = whole.cuda()
+    out = whole[:, :h]
+    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out)
+    torch.cuda.synchronize()
+    check_moe(act.cpu(), out.cpu(), x, b13, b2, q13, q2, ids, wts,
+              residual if accumulate else None)
+    assert torch.isfinite(whole[:, h:]).all()
+
+
+def test_moe_halves_replay_from_a_cuda_graph():
+    """Captured once (ids, weights and act on the device: no host sync), replayed on new
+    routes and inputs: the eager result of those."""
+    from freetoken.kernel import ops
+
+    q13, q2, h, inter = MOE_CASES[0]
+    x, p13, p2, _, _, ids, wts = moe_case(q13, q2, h, inter, 2)
+    dev = torch.device("cuda")
+    w13, w2 = torch.from_numpy(p13).to(dev), torch.from_numpy(p2).to(dev)
+    emap = torch.from_numpy(EXPERT_MAP).to(dev)
+    ids_d, wts_d, x_d = (torch.from_numpy(ids).to(dev), torch.from_numpy(wts).to(dev),
+                         x.to(dev))
+    act = torch.empty(ids.size, inter, dtype=BF16, device=dev)
+    out = torch.empty(2, h, dtype=BF16, device=dev)
+
+    def step():
+        ops.moe_q8_gate_up(act, x_d, w13, q13, ids_d, emap, True)
+        ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, False, True)
+
+    step()                                        # load the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ids_d.copy_(ids_d.flip(0))                    # new routes, weights and inputs
+    wts_d.copy_(wts_d * 0.5)
+    x_d.copy_(-x_d)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    step()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out) and replayed.abs().max() > 0
+
+
+def test_moe_halves_refuse_bad_operands():
+    from freetoken.kernel import ops
+
+    q13, q2, h, inter = MOE_CASES[1]
+    x, p13, p2, _, _, ids, wts = moe_case(q13, q2, h, inter, 1)
+    dev = torch.device("cuda")
+    w13, w2 = torch.from_numpy(p13).to(dev), torch.from_numpy(p2).to(dev)
+    ids_d, wts_d = torch.from_numpy(ids).to(dev), torch.from_numpy(wts).to(dev)
+    emap = torch.from_numpy(EXPERT_MAP).to(dev)
+    act = torch.empty(3, inter, dtype=BF16, device=dev)
+    with pytest.raises(Exception, match="act must be"):
+        ops.moe_q8_gate_up(act[:2], x.to(dev), w13, q13, ids_d, emap)
+    with pytest.raises(Exception, match="w13 must be"):
+        ops.moe_q8_gate_up(act, x.to(dev), w13[:, :, :-16].contiguous(), q13, ids_d, emap)
+    out = torch.empty(1, h, dtype=BF16, device=dev)
+    with pytest.raises(Exception, match="topk_weights"):
+        ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d[:, :2].contiguous(), emap)
+    with pytest.raises(Exception, match="GGUF|qtype"):
+        ops.moe_q8_down(out, act, w2, 9, ids_d, wts_d, emap)
