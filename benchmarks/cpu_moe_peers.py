@@ -4,7 +4,7 @@
 
 Random weights of a small Qwen3-MoE shape (hidden 512, 8 layers, 32 experts, 4 per token,
 expert width 256) are saved as an HF folder and converted by llama.cpp's own converter
-(../shared/peers/llama-cpp-cuda, staged on first use), so both engines read one file in
+(benchmarks/llama_cpp_cuda: its sources staged on first use), so both engines read one file in
 llama.cpp's MoE layout. FreeToken runs in-process through the engine (`ft bench`'s code,
 batch 1); llama-bench comes from benchmarks/build_llama_cpp.sh, flash attention on. Rounds are
 interleaved; min/median/max are printed.
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,9 +31,6 @@ SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_inte
              num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=1000000.0,
              max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6)
-PEERS = REPO.parent / "shared" / "peers" / "llama-cpp-cuda"
-STAGED = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-          / "freetoken-bench" / "llama-cpp-peer")
 
 
 def make_gguf(directory: Path, outtype: str) -> Path:
@@ -45,13 +41,13 @@ def make_gguf(directory: Path, outtype: str) -> Path:
     config = transformers.Qwen3MoeConfig(**SHAPE, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).eval().save_pretrained(directory / "hf")
-    if not (STAGED / "to_gguf.py").is_file():
-        subprocess.run(["bash", str(PEERS / "prepare.sh"), str(STAGED)], check=True)
-    out = directory / f"moe-{outtype}.gguf"
-    env = {**os.environ, "LCPP_HOME": str(STAGED / "src")}
-    subprocess.run([sys.executable, str(STAGED / "to_gguf.py"), str(directory / "hf"), str(out),
-                    outtype], check=True, env=env, stdout=subprocess.DEVNULL)
-    return out
+    from benchmarks.llama_cpp_cuda import paths
+    from benchmarks.llama_cpp_cuda.convert import convert
+    from benchmarks.llama_cpp_cuda.stage import stage
+
+    if not (paths.staged_dir() / paths.SOURCES).is_file():
+        stage(paths.staged_dir())
+    return convert(directory / "hf", directory / f"moe-{outtype}.gguf", outtype)
 
 
 def freetoken_round(gguf: Path, prompt: int, gen: int) -> dict:

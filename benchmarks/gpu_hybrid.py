@@ -127,7 +127,7 @@ def offloaded(folder: str, args, sizes: list[int], bandwidth: float) -> None:
     from freetoken.models.loader import load_model
 
     h2d = measure_h2d(torch, torch.device("cuda"), 1 << 30, repeats=5)
-    loaded = load_model(folder, device="cuda", plan=lambda cfg, dtype: True)
+    loaded = load_model(folder, device="cuda", plan=lambda cfg, dtype, weights: True)
     cfg = loaded.config
     config = EngineConfig(num_tokens=16384, max_num_seqs=max(sizes), device="cuda",
                           prefix_cache=False)

@@ -154,7 +154,7 @@ def freetoken_rows(folder: str, args, h2d: float) -> list[dict]:
     low = [r for r in rates if r < 1.0]
     if not low:
         return rows
-    loaded = load_model(folder, device="cuda", plan=lambda cfg, dtype: True)
+    loaded = load_model(folder, device="cuda", plan=lambda cfg, dtype, weights: True)
     decision = OffloadDecision(low[0], 16384, None, None, cpu=True)
     engine = Engine.from_loaded(loaded, config, decision).start()
     policy = engine.expert_cache.policy

@@ -1,22 +1,32 @@
-"""FreeToken beside llama.cpp's CUDA build on one GPU, same shapes, same random bf16 weights,
-with the batch-1 bandwidth ceiling measured in the same run.
+"""FreeToken beside llama.cpp's CUDA build on one GPU: same shapes, same weights, one run.
 
-    python benchmarks/gpu_vs_llamacpp.py [--shapes smollm2,qwen3-8b,qwen3-30b-a3b,...]
-        [--peer DIR] [--work DIR] [--engines freetoken,llama.cpp] [--results FILE] [--gen 128]
+Each row is set against the batch-1 bandwidth ceiling measured in the same run.
 
-Per shape (SmolLM2-135M; Qwen3-8B at 8 layers; Qwen3-30B-A3B at 12 layers in bf16 and Q4_K_M;
-Qwen3.6-35B-A3B at 8 layers, 6 Gated DeltaNet + 2 full attention): the random-weight
-HF folder is written once; FreeToken loads it through the engine (CUDA graphs) and gives decode
-tok/s at batch 1, 8 and 32, prefill tok/s at 512 and 2048 tokens, and the GPU time of one decode
-step (graph replay between CUDA events) beside the wall time per step. llama.cpp: the folder is
-converted by its own converter (`DIR/to_gguf.py`) and measured by `DIR/bench.py` (llama-bench and
-llama-batched-bench), the scripts of ../shared/peers/llama-cpp-cuda staged by its prepare.sh. The
-peer needs a finished llama.cpp build in $LCPP_HOME (default /root/llama.cpp-peer, made by
-DIR/build.sh, ~7 min): without one, its columns say so and FreeToken's still run. The Q4_K_M
-row needs that build for FreeToken too: both engines load the file `llama-quantize` wrote, and its
-ceiling is llama.cpp's own (bandwidth / bytes of that file one step reads). With --work and
---results the engines can run in separate calls of one GPU session (FreeToken while llama.cpp
-builds, then llama.cpp): folders are reused and the report pairs the figures.
+    python benchmarks/gpu_vs_llamacpp.py [--shapes smollm2,qwen3-8b,qwen3-8b-q4km,...]
+        [--peer DIR] [--work DIR] [--engines freetoken,llama.cpp] [--results FILE]
+        [--gen 128] [--wait-peer SECONDS]
+
+bf16 rows (SmolLM2-135M; Qwen3-8B at 8 layers; Qwen3-30B-A3B at 12 layers; Qwen3.6-35B-A3B at
+8 layers, 6 Gated DeltaNet + 2 full attention): the random-weight HF folder is written once;
+FreeToken loads it through the engine (CUDA graphs), llama.cpp the same folder converted by its
+own converter to bf16 GGUF. Ceiling = D2D bandwidth / the bytes one batch-1 step reads (the
+shape's formula, gpu_decode / gpu_moe / gpu_hybrid).
+
+Quantized rows (benchmarks/gpu_quant_rows.py): `<shape>-q4km` and `<shape>-q8_0` for the three
+Qwen shapes, both engines on the one GGUF llama-quantize made from the bf16 conversion;
+`<shape>-fp8` and `<shape>-nvfp4`, FreeToken only. Their ceiling comes from the file's own
+tensor table (benchmarks/step_bytes.py) plus the KV of the context.
+
+Measured per row: decode tok/s at batch 1, 8 and 32, prefill tok/s at 512 and 2048 tokens,
+FreeToken's GPU time of one decode step (graph replay between CUDA events) beside its wall time
+per step. A table of ratios (FreeToken / llama.cpp) and % of ceiling closes the run.
+
+llama.cpp comes from this repository's benchmarks/llama_cpp_cuda: the sources staged by
+`python -m benchmarks.llama_cpp_cuda stage` (--peer DIR, default .carry/llama-cpp) and a build
+in $LCPP_HOME (default ~/llama.cpp-peer) made by `... build` (~7-8 min; `--wait-peer S` waits
+for one started in the background). Without them llama.cpp's columns say why and FreeToken's
+still run (GGUF rows need llama-quantize for both). With --work and --results the engines can
+run in separate calls of one GPU session: files are reused and the report pairs the figures.
 """
 
 from __future__ import annotations
@@ -24,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,15 +46,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import gpu_decode, gpu_hybrid, gpu_moe  # noqa: E402
+from benchmarks import gpu_decode, gpu_hybrid, gpu_moe, gpu_quant_rows  # noqa: E402
 
-SHAPES = ("smollm2", "qwen3-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-q4km", "qwen3.6-35b-a3b")
-QUANTIZED = {"qwen3-30b-a3b-q4km": "Q4_K_M"}   # shape -> llama-quantize type of the bf16 folder
+BF16_SHAPES = ("smollm2", "qwen3-8b", "qwen3-30b-a3b", "qwen3.6-35b-a3b")
+SHAPES = BF16_SHAPES + tuple(gpu_quant_rows.ROWS)
 HYBRID_LAYERS = 8
 MOE_LAYERS = 12
 BATCHES = (1, 8, 32)
 PREFILLS = (512, 2048)
 PREFILL_REPS = 3   # timed prompts per length, after one warm-up (llama-bench: -r 3 after its own)
+_STEP_BYTES: dict[str, int] = {}   # bf16 shape -> step bytes of the folder built in this process
 
 
 def build_shape(name: str, directory: Path, context: int) -> int:
@@ -54,7 +64,7 @@ def build_shape(name: str, directory: Path, context: int) -> int:
     if name.startswith("qwen3-30b-a3b"):
         model = gpu_moe.build(directory, MOE_LAYERS)
         step = gpu_moe.bytes_per_token(model.config, context)
-    elif name == "qwen3.6-35b-a3b":
+    elif name.startswith("qwen3.6-35b-a3b"):
         model = gpu_hybrid.build(directory, HYBRID_LAYERS)
         step = gpu_hybrid.bytes_per_token(model.config, context)
     else:
@@ -81,14 +91,14 @@ def graph_step_ms(engine, size: int, reps: int = 50) -> float | None:
     return sorted(times)[len(times) // 2]
 
 
-def freetoken(folder: str, gen: int) -> dict:
+def freetoken(source: str, gen: int) -> dict:
     """Decode at each batch, prefill at each length, graph replay time; through the engine."""
     from freetoken.cli.bench import _batch
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import Engine
     from freetoken.models.loader import load_model
 
-    loaded = load_model(folder, device="cuda")
+    loaded = load_model(source, device="cuda")
     need = max(max(BATCHES) * (128 + gen), max(PREFILLS) + 16)
     config = EngineConfig(num_tokens=need + 256, max_num_seqs=max(BATCHES),
                           max_prefill_tokens=max(PREFILLS), device="cuda", prefix_cache=False)
@@ -115,102 +125,139 @@ def freetoken(folder: str, gen: int) -> dict:
     return out
 
 
-def peer_gguf(folder: Path, work: Path, peer: Path | None, quant: str | None) -> Path | str:
-    """The folder converted by llama.cpp's converter (and quantized when asked), or why not."""
-    home = Path(os.environ.get("LCPP_HOME", "/root/llama.cpp-peer"))
-    if peer is None or not (peer / "bench.py").is_file():
-        return "no peer scripts (pass --peer, the folder prepare.sh staged)"
-    if not (home / "build" / "bin" / "llama-bench").is_file():
-        return f"no llama.cpp build in {home} (run {peer}/build.sh, or set LCPP_HOME)"
-    gguf = work / f"{folder.name}.gguf"
-    extra = ["--no-mtp"] if folder.name.startswith("qwen3.6") else []
-    conv = subprocess.run([sys.executable, str(peer / "to_gguf.py"), str(folder), str(gguf),
-                           "bf16", *extra], capture_output=True, text=True)
-    if conv.returncode:
-        return f"to_gguf.py failed: {conv.stderr[-500:]}"
-    if quant is None:
-        return gguf
-    quantized = work / f"{folder.name}-{quant.lower()}.gguf"
-    run = subprocess.run([str(home / "build" / "bin" / "llama-quantize"), str(gguf),
-                          str(quantized), quant], capture_output=True, text=True)
-    gguf.unlink(missing_ok=True)
-    return quantized if run.returncode == 0 else f"llama-quantize failed: {run.stderr[-500:]}"
+class Peer:
+    """llama.cpp's availability for this run: the staged sources (--peer) and the build,
+    waited for once (--wait-peer) when one is running."""
+
+    def __init__(self, staged: Path | None, wait_s: float):
+        from benchmarks.llama_cpp_cuda import paths
+
+        self.staged, self.wait_s, self._checked = paths.staged_dir(staged), wait_s, False
+
+    def reason(self) -> str | None:
+        """None when llama-bench is built, else why llama.cpp cannot run."""
+        from benchmarks.llama_cpp_cuda import build, paths
+
+        if not self._checked and self.wait_s > 0 and \
+                paths.read_state().get("status") == "building":
+            print(f"waiting up to {self.wait_s:.0f} s for the llama.cpp build ...", flush=True)
+            build.wait(self.wait_s)
+        self._checked = True
+        try:
+            paths.tool("llama-bench")
+        except paths.PeerUnavailable as exc:
+            return str(exc)
+        return None
 
 
-def llamacpp(gguf: Path, peer: Path) -> dict:
-    """llama.cpp's figures for the GGUF file, or {"skipped": why}."""
-    run = subprocess.run([sys.executable, str(peer / "bench.py"), str(gguf), "--batched"],
-                         capture_output=True, text=True)
-    if run.returncode:
-        return {"skipped": f"bench.py failed: {run.stderr[-500:]}"}
-    out = {}
-    for line in run.stdout.splitlines():
-        d = json.loads(line) if line.startswith("{") else {}
-        if "ceiling_tok_s" in d:
-            out["ceiling"] = d["ceiling_tok_s"]
-        what = d.get("what", "")
-        if what.startswith("prefill"):
-            out[what.removesuffix("_tok_s")] = d["value"]
-        elif what == "decode_bs1_tok_s":
-            out["decode_bs1"] = d["value"]
-        elif what.endswith("_aggregate_tok_s") and what != "decode_bs1_aggregate_tok_s":
-            out[what.removesuffix("_aggregate_tok_s")] = d["value"]
-    return out
+def llamacpp_bf16(folder: Path, work: Path, peer: Peer, keep: bool = False) -> dict:
+    """llama.cpp's figures on the folder converted to bf16 GGUF, or {"skipped": why}. `keep`:
+    leave the GGUF for a quantized row of the same shape later in the run."""
+    from benchmarks.llama_cpp_cuda import paths
+    from benchmarks.llama_cpp_cuda.convert import convert
+
+    if why := peer.reason():
+        return {"skipped": why}
+    gguf = work / f"{folder.name}.bf16.gguf"
+    try:
+        if not gguf.is_file():
+            convert(folder, gguf, "bf16", peer.staged)
+        figures = gpu_quant_rows.llamacpp_row(gguf)
+    except (paths.PeerUnavailable, RuntimeError) as exc:
+        return {"skipped": str(exc)}
+    finally:
+        if not keep:
+            gguf.unlink(missing_ok=True)
+    return figures
 
 
 def _cell(v, fmt="{:.1f}") -> str:
     return f"{'-' if v is None else fmt.format(v):>12}"
 
 
-def report(name: str, ours: dict, peer: dict, ceiling: float) -> None:
-    print(f"\n== {name} ==  batch-1 ceiling {ceiling:.0f} tok/s (D2D bandwidth / step bytes)"
-          + (f"; llama.cpp's own ceiling of its GGUF: {peer['ceiling']:.0f}" if "ceiling" in peer
-             else ""))
-    print(f"FreeToken decode steps of up to 4 tokens: "
-          f"{'fused kernels' if ours.get('fused_decode') else 'unfused chain'}")
+def report(name: str, entry: dict) -> None:
+    ours = entry.get("freetoken", {"skipped": "not measured"})
+    peer = entry.get("llama.cpp", {"skipped": "not measured"})
+    ceiling = entry["ceiling_tok_s"]
+    how = (f"D2D bandwidth / {entry['step_bytes'] / 1e9:.3f} GB, the file's step bytes + KV"
+           if "step_bytes" in entry else "D2D bandwidth / step bytes")
+    print(f"\n== {name} ==  batch-1 ceiling {ceiling:.0f} tok/s ({how})")
+    if "skipped" in ours:
+        print(f"FreeToken: skipped: {ours['skipped']}")
+    else:
+        print(f"FreeToken decode steps of up to 4 tokens: "
+              f"{'fused kernels' if ours.get('fused_decode') else 'unfused chain'}")
     if "skipped" in peer:
         print(f"llama.cpp: skipped: {peer['skipped']}")
     print(f"{'':26}{'FreeToken':>12}{'llama.cpp':>12}{'ratio':>8}{'% ceiling':>11}")
     for key in [f"decode_bs{b}" for b in BATCHES] + [f"prefill{n}" for n in PREFILLS]:
         a, b = ours.get(key), peer.get(key)
         ratio = f"{a / b:8.2f}" if a and b else f"{'-':>8}"
-        pct = f"{100 * a / ceiling:10.0f}%" if key == "decode_bs1" else ""
+        pct = f"{100 * a / ceiling:10.0f}%" if key == "decode_bs1" and a else ""
         print(f"{key + ' (tok/s)':26}{_cell(a)}{_cell(b)}{ratio}{pct}")
     for b in BATCHES:
-        print(f"  one decode step, batch {b:>2}: GPU (graph replay) "
-              f"{_cell(ours.get(f'gpu_ms_bs{b}'), '{:.3f}')} ms, wall "
-              f"{_cell(ours.get(f'wall_ms_bs{b}'), '{:.3f}')} ms")
+        if ours.get(f"gpu_ms_bs{b}") is not None:
+            print(f"  one decode step, batch {b:>2}: GPU (graph replay) "
+                  f"{_cell(ours.get(f'gpu_ms_bs{b}'), '{:.3f}')} ms, wall "
+                  f"{_cell(ours.get(f'wall_ms_bs{b}'), '{:.3f}')} ms")
 
 
-def measure(name: str, folder: Path, work: Path, args, bandwidth: float, entry: dict) -> None:
-    """Fill `entry` with this shape's ceiling and each asked engine's figures. A folder (and a
-    quantized file) already in `work` is reused, so the engines may run in separate calls."""
-    if not (folder / "config.json").is_file() or "ceiling_tok_s" not in entry:
+def summary(results: dict, shapes: list[str]) -> None:
+    """One line per row: FreeToken's figure, its ratio to llama.cpp, % of the ceiling."""
+    keys = [f"decode_bs{b}" for b in BATCHES] + [f"prefill{n}" for n in PREFILLS]
+    print(f"\n{'row':24}{'ceiling':>9}{'bs1 % ceil FT/lc':>18}" +
+          "".join(f"{k.replace('decode_', ''):>17}" for k in keys))
+    for name in shapes:
+        entry = results.get(name, {})
+        ours, peer = entry.get("freetoken", {}), entry.get("llama.cpp", {})
+        ceiling = entry.get("ceiling_tok_s")
+        pct = [f"{100 * e['decode_bs1'] / ceiling:.0f}%" if ceiling and e.get("decode_bs1")
+               else "-" for e in (ours, peer)]
+        cells = []
+        for key in keys:
+            a, b = ours.get(key), peer.get(key)
+            cells.append(f"{a:.0f} ({a / b:.2f}x)" if a and b else f"{a:.0f}" if a else "-")
+        print(f"{name:24}{ceiling or 0:9.0f}{' / '.join(pct):>18}" +
+              "".join(f"{c:>17}" for c in cells))
+
+
+def measure(name: str, work: Path, args, bandwidth: float, entry: dict, later: list[str],
+            peer: Peer) -> None:
+    """Fill `entry` with this row's ceiling and each asked engine's figures. Files already in
+    `work` are reused, so the engines may run in separate calls."""
+    context = 128 + args.gen // 2
+
+    def build(base: str, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        entry["ceiling_tok_s"] = bandwidth / build_shape(name, folder, 128 + args.gen // 2)
-    quant = QUANTIZED.get(name)
-    gguf: Path | str = work / f"{folder.name}-{quant.lower()}.gguf" if quant else ""
-    if "llama.cpp" in args.engines or (quant and not Path(gguf).is_file()):
-        gguf = peer_gguf(folder, work, args.peer, quant)
-        if "llama.cpp" in args.engines:
-            entry["llama.cpp"] = (llamacpp(gguf, args.peer) if isinstance(gguf, Path)
-                                  else {"skipped": gguf})
-            if isinstance(gguf, Path) and not quant:
-                gguf.unlink(missing_ok=True)
-    if quant and "ceiling" in entry.get("llama.cpp", {}):
-        entry["ceiling_tok_s"] = entry["llama.cpp"]["ceiling"]   # the file's own step bytes
+        _STEP_BYTES[base] = build_shape(base, folder, context)
+
+    if name in gpu_quant_rows.ROWS:
+        gpu_quant_rows.measure_row(name, work, args, bandwidth, entry, later, build, freetoken,
+                                   peer.reason)
+        return
+    folder = work / name
+    if not (folder / "config.json").is_file() or \
+            ("ceiling_tok_s" not in entry and name not in _STEP_BYTES):
+        build(name, folder)
+    if "ceiling_tok_s" not in entry:
+        entry.update(ceiling_tok_s=bandwidth / _STEP_BYTES[name], bandwidth_Bps=bandwidth)
+    if "llama.cpp" in args.engines:
+        _, keep = gpu_quant_rows.needed_later(gpu_quant_rows.QuantRow(name, name, "bf16"),
+                                              later, work)
+        entry["llama.cpp"] = llamacpp_bf16(folder, work, peer, keep)
     if "freetoken" in args.engines:
-        if quant and not Path(gguf).is_file():
-            entry["freetoken"] = {"skipped": f"FreeToken loads llama-quantize's file: {gguf}"}
-        else:
-            entry["freetoken"] = freetoken(str(gguf if quant else folder), args.gen)
+        entry["freetoken"] = gpu_quant_rows.freetoken_row(folder, args.gen, freetoken)
 
 
-def main() -> None:
+def _parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(BF16_SHAPES),
+                   help=f"rows to run, comma-separated, of {','.join(SHAPES)}")
     p.add_argument("--peer", type=Path, default=None,
-                   help="folder with llama.cpp-cuda's to_gguf.py and bench.py (prepare.sh DEST)")
+                   help="the staged llama.cpp folder (python -m benchmarks.llama_cpp_cuda stage; "
+                        "default .carry/llama-cpp)")
+    p.add_argument("--wait-peer", type=float, default=0.0,
+                   help="seconds to wait for a llama.cpp build running in the background")
     p.add_argument("--work", type=Path, default=None,
                    help="folder for the models, kept and reused (default: a temp dir)")
     p.add_argument("--engines", default="freetoken,llama.cpp",
@@ -218,14 +265,21 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=None,
                    help="JSON file of figures, read first and updated: run the engines in two "
                         "calls of one session and the report puts them side by side")
+    p.add_argument("--keep-files", action="store_true",
+                   help="keep each quantized row's file in --work after both engines ran on it")
     p.add_argument("--gen", type=int, default=128)
     args = p.parse_args()
-    shapes = [s for s in args.shapes.split(",") if s]
-    if bad := [s for s in shapes if s not in SHAPES]:
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    if bad := [s for s in args.shapes if s not in SHAPES]:
         raise SystemExit(f"--shapes: unknown {', '.join(bad)}; known: {', '.join(SHAPES)}")
     args.engines = {e for e in args.engines.split(",") if e}
     if not args.engines or args.engines - {"freetoken", "llama.cpp"}:
         raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
+    return args
+
+
+def main() -> None:
+    args = _parse_args()
     results = {}
     if args.results is not None and args.results.is_file():
         try:
@@ -233,25 +287,31 @@ def main() -> None:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SystemExit(f"--results {args.results}: not this script's JSON ({exc}); "
                              f"pass a new file") from None
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
+    peer = Peer(args.peer, args.wait_peer)
     bandwidth, start = gpu_decode.d2d_bandwidth(), time.perf_counter()
     print(f"D2D bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = args.work or Path(tmp)
-        for name in shapes:
+        for i, name in enumerate(args.shapes):
             entry = results.setdefault(name, {})
-            measure(name, work / name, work, args, bandwidth, entry)
-            ours = entry.get("freetoken", {"skipped": "not measured"})
-            if "skipped" in ours:
-                print(f"\n== {name} == FreeToken skipped: {ours['skipped']}")
+            measure(name, work, args, bandwidth, entry, args.shapes[i + 1:], peer)
+            if "ceiling_tok_s" in entry:
+                report(name, entry)
             else:
-                report(name, ours, entry.get("llama.cpp", {"skipped": "not measured"}),
-                       entry["ceiling_tok_s"])
+                why = {e: entry.get(e, {}).get("skipped") for e in sorted(args.engines)}
+                print(f"\n== {name} == not measured: {why}")
             if args.results is not None:
+                args.results.parent.mkdir(parents=True, exist_ok=True)
                 args.results.write_text(json.dumps(results, default=str))
-            if args.work is None:
+            if args.work is None and name in BF16_SHAPES and name not in args.shapes[i + 1:] \
+                    and not any(gpu_quant_rows.ROWS[s].base == name for s in args.shapes[i + 1:]
+                                if s in gpu_quant_rows.ROWS):
                 subprocess.run(["rm", "-rf", str(work / name)], check=False)
+        summary(results, args.shapes)
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
-    print(json.dumps(results, default=str))
+    print(json.dumps({k: results[k] for k in args.shapes if k in results}, default=str))
 
 
 if __name__ == "__main__":

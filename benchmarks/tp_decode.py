@@ -5,10 +5,10 @@
 Per shape (the random bf16 folders of gpu_vs_llamacpp.py: Qwen3-8B at 8 layers, Qwen3-30B-A3B
 at 12 layers): FreeToken through the engine (CUDA graphs, NCCL all-reduces captured in them) at
 TP=1 on GPU 0 and TP=2 on GPUs 0,1, decode tok/s at batch 1 and 32 and prefill tok/s at 2048
-tokens; llama.cpp (`--peer`, the folder ../shared/peers/llama-cpp-cuda's prepare.sh staged, with
-a build in $LCPP_HOME) on the same folder converted to bf16 GGUF, with `-sm layer` and `-sm row`
-over both GPUs. Goal: TP=2 batch-1 decode >= 1.6x TP=1 on the 8B shape. With fewer than two
-GPUs it says so and exits 0.
+tokens; llama.cpp (benchmarks/llama_cpp_cuda: the sources `stage` packed, `--peer DIR`, default
+.carry/llama-cpp, and a build in $LCPP_HOME) on the same folder converted to bf16 GGUF, with
+`-sm layer` and `-sm row` over both GPUs. Goal: TP=2 batch-1 decode >= 1.6x TP=1 on the 8B
+shape. With fewer than two GPUs it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -70,17 +70,16 @@ def freetoken(folder: str, size: int, gen: int) -> dict:
 
 def llamacpp(folder: Path, work: Path, peer: Path | None) -> dict:
     """{split mode: figures} of llama.cpp over GPUs 0,1, or {"skipped": why}."""
-    home = Path(os.environ.get("LCPP_HOME", "/root/llama.cpp-peer"))
-    bench = home / "build" / "bin" / "llama-bench"
-    if peer is None or not (peer / "to_gguf.py").is_file():
-        return {"skipped": "no peer scripts (pass --peer, the folder prepare.sh staged)"}
-    if not bench.is_file():
-        return {"skipped": f"no llama.cpp build in {home} (run {peer}/build.sh)"}
+    from benchmarks.llama_cpp_cuda import paths
+    from benchmarks.llama_cpp_cuda.convert import convert
+
     gguf = work / f"{folder.name}.gguf"
-    conv = subprocess.run([sys.executable, str(peer / "to_gguf.py"), str(folder), str(gguf),
-                           "bf16"], capture_output=True, text=True)
-    if conv.returncode:
-        return {"skipped": f"to_gguf.py failed: {conv.stderr[-500:]}"}
+    try:
+        bench = paths.tool("llama-bench")
+        batched = paths.tool("llama-batched-bench")
+        convert(folder, gguf, "bf16", peer)
+    except (paths.PeerUnavailable, RuntimeError) as exc:
+        return {"skipped": str(exc)}
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
     out = {}
     for mode in ("layer", "row"):
@@ -92,7 +91,6 @@ def llamacpp(folder: Path, work: Path, peer: Path | None) -> dict:
             if line.startswith("{"):
                 d = json.loads(line)
                 figures["decode_bs1" if d["n_gen"] else f"prefill{PREFILL}"] = d["avg_ts"]
-        batched = home / "build" / "bin" / "llama-batched-bench"
         run_b = subprocess.run([str(batched), "-m", str(gguf), "-ngl", "99", "-fa", "on",
                                 "-sm", mode, "-c", "12288", "-npp", "128", "-ntg", "128",
                                 "-npl", "32"], capture_output=True, text=True, env=env)
@@ -126,7 +124,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {','.join(SHAPES)}")
     p.add_argument("--peer", type=Path, default=None,
-                   help="folder with llama.cpp-cuda's to_gguf.py (prepare.sh DEST)")
+                   help="the staged llama.cpp folder (python -m benchmarks.llama_cpp_cuda stage; "
+                        "default .carry/llama-cpp)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     p.add_argument("--gen", type=int, default=128)
     args = p.parse_args()

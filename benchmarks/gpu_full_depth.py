@@ -1,0 +1,265 @@
+"""The full 48-layer Qwen3-30B-A3B shape in Q4_K_M on one GPU: FreeToken under a 24 GiB budget
+beside llama.cpp with every layer on the GPU, on the same file.
+
+    python benchmarks/gpu_full_depth.py [--work DIR] [--engines freetoken,llama.cpp]
+        [--gpu-memory-limit 24GiB] [--context 32768] [--moe-cache-rate auto]
+        [--n-cpu-moe 0[,N,...]] [--gen 128] [--results FILE] [--drop-file]
+
+The file (~17 GiB) is written directly by benchmarks/write_gguf_moe.py into --work (default
+~/ft-full-depth) and reused by later calls (--drop-file deletes it at the end): its bf16
+source would not fit the disk.
+
+FreeToken: load_model + the engine with the engine config's gpu_memory_limit (`ft serve
+--gpu-memory-limit`) and a KV pool of --context tokens for one sequence; the start-up memory
+plan decides whether the experts stay resident or go to pinned host memory behind a GPU cache.
+Where this runtime has no gpu_memory_limit yet, the budget is imposed from outside instead: a
+ballast allocation leaves only the limit free before the model loads (the report says which).
+Reported: resident or offloaded (cache rate), the plan's pools, load time, decode tok/s at
+batch 1 (and the engine's stats), peak GPU memory.
+
+llama.cpp: llama-bench -ngl 99 -fa 1 -r 3 (decode tg128, prefill pp512/pp2048) for each
+--n-cpu-moe value (0: everything on the GPU), with the peak GPU memory it used (nvidia-smi).
+
+Both beside the batch-1 ceiling of the file measured in the same run: D2D bandwidth / (the
+file's step bytes, benchmarks/step_bytes.py, + the KV of the measured context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from benchmarks import write_gguf_moe  # noqa: E402
+
+GIB = 1 << 30
+
+
+def ensure_file(work: Path, layers: int) -> Path:
+    """The 48-layer Q4_K_M file in `work`, written unless a finished one is there (a file is
+    renamed into place only once complete)."""
+    shape = dataclasses.replace(write_gguf_moe.QWEN3_30B_A3B, layers=layers)
+    path = work / f"qwen3-30b-a3b-{layers}L-q4km.gguf"
+    if path.is_file():
+        return path
+    work.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    start = time.perf_counter()
+    counts = write_gguf_moe.write_q4_k_m(part, shape, progress=_every_8th_layer())
+    part.rename(path)
+    print(f"wrote {path} ({counts['bytes'] / GIB:.2f} GiB) in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    return path
+
+
+def _every_8th_layer():
+    def show(line: str) -> None:
+        layer = int(line.split("/")[0].split()[-1])
+        if layer % 8 == 0:
+            print(line, flush=True)
+    return show
+
+
+def budget(limit_text: str):
+    """(EngineConfig field value or None, ballast bytes or 0, how the limit is imposed)."""
+    import torch
+
+    from freetoken.engine import config as engine_config
+
+    parse = getattr(engine_config, "parse_gpu_memory_limit", None)
+    fields = {f.name for f in dataclasses.fields(engine_config.EngineConfig)}
+    if parse is not None and "gpu_memory_limit" in fields:
+        return parse(limit_text), 0, f"EngineConfig.gpu_memory_limit = {limit_text}"
+    size = _size(limit_text)
+    free, _ = torch.cuda.mem_get_info()
+    ballast = max(0, free - size)
+    return None, ballast, (f"no gpu_memory_limit in this runtime: a {ballast / GIB:.1f} GiB "
+                           f"ballast leaves {limit_text} free")
+
+
+def _size(text: str) -> int:
+    units = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6}
+    lowered = text.strip().lower()
+    for unit, scale in sorted(units.items(), key=lambda u: -len(u[0])):
+        if lowered.endswith(unit):
+            return int(float(lowered[:-len(unit)]) * scale)
+    return int(lowered)
+
+
+def freetoken(path: Path, args) -> dict:
+    """Load under the budget, decode at batch 1; the plan and the figures. The GPU is left
+    empty afterwards (llama.cpp runs next in the same process's view of memory)."""
+    import gc
+    import traceback
+
+    import torch
+
+    from freetoken.engine.config import EngineConfigError
+    from freetoken.models.errors import ModelError
+
+    limit, ballast_bytes, how = budget(args.gpu_memory_limit)
+    ballast = torch.empty(ballast_bytes, dtype=torch.uint8, device="cuda") \
+        if ballast_bytes else None
+    out: dict = {"budget": how}
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        out.update(_load_and_decode(path, args, limit))
+    except (ModelError, EngineConfigError) as exc:
+        out["refused"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 (reported; llama.cpp's part still runs)
+        traceback.print_exc()
+        out["refused"] = f"failed: {type(exc).__name__}: {exc}"
+    out["torch_peak_reserved_gib"] = (torch.cuda.max_memory_reserved() - ballast_bytes) / GIB
+    del ballast
+    gc.collect()
+    torch.cuda.empty_cache()
+    if out.get("resident") is False:
+        from freetoken.engine.offload_policy import measure_h2d
+
+        out["h2d_GBps"] = measure_h2d(torch, torch.device("cuda"), GIB, 3) / 1e9
+    return out
+
+
+def _load_and_decode(path: Path, args, limit) -> dict:
+    from freetoken.cli.bench import _batch
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.offload_setup import OffloadConfig, OffloadPlanner, parse_cache_rate
+    from freetoken.models.loader import load_model, resolve_device
+
+    settings = dict(num_tokens=args.context, max_num_seqs=1, max_prefill_tokens=2048,
+                    device="cuda", prefix_cache=False)
+    if limit is not None:
+        settings["gpu_memory_limit"] = limit
+    config = EngineConfig(**settings)
+    planner = OffloadPlanner(config, OffloadConfig(cache_rate=parse_cache_rate(
+        args.moe_cache_rate)), resolve_device("cuda"))
+    start = time.perf_counter()
+    loaded = load_model(str(path), device="cuda", plan=planner)
+    decision = planner.decision
+    out = dict(load_s=time.perf_counter() - start, resident=not decision.offloaded,
+               moe_cache_rate=decision.rate, kv_tokens=decision.num_tokens,
+               plan=decision.plan.describe())
+    print(f"FreeToken: loaded in {out['load_s']:.0f} s, "
+          f"{'resident' if out['resident'] else f'experts offloaded, rate {decision.rate:.3f}'}"
+          f"; memory plan: {out['plan']}", flush=True)
+    engine = Engine.from_loaded(loaded, config, decision).start()
+    try:
+        engine.warm_up()
+        vocab = loaded.config.vocab_size
+        asyncio.run(_batch(engine, 1, 16, 4, vocab))
+        row = asyncio.run(_batch(engine, 1, 128, args.gen, vocab))
+        out.update(decode_bs1=row["decode_tok_s"], ttft_128_s=row["ttft_s"],
+                   engine_stats=engine.stats())
+    finally:
+        engine.shutdown()
+        if hasattr(loaded.model, "close"):
+            loaded.model.close()
+    return out
+
+
+def llamacpp(path: Path, n_cpu_moe: list[int]) -> dict:
+    """llama-bench's figures and VRAM per --n-cpu-moe value, or {"skipped": why}."""
+    from benchmarks.llama_cpp_cuda import paths
+    from benchmarks.llama_cpp_cuda.bench import bench
+
+    out = {}
+    for n in n_cpu_moe:
+        try:
+            figures = bench(path, batched=False, n_cpu_moe=n, vram=True)
+        except paths.PeerUnavailable as exc:
+            return {"skipped": str(exc)}
+        out[f"ncmoe{n}"] = figures
+        print(f"llama.cpp -ncmoe {n}: {json.dumps(figures)}", flush=True)
+    return out
+
+
+def report(entry: dict) -> None:
+    ceiling = entry["ceiling_tok_s"]
+    print(f"\n== Qwen3-30B-A3B, {entry['layers']} layers, Q4_K_M ({entry['file_gib']:.2f} GiB) ==")
+    print(f"batch-1 ceiling {ceiling:.0f} tok/s (D2D {entry['bandwidth_Bps'] / 1e12:.2f} TB/s / "
+          f"{entry['step_bytes'] / 1e9:.3f} GB: the file's step bytes + KV of the context)")
+    ours = entry.get("freetoken")
+    if ours:
+        print(f"FreeToken ({ours['budget']}):")
+        if "refused" in ours:
+            print(f"  refused: {ours['refused']}")
+        else:
+            where = "resident" if ours["resident"] else \
+                f"experts offloaded, cache rate {ours['moe_cache_rate']:.3f}"
+            print(f"  {where}; KV pool {ours['kv_tokens']} tokens; load {ours['load_s']:.0f} s")
+            print(f"  plan: {ours['plan']}")
+            print(f"  decode batch 1: {ours['decode_bs1']:.1f} tok/s "
+                  f"({100 * ours['decode_bs1'] / ceiling:.0f}% of the ceiling)"
+                  + (f"; pinned H2D {ours['h2d_GBps']:.1f} GB/s" if "h2d_GBps" in ours else ""))
+    peer = entry.get("llama.cpp")
+    if peer:
+        if "skipped" in peer:
+            print(f"llama.cpp: skipped: {peer['skipped']}")
+        for key, fig in (peer if "skipped" not in peer else {}).items():
+            vram = fig.get("vram_mib", {}).get("llama-bench")
+            print(f"llama.cpp -ngl 99 -ncmoe {key[len('ncmoe'):]}: decode bs1 "
+                  f"{fig.get('decode_bs1', '-')} tok/s, pp512 {fig.get('prefill512', '-')}, "
+                  f"pp2048 {fig.get('prefill2048', '-')}, "
+                  f"VRAM {vram if vram is not None else '-'} MiB"
+                  + (f"; errors {fig['errors']}" if "errors" in fig else ""))
+    if ours and "decode_bs1" in ours and peer and peer.get("ncmoe0", {}).get("decode_bs1"):
+        print(f"FreeToken / llama.cpp (all on GPU), decode batch 1: "
+              f"{ours['decode_bs1'] / peer['ncmoe0']['decode_bs1']:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, default=Path.home() / "ft-full-depth")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--engines", default="freetoken,llama.cpp")
+    p.add_argument("--gpu-memory-limit", default="24GiB")
+    p.add_argument("--context", type=int, default=32768, help="FreeToken's KV pool (tokens)")
+    p.add_argument("--moe-cache-rate", default="auto")
+    p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--results", type=Path, default=None, help="JSON file, read and updated")
+    p.add_argument("--drop-file", action="store_true",
+                   help="delete the GGUF file at the end (keep it for a later call otherwise)")
+    args = p.parse_args()
+    engines = {e for e in args.engines.split(",") if e}
+    if not engines or engines - {"freetoken", "llama.cpp"}:
+        raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
+    from benchmarks.gpu_decode import d2d_bandwidth
+    from benchmarks.step_bytes import KV_ITEM, gguf_weight_bytes
+
+    results = json.loads(args.results.read_text()) if args.results and \
+        args.results.is_file() else {}
+    path = ensure_file(args.work, args.layers)
+    shape = write_gguf_moe.QWEN3_30B_A3B
+    bandwidth = d2d_bandwidth()
+    weights = gguf_weight_bytes(path)
+    kv = 2 * args.layers * shape.kv_heads * shape.head_dim * KV_ITEM * (128 + args.gen // 2)
+    entry = results.setdefault(f"qwen3-30b-a3b-{args.layers}L-q4km", {})
+    entry.update(layers=args.layers, file=str(path), file_gib=path.stat().st_size / GIB,
+                 bandwidth_Bps=bandwidth, step_bytes=weights["weights"] + kv,
+                 weight_bytes_by_type=weights["by_type"],
+                 ceiling_tok_s=bandwidth / (weights["weights"] + kv))
+    if "freetoken" in engines:
+        entry["freetoken"] = freetoken(path, args)
+    if "llama.cpp" in engines:
+        entry["llama.cpp"] = llamacpp(path, [int(n) for n in args.n_cpu_moe.split(",")])
+    report(entry)
+    if args.results is not None:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(results, indent=1, default=str))
+    print(json.dumps(entry, default=str))
+    if args.drop_file:
+        path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()
