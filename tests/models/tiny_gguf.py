@@ -106,11 +106,14 @@ def _merge_experts(state: dict) -> dict:
 def write_gguf(hf_model, tokenizer_dir: Path, path: Path, arch: str, qtype: int | None,
                embed_qtype: int | None = None, skip: tuple[str, ...] = (),
                raw: dict | None = None, float_type: int | None = None,
-               quantize_only: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+               quantize_only: tuple[str, ...] = (),
+               split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
     """Write `hf_model` as GGUF; 2-D and stacked-expert 3-D weights quantized to `qtype`
     (embedding to `embed_qtype`), else stored as `float_type` (F32 by default, or F16).
     `skip` leaves GGUF tensors out; `raw` maps GGUF names to (uint8 blocks, GGML type) written
     instead of the model's tensor; `quantize_only` (GGUF name endings) limits `qtype` to those.
+    `split_max_tensors` > 0 splits the model as gguf-split does: `path`'s stem plus
+    -00001-of-0000N.gguf, ... with at most that many tensors each.
 
     Returns the HF state dict with every weight replaced by the value the file holds
     (dequantized or rounded), for a float reference of exactly what the file holds."""
@@ -118,7 +121,7 @@ def write_gguf(hf_model, tokenizer_dir: Path, path: Path, arch: str, qtype: int 
 
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer = GGUFWriter(str(path), GGUF_ARCH.get(arch, arch))
+    writer = GGUFWriter(str(path), GGUF_ARCH.get(arch, arch), split_max_tensors=split_max_tensors)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

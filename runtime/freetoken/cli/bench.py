@@ -69,7 +69,8 @@ def run_bench(model: str | None, device: str, prompt_len: int, prefill_len: int,
 
 
 @click.command("bench")
-@click.option("--model", default=None, help="GGUF file or HF folder (default: embedded model).")
+@click.option("--model", default=None, help="GGUF file, HF folder or Hugging Face repository "
+                                            "ORG/NAME[:QUANT] (default: embedded model).")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--prefill-len", default=1024, show_default=True, type=click.IntRange(1))
@@ -91,6 +92,9 @@ def bench_command(model, device, prompt_len, prefill_len, gen_len, batch_sizes, 
         from freetoken.engine.config import resolve_device
 
         device = resolve_device(device)
+    from freetoken.cli.pull import resolve_model_option
+
+    model = resolve_model_option(model)[0]
     result = run_bench(model, device, prompt_len, prefill_len, gen_len, sizes, overlap)
     if as_json:
         click.echo(json.dumps(result, indent=1))

@@ -16,6 +16,7 @@ from freetoken import __version__
 # name -> "module:attribute"; the single list of subcommands.
 COMMANDS = {
     "serve": "freetoken.cli.serve:serve_command",
+    "pull": "freetoken.cli.pull:pull_command",
     "shell": "freetoken.cli.shell:shell_command",
     "ctl": "freetoken.cli.ctl:ctl_command",
     "bench": "freetoken.cli.bench:bench_command",

@@ -86,8 +86,9 @@ class LocalChat:
 
 @click.command("shell")
 @click.option("--url", default=None, help=f"Chat with this server (default {DEFAULT_URL}).")
-@click.option("--model", "model_path", default=None, metavar="PATH",
-              help="Load this model in-process instead of using a server.")
+@click.option("--model", "model_path", default=None, metavar="MODEL",
+              help="Load this model in-process instead of using a server: a path, or a "
+                   "Hugging Face repository ORG/NAME[:QUANT] (as `ft serve --model`).")
 @click.option("--local", is_flag=True, help="Load the default model in-process.")
 @click.option("--device", default="auto", show_default=True,
               type=click.Choice(["auto", "cpu", "cuda"]), help="For --model/--local.")
@@ -103,7 +104,9 @@ def shell_command(url, model_path, local, device, api_key, system, temperature,
     sampling = {k: v for k, v in (("temperature", temperature), ("max_tokens", max_tokens))
                 if v is not None}
     if model_path or local:
-        chat = LocalChat(model_path, device, sampling)
+        from freetoken.cli.pull import resolve_model_option
+
+        chat = LocalChat(resolve_model_option(model_path)[0], device, sampling)
     else:
         chat = RemoteChat(url or DEFAULT_URL, api_key, sampling)
     try:

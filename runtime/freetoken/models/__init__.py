@@ -1,4 +1,4 @@
 """Models: the architecture registry, checkpoint readers, tokenizers and the forward pass."""
 
-__all__ = ["batch", "checkpoint", "config", "errors", "forward", "loader", "registry",
-           "tokenizer"]
+__all__ = ["batch", "checkpoint", "config", "errors", "forward", "hub", "loader", "registry",
+           "resolve", "tokenizer"]

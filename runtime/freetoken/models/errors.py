@@ -22,7 +22,7 @@ class ChatTemplateError(ModelError, ValueError):
 
 
 class ModelDownloadError(ModelError, RuntimeError):
-    """The embedded default model could not be fetched."""
+    """A model could not be fetched: the embedded default (from PyPI) or a Hub repository."""
 
 
 class ModelOptionError(ModelError, ValueError):

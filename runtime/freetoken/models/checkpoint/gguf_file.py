@@ -93,14 +93,14 @@ class GGUFFile:
             if size < 24:
                 raise GGUFParseError(f"only {size} bytes, shorter than a GGUF header", "header")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)   # writable: copy-on-write
-        self._where = "header"
+        self._reader = _MetadataReader(self._map)
+        self._bytes = self._reader.bytes   # writable: copy-on-write
         try:
             self._parse()
         except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as exc:
             if isinstance(exc, GGUFParseError):
                 raise
-            raise GGUFParseError(f"{type(exc).__name__}: {exc}", self._where) from None
+            raise GGUFParseError(f"{type(exc).__name__}: {exc}", self._reader.where) from None
 
     def array(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes as a numpy view: [rows, row_bytes] uint8 for block types,
@@ -120,26 +120,15 @@ class GGUFFile:
     # ---- parsing ---------------------------------------------------------------------------
 
     def _parse(self) -> None:
-        buf = self._map
-        if buf[:4] != GGUF_MAGIC:
-            raise GGUFParseError("no GGUF magic", "header")
-        version = _U32.unpack_from(buf, 4)[0]
-        if version not in SUPPORTED_VERSIONS:
-            raise GGUFParseError(f"GGUF version {version} is not supported "
-                                 f"(supported: {SUPPORTED_VERSIONS}; big-endian files are not)",
-                                 "header")
-        n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-        offs, self.meta = 24, {}
-        for _ in range(n_kv):
-            key, offs = self._string(offs)
-            self._where = key
-            type_id = _U32.unpack_from(buf, offs)[0]
-            self.meta[key], offs = self._value(type_id, offs + 4)
-        self._where = "tensor info"
+        reader, buf = self._reader, self._map
+        n_tensors, n_kv = reader.header()
+        self.meta = {}
+        offs = reader.metadata(n_kv, 24, self.meta)
+        reader.where = "tensor info"
         infos = []
         for _ in range(n_tensors):
-            name, offs = self._string(offs)
-            self._where = name
+            name, offs = reader.string(offs)
+            reader.where = name
             n_dims = _U32.unpack_from(buf, offs)[0]
             dims = struct.unpack_from(f"<{n_dims}Q", buf, offs + 4)
             offs += 4 + 8 * n_dims
@@ -162,52 +151,102 @@ class GGUFFile:
             if nbytes is not None and start + rel + nbytes > len(self._map):
                 raise TensorPastEnd(f"tensor {name!r} ends past the end of the file", name)
             tensors[name] = TensorInfo(name, type_id, tuple(dims), start + rel, nbytes)
-        self._where = "tensor data"
+        self._reader.where = "tensor data"
         return tensors
 
-    def _string(self, offs: int) -> tuple[str, int]:
-        n = _U64.unpack_from(self._map, offs)[0]
-        end = offs + 8 + n
-        if end > len(self._map):
-            raise GGUFParseError("a string runs past the end of the file", self._where)
-        return str(self._map[offs + 8:end], "utf-8"), end
 
-    def _value(self, type_id: int, offs: int) -> tuple[Any, int]:
+def read_metadata_prefix(data: bytes) -> dict[str, Any]:
+    """The metadata keys whose values lie wholly inside `data`, the first bytes of a GGUF file:
+    a ranged download reads a model's architecture before the whole file is fetched.
+
+    Raises GGUFParseError when `data` does not start like a GGUF file."""
+    reader = _MetadataReader(data)
+    try:
+        _, n_kv = reader.header()
+    except struct.error:
+        raise GGUFParseError(f"only {len(data)} bytes, shorter than a GGUF header",
+                             "header") from None
+    meta: dict[str, Any] = {}
+    try:
+        reader.metadata(n_kv, 24, meta)
+    except (GGUFParseError, struct.error, IndexError, UnicodeDecodeError):
+        pass    # `data` ends inside this key's value: the keys before it are complete
+    return meta
+
+
+class _MetadataReader:
+    """Header and metadata values of a GGUF buffer (a file's memory map, or its first bytes)."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.bytes = np.frombuffer(buf, dtype=np.uint8)
+        self.where = "header"    # the last key or tensor read, for error messages
+
+    def header(self) -> tuple[int, int]:
+        """(tensor count, key count) after checking the magic and the version."""
+        if self.buf[:4] != GGUF_MAGIC:
+            raise GGUFParseError("no GGUF magic", "header")
+        version = _U32.unpack_from(self.buf, 4)[0]
+        if version not in SUPPORTED_VERSIONS:
+            raise GGUFParseError(f"GGUF version {version} is not supported "
+                                 f"(supported: {SUPPORTED_VERSIONS}; big-endian files are not)",
+                                 "header")
+        n_tensors, n_kv = struct.unpack_from("<QQ", self.buf, 8)
+        return n_tensors, n_kv
+
+    def metadata(self, n_kv: int, offs: int, into: dict[str, Any]) -> int:
+        """Read `n_kv` key/value pairs from `offs` into `into`; the offset after them."""
+        for _ in range(n_kv):
+            key, offs = self.string(offs)
+            self.where = key
+            type_id = _U32.unpack_from(self.buf, offs)[0]
+            value, offs = self.value(type_id, offs + 4)
+            into[key] = value
+        return offs
+
+    def string(self, offs: int) -> tuple[str, int]:
+        n = _U64.unpack_from(self.buf, offs)[0]
+        end = offs + 8 + n
+        if end > len(self.buf):
+            raise GGUFParseError("a string runs past the end of the file", self.where)
+        return str(self.buf[offs + 8:end], "utf-8"), end
+
+    def value(self, type_id: int, offs: int) -> tuple[Any, int]:
         if type_id == _STRING:
-            return self._string(offs)
+            return self.string(offs)
         if type_id == _ARRAY:
-            item_type = _U32.unpack_from(self._map, offs)[0]
-            count = _U64.unpack_from(self._map, offs + 4)[0]
-            return self._array(item_type, count, offs + 12)
+            item_type = _U32.unpack_from(self.buf, offs)[0]
+            count = _U64.unpack_from(self.buf, offs + 4)[0]
+            return self.array(item_type, count, offs + 12)
         fmt = _SCALARS.get(type_id)
         if fmt is None:
-            raise GGUFParseError(f"unknown metadata value type {type_id}", self._where)
-        return struct.unpack_from(fmt, self._map, offs)[0], offs + struct.calcsize(fmt)
+            raise GGUFParseError(f"unknown metadata value type {type_id}", self.where)
+        return struct.unpack_from(fmt, self.buf, offs)[0], offs + struct.calcsize(fmt)
 
-    def _array(self, item_type: int, count: int, offs: int) -> tuple[list, int]:
+    def array(self, item_type: int, count: int, offs: int) -> tuple[list, int]:
         if item_type in _NUMPY:
             dtype = np.dtype(_NUMPY[item_type])
             end = offs + count * dtype.itemsize
-            if end > len(self._map):
-                raise GGUFParseError("an array runs past the end of the file", self._where)
-            return self._bytes[offs:end].view(dtype).tolist(), end
+            if end > len(self.buf):
+                raise GGUFParseError("an array runs past the end of the file", self.where)
+            return self.bytes[offs:end].view(dtype).tolist(), end
         if item_type == _STRING:
-            return self._strings(count, offs)
+            return self.strings(count, offs)
         values = []
         for _ in range(count):      # nested arrays: rare, read one by one
-            value, offs = self._value(item_type, offs)
+            value, offs = self.value(item_type, offs)
             values.append(value)
         return values, offs
 
-    def _strings(self, count: int, offs: int) -> tuple[list[str], int]:
-        buf, unpack, size = self._map, _U64.unpack_from, len(self._map)
+    def strings(self, count: int, offs: int) -> tuple[list[str], int]:
+        buf, unpack, size = self.buf, _U64.unpack_from, len(self.buf)
         out = []
         append = out.append
         for _ in range(count):
             n = unpack(buf, offs)[0]
             offs += 8
             if offs + n > size:
-                raise GGUFParseError("a string runs past the end of the file", self._where)
+                raise GGUFParseError("a string runs past the end of the file", self.where)
             append(str(buf[offs:offs + n], "utf-8"))
             offs += n
         return out, offs
