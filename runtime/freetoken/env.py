@@ -86,6 +86,7 @@ class Env:
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
     cpu_pack: bool              # FREETOKEN_CPU_PACK: GGUF rows packed 16 wide for AVX-512 VNNI
+    fault_marker: str | None    # FREETOKEN_FAULT_MARKER: tests: fail requests whose prompt has it
 
 
 VARIABLES = {
@@ -121,6 +122,8 @@ VARIABLES = {
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
                           "are repacked at load, 16 rows wide, on AVX-512 VNNI CPUs (default on; "
                           "off: the GGUF layout, for comparison)",
+    "FREETOKEN_FAULT_MARKER": "tests: a request whose prompt contains this text fails inside "
+                              "the engine step (fault injection; unset = off)",
 }
 
 QUANT_GEMV_VARIANTS = ("v1", "v2", "v3")
@@ -157,5 +160,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         quant_gemv=quant_gemv,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),
+        fault_marker=e.get("FREETOKEN_FAULT_MARKER") or None,
     )
 

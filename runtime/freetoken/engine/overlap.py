@@ -31,7 +31,10 @@ def overlap_safe(request: Request) -> bool:
     """True when sampling the request's next token needs no host work on its logits (and so
     its token can stay on the device until the step after has been launched)."""
     params = request.params
-    return not params.has_penalties and params.logprobs is None and request.guide is None
+    # a request marked for an injected fault (engine/faults.py) takes the synchronous step,
+    # where the fault is raised
+    return (not params.has_penalties and params.logprobs is None and request.guide is None
+            and not request.inject_fault)
 
 
 def fill_placeholders(input_ids: Any, previous: Any) -> Any:

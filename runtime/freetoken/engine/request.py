@@ -185,6 +185,7 @@ class Request:
     # scheduler only appends to a pages list or replaces it, so the copy stays valid.
     page_rows: tuple | None = field(default=None, repr=False)
     mm: Any = None   # engine/multimodal.py's MultimodalPrompt when the prompt has images
+    inject_fault: bool = False   # tests (engine/faults.py): its step raises before the forward
 
     @property
     def key_ids(self):

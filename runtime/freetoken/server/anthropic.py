@@ -163,12 +163,24 @@ def _kind(event: Event) -> str:
     return "thinking" if isinstance(event, Reasoning) else "text"
 
 
+def stream_error(output: RequestOutput) -> dict:
+    """The error event that ends a stream the engine failed (api_error) or the server ended
+    while shutting down (overloaded_error: retry elsewhere), in Anthropic's error shape."""
+    if output.finish_reason == "error":
+        return {"type": "error", "error": {"type": "api_error",
+                                           "message": f"generation failed: {output.error}"}}
+    reason = output.error or "the server is stopping"
+    return {"type": "error", "error": {"type": "overloaded_error",
+                                       "message": f"the request was aborted: {reason}"}}
+
+
 async def message_events(stream: RequestStream, timer: RequestTimer, message_id: str,
                          model: str, prompt_tokens: int,
                          blocks: BlockBuilder) -> AsyncIterator[str]:
     """message_start, ping (after the first block's start when the text is plain), then per
     block content_block_start, content_block_delta...,
-    content_block_stop, then message_delta (stop_reason, output_tokens), message_stop.
+    content_block_stop, then message_delta (stop_reason, output_tokens), message_stop; a
+    request the engine failed or the server ended gets an error event instead of the end.
     Leaving early aborts."""
     message = {"id": message_id, "type": "message", "role": "assistant", "content": [],
                "model": model, "stop_reason": None, "stop_sequence": None,
@@ -181,10 +193,8 @@ async def message_events(stream: RequestStream, timer: RequestTimer, message_id:
         yield sse_event("ping", {"type": "ping"})
         async for output in stream:
             timer.on_output(output)
-            if output.finish_reason in ("error", "abort"):
-                detail = output.error or "the request was aborted"
-                yield sse_event("error", {"type": "error", "error": {
-                    "type": "api_error", "message": f"generation failed: {detail}"}})
+            if output.finish_reason in ("error", "abort"):   # the client did not abort it
+                yield sse_event("error", stream_error(output))
                 return
             for event in blocks.stream(output.text, output.finished):
                 yield event

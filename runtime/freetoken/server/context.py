@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from freetoken.engine.admission import AdmissionRefused
 from freetoken.engine.engine import Engine, EngineDead
 from freetoken.engine.request import (PromptTooLong, RequestOutput, RequestRejected,
                                       SamplingParams)
@@ -71,6 +72,9 @@ class ServerContext:
         except RequestRejected as exc:
             code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
             raise APIError(400, str(exc), None, code) from None
+        except AdmissionRefused as exc:   # 503 (Anthropic: 529) that says when to retry
+            retry = {"Retry-After": str(exc.retry_after_s)}
+            raise APIError(503, str(exc), headers=retry) from None
         except EngineDead as exc:
             raise APIError(503, str(exc)) from None
         timer.prompt_tokens = len(prompt_ids)
@@ -116,7 +120,7 @@ async def collect(request: Request, stream: RequestStream,
     if last.finish_reason == "error":
         raise APIError(500, f"generation failed: {last.error}")
     if last.finish_reason == "abort":
-        raise APIError(503, "the request was aborted (the server is shutting down)")
+        raise APIError(503, f"the request was aborted: {last.error or 'the server is stopping'}")
     return text, last, entries
 
 

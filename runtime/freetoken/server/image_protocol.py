@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class Strict(BaseModel):
     # NOTE: protocol.py's Strict, restated: protocol.py imports these parts.
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ImageURL(Strict):

@@ -64,6 +64,9 @@ class Metrics:
         from freetoken.server.parallel_metrics import ParallelCollector
 
         registry.register(ParallelCollector(engine_stats))
+        from freetoken.server.admission_metrics import AdmissionCollector
+
+        registry.register(AdmissionCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from freetoken.engine.request import TokenLogprob, Usage
+from freetoken.engine.request import RequestOutput, TokenLogprob, Usage
 from freetoken.engine.stream import RequestStream
 from freetoken.server.adapters import openai_agent_request
 from freetoken.server.chat_output import ChatShaper
@@ -158,12 +158,23 @@ def completion_chunk(delta: dict, finish_reason: str | None,
             "finish_reason": finish_reason}
 
 
+def stream_error(output: RequestOutput) -> dict:
+    """The error event that ends a stream the engine failed ("error") or the server ended
+    ("abort": shutting down), in OpenAI's error shape."""
+    failed = output.finish_reason == "error"
+    message = (f"generation failed: {output.error}" if failed
+               else f"the request was aborted: {output.error or 'the server is stopping'}")
+    return {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": None}}
+
+
 async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict,
                         make_chunk: Callable[..., dict], chat: bool, include_usage: bool,
                         format_logprobs: LogprobFormat,
                         shaper: ChatShaper) -> AsyncIterator[str]:
     """OpenAI SSE: a role chunk (chat), content chunks (with their tokens' logprobs when asked
-    for), a finish_reason chunk, an optional usage chunk with no choices, then [DONE]. Leaving
+    for), a finish_reason chunk, an optional usage chunk with no choices, then [DONE]; a
+    request the engine failed or the server ended sends an error event before [DONE]. Leaving
     early aborts the request."""
     extra = {"usage": None} if include_usage else {}
 
@@ -176,9 +187,8 @@ async def stream_events(stream: RequestStream, timer: RequestTimer, header: dict
             yield event({"role": "assistant", "content": ""})
         async for output in stream:
             timer.on_output(output)
-            if output.finish_reason == "error":
-                yield sse_data({"error": {"message": f"generation failed: {output.error}",
-                                          "type": "server_error", "param": None, "code": None}})
+            if output.finish_reason in ("error", "abort"):   # the client did not abort it
+                yield sse_data(stream_error(output))
                 break
             logprobs = format_logprobs(output.logprobs or []) if output.logprobs else None
             deltas = shaper.deltas(output.text, output.finished)

@@ -1,4 +1,5 @@
-"""Request bodies of every route, validated strictly: unknown fields and bad values are 400s."""
+"""Request bodies of every route, validated strictly: unknown fields, bad values and values of
+the wrong JSON type (a boolean for a number, a number for a boolean or a string) are 400s."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ MAX_STOP = 16
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion between JSON types, as OpenAI answers (`seed: true`, `stream: 0`,
+    # `prompt: [[false]]` and `temperature: "1"` are 400s); an integer still passes as a float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---- OpenAI -----------------------------------------------------------------------------------
@@ -208,14 +211,47 @@ def validation_error(exc: ValidationError) -> APIError:
     # A field that may be a string or a list of parts fails both ways; a list was meant to be
     # the list, so its own error says what is wrong.
     inner = [e for e in errors if not _is_union_member(e["loc"][-1:])]
-    first = extra[0] if extra else inner[0] if inner else errors[0]
+    first = extra[0] if extra else _closest(inner) if inner else errors[0]
     path = _field_path(first["loc"])
     if first["type"] == "extra_forbidden":
         return APIError(400, f"Unknown field '{path}': this server does not accept it; remove it "
                              "from the request", path, "unknown_field")
     if first["type"] == "missing":
         return APIError(400, f"Missing required field '{path}'", path)
+    if first["type"] in _EXPECTED:
+        return APIError(400, f"Invalid type for '{path}': expected {_EXPECTED[first['type']]}, "
+                             f"but got {_json_type(first['input'])} instead", path)
     return APIError(400, f"Invalid value for '{path}': {first['msg']}", path)
+
+
+def _closest(errors: list[dict]) -> dict:
+    """One of the first field's errors: where every member of a union fails, an error of the
+    member that came closest (fewest errors, then deepest in the value), so `prompt: [[false]]`
+    names prompt.0.0 (a token id) rather than prompt.0 (not a string)."""
+    field = errors[0]["loc"][:1]
+    mine = [e for e in errors if e["loc"][:1] == field]
+    members = [next((p for p in e["loc"] if _is_union_member((p,))), None) for e in mine]
+
+    def distance(i: int) -> tuple[int, int]:
+        return members.count(members[i]), -len(mine[i]["loc"])
+
+    return mine[min(range(len(mine)), key=distance)]
+
+
+# pydantic's type errors, as OpenAI words what it expected
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+             "string_type": "a string", "list_type": "an array", "dict_type": "an object",
+             "model_type": "an object"}
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a decimal number"),
+                       (str, "a string"), (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _field_path(loc: tuple) -> str:
