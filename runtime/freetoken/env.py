@@ -65,7 +65,7 @@ def _default_cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Env:
-    """Documented in the README's table of environment variables."""
+    """Documented in docs/environment.md's table of environment variables."""
 
     cache_root: Path            # FREETOKEN_CACHE_ROOT: models, JIT builds
     kernel_cache_dir: Path | None  # FREETOKEN_KERNEL_CACHE_DIR: use this cache folder

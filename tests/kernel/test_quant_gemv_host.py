@@ -91,7 +91,7 @@ def test_variant_is_read_and_checked(monkeypatch):
     with pytest.raises(env.EnvError, match="FREETOKEN_QUANT_GEMV='v4'; use v1, v2 or v3"):
         env.read({"FREETOKEN_QUANT_GEMV": "v4"})
     assert "FREETOKEN_QUANT_GEMV" in env.VARIABLES
-    assert "FREETOKEN_QUANT_GEMV" in (REPO / "README.md").read_text()
+    assert "FREETOKEN_QUANT_GEMV" in (REPO / "docs" / "environment.md").read_text()
 
 
 def test_v1_binds_no_new_kernel(monkeypatch):
