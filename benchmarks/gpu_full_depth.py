@@ -241,6 +241,11 @@ def main() -> None:
     path = ensure_file(args.work, args.layers)
     shape = write_gguf_moe.QWEN3_30B_A3B
     bandwidth = d2d_bandwidth()
+    # the copy's buffers stay in torch's cache: held by this process, they would count against
+    # --gpu-memory-limit (2 GiB on the H100, which pushed the experts out of VRAM)
+    import torch
+
+    torch.cuda.empty_cache()
     weights = gguf_weight_bytes(path)
     kv = 2 * args.layers * shape.kv_heads * shape.head_dim * KV_ITEM * (128 + args.gen // 2)
     entry = results.setdefault(f"qwen3-30b-a3b-{args.layers}L-q4km", {})

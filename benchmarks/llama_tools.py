@@ -82,18 +82,25 @@ def bench_round(model: str, threads: int, prompt_lens: list[int], gen_tokens: in
 
 
 class LlamaServer:
-    """`llama-server` as a subprocess: start->ready until /health is 200, peak RSS at close."""
+    """`llama-server` as a subprocess: start->ready until /health is 200, peak RSS at close.
 
-    def __init__(self, model: str, threads: int, ctx: int = 4096, gpu: bool = False):
-        binary = tool("llama-server")
+    With `parallel` slots (`-np`) the `ctx` tokens (`-c`) are split evenly among them (a slot
+    holds ctx / parallel); without it the server picks 4 slots sharing one unified KV.
+    `binary` names another build (the CUDA peer's).
+    """
+
+    def __init__(self, model: str, threads: int, ctx: int = 4096, gpu: bool = False,
+                 parallel: int | None = None, binary: Path | None = None):
+        binary = binary or tool("llama-server")
         offload = ["-ngl", "99"] if gpu else []
+        slots = ["-np", str(parallel)] if parallel else []
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self._log = tempfile.TemporaryFile("w+")
         self.spawned = time.perf_counter()
         self._proc = subprocess.Popen(
-            [str(binary), "-m", model, "-t", str(threads), "-c", str(ctx), "--port",
+            [str(binary), "-m", model, "-t", str(threads), "-c", str(ctx), *slots, "--port",
              str(self.port), "--host", "127.0.0.1", *offload, *_flash_attn_args(binary)],
             stdout=subprocess.DEVNULL, stderr=self._log)
 

@@ -152,10 +152,13 @@ int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t 
  * slot s = expert_map[topk_ids[t, k]] (zeros for a pair without a slot); x bf16 [T, H] (rows
  * 16-byte aligned), w13 uint8 [S, 2I, row_bytes] (gate rows, then up rows) of qtype, act
  * bf16 [T * K, I] contiguous. H a multiple of the block's weights, H <= the type's staging.
+ * rows: Q4_K weight rows per warp (0 or 1: one; 2: two, half the blocks).
  */
 void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
-                    TensorView topk_ids, TensorView expert_map, bool pdl) {
+                    TensorView topk_ids, TensorView expert_map, int64_t rows, bool pdl) {
   const int dev = w13.device().device_id;
+  TVM_FFI_ICHECK(rows >= 0 && rows <= 2)
+      << "rows (Q4_K weight rows per warp) must be 0 (one), 1 or 2, got " << rows;
   check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
   check_ndim(x, 2, "x");
   const int64_t tokens = x.size(0), h = x.size(1);
@@ -187,8 +190,8 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
   a.slots = static_cast<int>(w13.size(0));
   a.expert_bytes = 2 * inter * rb;
   DeviceGuard guard(dev);
-  launch_mode<kSwiGLU, kExpertGateUp>(a, static_cast<int>(qtype), 1, pdl, dev, stream_for(w13),
-                                      static_cast<unsigned>(tokens * a.top_k));
+  launch_mode<kSwiGLU, kExpertGateUp>(a, static_cast<int>(qtype), rows, pdl, dev,
+                                      stream_for(w13), static_cast<unsigned>(tokens * a.top_k));
   check_launch("moe_q8_gate_up");
 }
 
@@ -197,12 +200,14 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
  * moe_q8_gate_up (a pair without one adds nothing): act bf16 [T * K, I] contiguous, w2 uint8
  * [S, H, row_bytes] of qtype, out bf16 [T, H] (rows may be strided); accumulate adds to out
  * (the residual stream), rounding the sum to bf16 first. I a multiple of the block's weights
- * (of 256 for Q4_K); K * I within the type's staging.
+ * (of 256 for Q4_K); K * I within the type's staging. rows: as moe_q8_gate_up's.
  */
 void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
                  TensorView topk_ids, TensorView topk_weights, TensorView expert_map,
-                 bool accumulate, bool pdl) {
+                 bool accumulate, int64_t rows, bool pdl) {
   const int dev = w2.device().device_id;
+  TVM_FFI_ICHECK(rows >= 0 && rows <= 2)
+      << "rows (Q4_K weight rows per warp) must be 0 (one), 1 or 2, got " << rows;
   check_gpu(out, "out", dev);
   check_dtype(out, kDLBfloat, 16, "out", "bfloat16");
   check_ndim(out, 2, "out");
@@ -251,9 +256,9 @@ void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
   const int qt = static_cast<int>(qtype);
   const unsigned grid_y = static_cast<unsigned>(tokens);
   if (accumulate) {
-    launch_mode<kAddResidual, kExpertDown>(a, qt, 1, pdl, dev, stream_for(w2), grid_y);
+    launch_mode<kAddResidual, kExpertDown>(a, qt, rows, pdl, dev, stream_for(w2), grid_y);
   } else {
-    launch_mode<kStore, kExpertDown>(a, qt, 1, pdl, dev, stream_for(w2), grid_y);
+    launch_mode<kStore, kExpertDown>(a, qt, rows, pdl, dev, stream_for(w2), grid_y);
   }
   check_launch("moe_q8_down");
 }

@@ -66,12 +66,14 @@ extern "C" int ft_gguf_gemv_q8_emu(void* out, int out_f32, const void* x, const 
 extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w13,
                              const void* w2, const int* ids, const float* weights,
                              const int* map, int tokens, int top_k, int experts, int slots,
-                             long h, long i, long ldo, int qtype13, int qtype2, int accumulate) {
+                             long h, long i, long ldo, int qtype13, int qtype2, int accumulate,
+                             int rows) {
   int rb13 = 0, rb2 = 0;
   if (!block_rows(qtype13, h, &rb13) || !block_rows(qtype2, i, &rb2) || tokens < 1 ||
       tokens > q8::kMaxMoETokens || top_k < 1 || top_k > q8::kMaxTopK ||
       h > q8::capacity(qtype13) || top_k * i > q8::capacity(qtype2) ||
-      (qtype2 == freetoken::gguf::kQ4_K && i % q8::kBlockWeights != 0)) {
+      (qtype2 == freetoken::gguf::kQ4_K && i % q8::kBlockWeights != 0) || rows < 0 ||
+      rows > 2) {
     return 0;
   }
   q8::Args g{};
@@ -91,7 +93,7 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   g.experts = experts;
   g.slots = slots;
   g.expert_bytes = 2 * i * rb13;
-  if (!run_mode<q8::kSwiGLU, q8::kExpertGateUp>(g, qtype13, 1, tokens * top_k)) return 0;
+  if (!run_mode<q8::kSwiGLU, q8::kExpertGateUp>(g, qtype13, rows, tokens * top_k)) return 0;
   q8::Args d = g;
   d.out = out;
   d.x = static_cast<const bf16*>(act);
@@ -105,6 +107,6 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   d.topk_w = weights;
   d.expert_bytes = h * rb2;
   d.seg = i;
-  return accumulate ? run_mode<q8::kAddResidual, q8::kExpertDown>(d, qtype2, 1, tokens)
-                    : run_mode<q8::kStore, q8::kExpertDown>(d, qtype2, 1, tokens);
+  return accumulate ? run_mode<q8::kAddResidual, q8::kExpertDown>(d, qtype2, rows, tokens)
+                    : run_mode<q8::kStore, q8::kExpertDown>(d, qtype2, rows, tokens);
 }

@@ -235,7 +235,7 @@ def test_refuses_what_the_entry_point_refuses(emulated):
 def emulated_moe(tmp_path_factory):
     return build_emulation(tmp_path_factory, "gguf_gemv_q8_emu", ctypes.c_int,
                            [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_long] * 3
-                           + [ctypes.c_int] * 3, entry="moe_q8_emu")
+                           + [ctypes.c_int] * 4, entry="moe_q8_emu")
 
 
 # Six experts over five slots, expert 3 unmapped (its pairs add nothing), and routes that two
@@ -305,8 +305,9 @@ def check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual=None):
                          ids=[f"{TYPES[c[0]]}-{TYPES[c[1]]}-{c[2]}x{c[3]}" for c in MOE_CASES])
 @pytest.mark.parametrize("tokens", (1, 2, 3))
 @pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
+@pytest.mark.parametrize("rows", (1, 2), ids=("r1", "r2"))
 def test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter, tokens,
-                                                accumulate):
+                                                accumulate, rows):
     """act[p] = silu(g) * u of pair p's expert, then y_t = sum_k w_k * down_k(act[p]) over the
     token's routed experts (check_moe)."""
     x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
@@ -318,7 +319,7 @@ def test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter,
     ok = emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
                       ids.ctypes.data, wts.ctypes.data, EXPERT_MAP.ctypes.data, tokens, k,
                       len(EXPERT_MAP), p13.shape[0], h, inter, whole.stride(0), q13, q2,
-                      int(accumulate))
+                      int(accumulate), rows)
     assert ok, "the configuration was refused"
     check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual if accumulate else None)
     assert torch.isfinite(whole[:, h:]).all()
@@ -330,13 +331,15 @@ def test_moe_halves_refuse_what_the_entry_points_refuse(emulated_moe):
     ids = IDS[:1].copy()
     wts = np.ones((1, 3), dtype=np.float32)
 
-    def run(q13, q2, h, inter, tokens=1, k=3):
+    def run(q13, q2, h, inter, tokens=1, k=3, rows=1):
         return emulated_moe(_ptr(buf), _ptr(buf), _ptr(buf), zeros.ctypes.data,
                             zeros.ctypes.data, ids.ctypes.data, wts.ctypes.data,
-                            EXPERT_MAP.ctypes.data, tokens, k, 6, 5, h, inter, h, q13, q2, 0)
+                            EXPERT_MAP.ctypes.data, tokens, k, 6, 5, h, inter, h, q13, q2, 0,
+                            rows)
 
     assert run(Q8_0, Q8_0, 64, 32)
     assert not run(Q4_K, Q4_K, 256, 128)          # Q4_K down rows of whole 256-weight blocks
     assert not run(Q8_0, Q8_0, 64, 32, k=17)      # top_k <= 16
     assert not run(Q6_K, Q8_0, 24576 + 256, 32)   # x past the staging
     assert not run(Q8_0, Q8_0, 64, 30)            # not whole blocks
+    assert not run(Q8_0, Q8_0, 64, 32, rows=3)    # rows per warp: 1 or 2

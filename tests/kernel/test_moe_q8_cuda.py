@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 BF16 = torch.bfloat16
 
 
-def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None):
+def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1):
     dev = torch.device("cuda")
     tokens, k = ids.shape
     w13, w2 = torch.from_numpy(p13).to(dev), torch.from_numpy(p2).to(dev)
@@ -26,8 +26,8 @@ def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None):
     inter = w13.shape[1] // 2
     act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
     xd = x.to(dev)
-    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, pdl)
-    ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, accumulate, pdl)
+    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, rows, pdl)
+    ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, accumulate, rows, pdl)
     return act
 
 
@@ -36,7 +36,9 @@ def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None):
 @pytest.mark.parametrize("tokens", (1, 2, 3))
 @pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
 @pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
-def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accumulate, pdl):
+@pytest.mark.parametrize("rows", (1, 2), ids=("r1", "r2"))
+def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accumulate, pdl,
+                                                rows):
     from freetoken.kernel import ops
 
     x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
@@ -44,7 +46,7 @@ def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accum
     residual = whole[:, :h].clone()
     whole = whole.cuda()
     out = whole[:, :h]
-    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out)
+    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out, rows)
     torch.cuda.synchronize()
     check_moe(act.cpu(), out.cpu(), x, b13, b2, q13, q2, ids, wts,
               residual if accumulate else None)
@@ -67,8 +69,8 @@ def test_moe_halves_replay_from_a_cuda_graph():
     out = torch.empty(2, h, dtype=BF16, device=dev)
 
     def step():
-        ops.moe_q8_gate_up(act, x_d, w13, q13, ids_d, emap, True)
-        ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, False, True)
+        ops.moe_q8_gate_up(act, x_d, w13, q13, ids_d, emap, 1, True)
+        ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, False, 1, True)
 
     step()                                        # load the kernels before capture
     graph = torch.cuda.CUDAGraph()

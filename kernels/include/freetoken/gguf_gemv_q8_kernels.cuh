@@ -218,21 +218,21 @@ __device__ __forceinline__ void scale_min(const Word& hdr, int s, float* sc, flo
 }
 
 // Where unit u (one 16-byte word of nibbles) of weight row r lives: the start of its Q4_K
-// block. Dense and gate/up rows are whole rows; kExpertDown's virtual row h walks the routed
-// experts' rows h, `units_per_seg` units each.
+// block. Dense and gate/up rows are whole rows of one matrix; kExpertDown's virtual row h walks
+// the routed experts' rows h, `units_per_seg` units each.
 template <int GATHER, int NW>
 struct Q4kRows {
-  const uint8_t* rows[NW];
-  const uint8_t* const* seg_w;  // kExpertDown
-  int64_t row_offset;           // kExpertDown: h * row_bytes
+  const uint8_t* base;          // dense, gate/up: the rows' matrix
+  const uint8_t* const* seg_w;  // kExpertDown: each routed expert's matrix
+  int64_t off[NW];              // byte offset of weight row r in its matrix
   int units_per_seg;
 
   __device__ __forceinline__ const uint8_t* block(int r, int u) const {
     if constexpr (GATHER == kExpertDown) {
       const int s = u / units_per_seg, v = u - s * units_per_seg;
-      return seg_w[s] + row_offset + static_cast<int64_t>(v / kUnitsPerBlock) * kBlockBytes;
+      return seg_w[s] + off[r] + static_cast<int64_t>(v / kUnitsPerBlock) * kBlockBytes;
     } else {
-      return rows[r] + static_cast<int64_t>(u / kUnitsPerBlock) * kBlockBytes;
+      return base + off[r] + static_cast<int64_t>(u / kUnitsPerBlock) * kBlockBytes;
     }
   }
 };
@@ -325,14 +325,14 @@ __global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
   Q4kRows<GATHER, NW> rows;
+  rows.base = view.w;
+  rows.seg_w = seg_w;
 #pragma unroll
   for (int r = 0; r < NW; ++r) {
     int64_t row = n0 + r % R;
     row = row < a.n ? row : a.n - 1;  // rows past N repeat the last (their sums are dropped)
-    rows.rows[r] = view.w + (row + (r >= R ? a.n : 0)) * a.row_bytes;
+    rows.off[r] = (row + (r >= R ? a.n : 0)) * a.row_bytes;
   }
-  rows.seg_w = seg_w;
-  rows.row_offset = (n0 < a.n ? n0 : a.n - 1) * a.row_bytes;
   rows.units_per_seg = static_cast<int>(a.seg / kBlockWeights * kUnitsPerBlock);
   if (live && !view.skip) load_units<GATHER, NW>(rows, 0, units, lane, hdr, qs);
   if constexpr (GATHER != kExpertGateUp) wait_for_inputs();
@@ -466,8 +466,8 @@ inline int64_t capacity(int qtype) {
 }
 
 // Which kernel one call runs: go(kernel, blocks, threads) with the instantiation that the type,
-// the weight rows per warp (Q4_K's dense product; the others and the MoE halves take one), the
-// tokens, the mode and the gather select. False for a type none reads. The launch part and the
+// the weight rows per warp (Q4_K: 1 or 2, 0 = by the tokens for the dense product and 1 for the
+// MoE halves; the staged types take one), the tokens, the mode and the gather select. False for a type none reads. The launch part and the
 // emulated tests both launch through it; the grid's y extent (1, pairs or tokens) is the
 // caller's.
 template <int MODE, int GATHER = kDense, class Go>
@@ -488,8 +488,12 @@ bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
   };
   switch (qtype) {
     case gguf::kQ4_K:
-      if constexpr (GATHER != kDense) {
-        go(q4k_gemv_kernel<1, 1, MODE, GATHER>, blocks(kWarps), kThreads);
+      if constexpr (GATHER != kDense) {  // one token per block row; rows: 1 (0) or 2 a warp
+        if (rows == 2) {
+          go(q4k_gemv_kernel<2, 1, MODE, GATHER>, blocks(2 * kWarps), kThreads);
+        } else {
+          go(q4k_gemv_kernel<1, 1, MODE, GATHER>, blocks(kWarps), kThreads);
+        }
       } else if (rows == 2 || (rows == 0 && !one)) {
         go(one ? q4k_gemv_kernel<2, 1, MODE> : q4k_gemv_kernel<2, 2, MODE>, blocks(2 * kWarps),
            kThreads);

@@ -332,7 +332,7 @@ def _expert_slots(topk_ids, expert_map):
     return slots
 
 
-def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, pdl=False):
+def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, rows=0, pdl=False):
     """act[p] = silu(gate) * up of pair p's expert on int8 activations of x (zeros for a pair
     without a slot), rounded where the unfused chain stores."""
     k = topk_ids.shape[1]
@@ -346,7 +346,7 @@ def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, pdl=False):
 
 
 def moe_q8_down(out, act, w2, qtype, topk_ids, topk_weights, expert_map, accumulate=False,
-                pdl=False):
+                rows=0, pdl=False):
     """out[t] (+)= sum_k w[t, k] * down_s(int8 activations of act[t * K + k]), the routed sum
     rounded once to out's dtype (then the residual add, rounded again)."""
     k = topk_ids.shape[1]

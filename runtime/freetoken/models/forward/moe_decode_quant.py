@@ -42,6 +42,11 @@ Q4_K = 12
 # routing drains, down's stream their first weights while gate/up drains
 PDL = True
 GEMV_MAX_TOKENS = 8     # decode_gemv's rows (the router; wider steps take the layer's linear)
+# Q4_K weight rows per warp of each half (1 or 2); 1 is what the H100 measured
+# (benchmarks/results/h100-gpu_vs_llamacpp-q4km-30b-8b.log); benchmarks/moe_q8_sweep.py times
+# both against the bandwidth
+GATE_UP_ROWS = 1
+DOWN_ROWS = 1
 
 
 def eligible(cfg: ModelConfig, mlp: MoEMLP, dtype: str, device) -> bool:
@@ -93,8 +98,8 @@ class QuantMoEDecode:
         self.topk(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
         pairs = t * self.top_k
         act = w.moe_workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
-        self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, PDL)
+        self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL)
         self.down(out, act, m.w2, self.q2, w.topk_ids, w.topk_weights, m.expert_map,
-                  accumulate, PDL)
+                  accumulate, DOWN_ROWS, PDL)
         if m.shared is not None:
             m.add_shared(out, x, w)
