@@ -2,10 +2,12 @@
 grouped by name, beside the replay's wall time, so a missed speed goal comes with its
 breakdown (kernel time per layer, the gaps between kernels, host time).
 
-    python benchmarks/decode_profile.py [--shapes smollm2,qwen3-8b,...] [--work DIR] [--batch 1]
+    python benchmarks/decode_profile.py [--shapes smollm2,qwen3-8b,...] [--work DIR] [--batch 1,8]
+    python benchmarks/decode_profile.py --shapes "" --q4km-moe-layers 12 --batch 1,8
 
 The shapes and their random-weight folders are gpu_vs_llamacpp.py's (a folder already in
---work is reused). Per shape: the engine is loaded and warmed (CUDA graphs), the graph of
+--work is reused); `--q4km-moe-layers N` adds the Qwen3-30B-A3B shape written directly as a
+Q4_K_M GGUF of N layers (write_gguf_moe.py, as gpu_vs_llamacpp.py's qwen3-30b-a3b-q4km row). Per shape: the engine is loaded and warmed (CUDA graphs), the graph of
 `--batch` rows is replayed under torch.profiler (CUPTI records the kernels of a graph launch),
 and per kernel name it prints calls per step, microseconds per call and per step, and the share
 of the step. "busy" is the summed kernel time; "span" runs from the first kernel's start to the
@@ -88,29 +90,60 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="smollm2,qwen3-8b,qwen3-30b-a3b,qwen3.6-35b-a3b")
     p.add_argument("--work", type=Path, default=None, help="folder of the models (reused)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", default="1", help="decode rows, comma-separated (1,8)")
+    p.add_argument("--q4km-moe-layers", type=int, default=0,
+                   help="also the Qwen3-30B-A3B shape as a Q4_K_M GGUF of this many layers")
     args = p.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     if bad := [s for s in shapes if s not in SHAPES or s in ("qwen3-30b-a3b-q4km",)]:
         raise SystemExit(f"--shapes: cannot profile {', '.join(bad)}")
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"--batch: comma-separated row counts, got {args.batch!r}") from None
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batch: comma-separated row counts >= 1, got {args.batch!r}")
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        work = args.work or Path(tmp)
+        models = []
         for name in shapes:
-            folder = (args.work or Path(tmp)) / name
+            folder = work / name
             if not (folder / "config.json").is_file():
                 folder.mkdir(parents=True, exist_ok=True)
                 build_shape(name, folder, 192)
-            engine = load_engine(folder, args.batch)
-            try:
-                graphs = getattr(engine, "graphs", None)
-                if graphs is None or args.batch not in graphs.graphs:
-                    print(f"\n== {name} == no decode graph of {args.batch} rows")
-                    continue
-                replay_ms = graph_step_ms(engine, args.batch)
-                report(name, kernel_spans(graphs.graphs[args.batch]), replay_ms)
-            finally:
-                engine.shutdown()
-                del engine
-                torch.cuda.empty_cache()
+            models.append((name, folder))
+        if args.q4km_moe_layers > 0:
+            models.append(_q4km_moe(work, args.q4km_moe_layers))
+        for name, path in models:
+            for batch in batches:
+                _profile(f"{name} batch {batch}", path, batch)
+
+
+def _q4km_moe(work: Path, layers: int) -> tuple[str, Path]:
+    """The Qwen3-30B-A3B shape of `layers` layers, written directly in Q4_K_M (reused)."""
+    import dataclasses
+
+    from benchmarks import write_gguf_moe
+
+    path = work / f"qwen3-30b-a3b-{layers}L-q4km.gguf"
+    if not path.is_file():
+        write_gguf_moe.write_q4_k_m(
+            path, dataclasses.replace(write_gguf_moe.QWEN3_30B_A3B, layers=layers), progress=None)
+    return f"qwen3-30b-a3b-q4km {layers}L", path
+
+
+def _profile(title: str, path: Path, batch: int) -> None:
+    engine = load_engine(path, batch)
+    try:
+        graphs = getattr(engine, "graphs", None)
+        if graphs is None or batch not in graphs.graphs:
+            print(f"\n== {title} == no decode graph of {batch} rows")
+            return
+        report(title, kernel_spans(graphs.graphs[batch]), graph_step_ms(engine, batch))
+    finally:
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

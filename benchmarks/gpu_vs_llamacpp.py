@@ -106,7 +106,8 @@ def freetoken(source: str, gen: int) -> dict:
     engine.warm_up()
     # whether the load-time rule put the fused decode layers in (FREETOKEN_FUSED_DECODE)
     vocab, out = loaded.config.vocab_size, {
-        "fused_decode": getattr(loaded.model, "_fused", None) is not None}
+        "fused_decode": getattr(loaded.model, "_fused", None) is not None,
+        "fused_tokens": getattr(loaded.model, "_fused_tokens", 0)}
     try:
         asyncio.run(_batch(engine, 1, 16, 4, vocab))  # settle allocations and graphs
         for n in PREFILLS:  # a warm-up at each length (first-use allocations), then a median
@@ -185,8 +186,9 @@ def report(name: str, entry: dict) -> None:
     if "skipped" in ours:
         print(f"FreeToken: skipped: {ours['skipped']}")
     else:
-        print(f"FreeToken decode steps of up to 4 tokens: "
-              f"{'fused kernels' if ours.get('fused_decode') else 'unfused chain'}")
+        fused = ours.get("fused_tokens", 4) if ours.get("fused_decode") else 0
+        print(f"FreeToken decode steps: fused kernels up to {fused} tokens" if fused
+              else "FreeToken decode steps: the unfused chain")
     if "skipped" in peer:
         print(f"llama.cpp: skipped: {peer['skipped']}")
     print(f"{'':26}{'FreeToken':>12}{'llama.cpp':>12}{'ratio':>8}{'% ceiling':>11}")

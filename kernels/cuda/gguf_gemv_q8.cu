@@ -1,4 +1,4 @@
-// gguf_gemv_q8: the decode GEMV (1-2 tokens) over GGUF rows on int8 activations, with the fused
+// gguf_gemv_q8: the decode GEMV (1-8 tokens) over GGUF rows on int8 activations, with the fused
 // decode step's prologue and epilogues (FREETOKEN_QUANT_GEMV=v3), and the MoE decode step over
 // GGUF experts (moe_q8_gate_up, moe_q8_down). The kernels, their layout and their numerics are
 // described in freetoken/gguf_gemv_q8_kernels.cuh; this file holds the launches and the checks.
@@ -10,10 +10,13 @@ namespace {
 using namespace gemv_q8;
 
 // One launch of the instantiation dispatch<MODE, GATHER> picks, `grid_y` block rows (1, the
-// MoE pairs or the tokens).
+// MoE pairs or the tokens), its x extent one wave of blocks on this device's SMs at most.
 template <int MODE, int GATHER = kDense>
-void launch_mode(const Args& a, int qtype, int64_t rows, bool pdl, int device,
+void launch_mode(const Args& args, int qtype, int64_t rows, bool pdl, int device,
                  cudaStream_t stream, unsigned grid_y = 1) {
+  Args a = args;
+  a.grid_y = static_cast<int>(grid_y);
+  a.sms = sm_count(device);
   const bool launched = dispatch<MODE, GATHER>(
       a, qtype, rows, [&](auto kernel, unsigned blocks, int threads) {
         launch_maybe_pdl(kernel, dim3(blocks, grid_y), dim3(threads), stream, pdl, device, a);
@@ -27,8 +30,8 @@ void launch_mode(const Args& a, int qtype, int64_t rows, bool pdl, int device,
  * mode 0: out[T, N] = xn @ W.T (+ bias), out bf16 or f32, may be a column slice;
  * mode 1: out[T, N] += xn @ W.T (out bf16, the residual; the product rounded first);
  * mode 2: out[T, N] = silu(g) * u, [g | u] = xn @ W.T with W [2N, K] (out bf16).
- * xn = rms_norm(x) * norm_weight when norm_weight is given, else x (bf16, T <= 2 rows, T * K
- * <= 32768 for Q4_K, 24576 for the others). rows: Q4_K weight rows per warp, 0 (by T), 1 or 2
+ * xn = rms_norm(x) * norm_weight when norm_weight is given, else x (bf16, T <= 8 rows for
+ * Q4_K, Q6_K and Q8_0, 2 for the others; T * K <= 32768 for Q4_K, 24576 for the others). rows: Q4_K weight rows per warp, 0 (by T), 1 or 2
  * (the other types take one). pdl: launch as a programmatic dependent where the device has it.
  */
 void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtype,
@@ -59,8 +62,9 @@ void gguf_gemv_q8(TensorView out, TensorView x, TensorView qweight, int64_t qtyp
   check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
   check_aligned_rows(x, dev, "x", k);
   const int64_t tokens = x.size(0);
-  TVM_FFI_ICHECK(tokens <= kMaxTokens && tokens * k <= capacity(static_cast<int>(qtype)))
-      << "gguf_gemv_q8 takes at most " << kMaxTokens << " rows of x and "
+  const int most = max_tokens(static_cast<int>(qtype));
+  TVM_FFI_ICHECK(tokens <= most && tokens * k <= capacity(static_cast<int>(qtype)))
+      << "gguf_gemv_q8 takes at most " << most << " rows of x and "
       << capacity(static_cast<int>(qtype)) << " values in all for qtype " << qtype << ", got "
       << tokens << " x " << k << " (gguf_gemv takes more)";
   const bool f32 = has_dtype(out, kDLFloat, 32);

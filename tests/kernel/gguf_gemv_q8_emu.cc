@@ -18,8 +18,13 @@ using freetoken::emu::launch;
 
 namespace {
 
+// One "SM": the grid's x extent shrinks to a few blocks, so each block walks several row
+// groups (the launch's one-wave rule at its smallest).
 template <int MODE, int GATHER = q8::kDense>
-bool run_mode(const q8::Args& a, int qtype, int rows, unsigned grid_y = 1) {
+bool run_mode(const q8::Args& args, int qtype, int rows, unsigned grid_y = 1) {
+  q8::Args a = args;
+  a.grid_y = static_cast<int>(grid_y);
+  a.sms = 1;
   return q8::dispatch<MODE, GATHER>(a, qtype, rows, [&](auto kernel, unsigned blocks,
                                                         int threads) {
     launch(blocks, grid_y, static_cast<unsigned>(threads), [&] { kernel(a); });
@@ -45,7 +50,7 @@ extern "C" int ft_gguf_gemv_q8_emu(void* out, int out_f32, const void* x, const 
                                    int tokens, long n, long k, int qtype, int mode, int rows,
                                    float eps) {
   int rb = 0;
-  if (!block_rows(qtype, k, &rb) || tokens < 1 || tokens > q8::kMaxTokens ||
+  if (!block_rows(qtype, k, &rb) || tokens < 1 || tokens > q8::max_tokens(qtype) ||
       tokens * k > q8::capacity(qtype) || (out_f32 && mode != q8::kStore) || rows < 0 ||
       rows > 2 || ldx % 8 != 0) {
     return 0;

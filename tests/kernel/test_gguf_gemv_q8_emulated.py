@@ -136,12 +136,18 @@ def q8_bound(xn: torch.Tensor, xq: np.ndarray, w: np.ndarray, blocks: np.ndarray
 
 # (tokens, N, K). Q4_K: one partial round of units (K = 256: 8 of 32 lanes), one whole round
 # (4096), a partial last round (2560) and several rounds (12288 at 2 tokens: the staging
-# capacity). The staged types: K = 2048 (Q6_K's shortest row of whole 16-byte words), one or
-# two chunks, and several (12288 at 2 tokens, their staging capacity).
-SHAPES = {Q4_K: [(1, 37, 256), (1, 21, 4096), (2, 19, 2560), (2, 9, 12288)],
-          "staged": [(1, 37, 2048), (1, 21, 4096), (2, 19, 6144), (2, 9, 12288)]}
+# capacity); rows of up to 2048 weights (the short-row kernel: 2048 fills its one round); 3-8
+# tokens (the 4- and 8-token kernels, 3 and 5 with masked tokens; 8 x 4096 fills the staging).
+# The staged types: K = 2048 (Q6_K's shortest row of whole 16-byte words), one or two chunks,
+# and several (12288 at 2 tokens, their staging capacity); Q6_K and Q8_0 at 3-8 tokens too
+# (8 x 3072: the staging).
+SHAPES = {Q4_K: [(1, 37, 256), (1, 21, 2048), (1, 21, 4096), (2, 19, 2560), (2, 9, 12288),
+                 (3, 19, 2048), (5, 11, 1024), (8, 7, 4096)],
+          "staged": [(1, 37, 2048), (1, 21, 4096), (2, 19, 6144), (2, 9, 12288)],
+          "eight": [(3, 9, 2048), (8, 7, 3072)]}
 STORE_CASES = ([(Q4_K, *shape, rows) for shape in SHAPES[Q4_K] for rows in (0, 1, 2)]
-               + [(qt, *shape, 0) for qt in TYPES if qt != Q4_K for shape in SHAPES["staged"]])
+               + [(qt, *shape, 0) for qt in TYPES if qt != Q4_K for shape in SHAPES["staged"]]
+               + [(qt, *shape, 0) for qt in (Q6_K, Q8_0) for shape in SHAPES["eight"]])
 
 
 @pytest.mark.parametrize("qtype,t,n,k,rows", STORE_CASES,
@@ -178,7 +184,8 @@ def test_int8_activations_stay_within_their_rounding(emulated):
 @pytest.mark.parametrize("qtype,t,n,k,rows", [(Q4_K, 1, 17, 4096, 0), (Q4_K, 2, 12, 2560, 1),
                                               (Q4_K, 2, 7, 512, 2), (Q6_K, 1, 17, 12288, 0),
                                               (Q5_K, 2, 12, 4096, 0),
-                                              (Q6_K, 2, 9, 768, 0)])   # padded rows
+                                              (Q6_K, 2, 9, 768, 0),    # padded rows
+                                              (Q4_K, 8, 11, 2048, 0), (Q6_K, 5, 9, 2048, 0)])
 def test_residual_add(emulated, qtype, t, n, k, rows):
     x, blocks, w, _, g = _case(t, n, k, seed=7 * n + rows, qtype=qtype)
     residual = torch.randn(t, n, generator=g).to(BF16)
@@ -195,7 +202,8 @@ def test_residual_add(emulated, qtype, t, n, k, rows):
 
 @pytest.mark.parametrize("qtype,t,inter,k,rows,norm", [
     (Q4_K, 1, 20, 4096, 0, True), (Q4_K, 2, 13, 2560, 2, False), (Q4_K, 1, 9, 512, 1, True),
-    (Q8_0, 1, 20, 4096, 0, True), (Q4_0, 2, 9, 2048, 0, False)])
+    (Q8_0, 1, 20, 4096, 0, True), (Q4_0, 2, 9, 2048, 0, False), (Q4_K, 6, 9, 2048, 0, True),
+    (Q8_0, 3, 7, 1024, 0, True)])
 def test_swiglu(emulated, qtype, t, inter, k, rows, norm):
     x, blocks, w, nw, _ = _case(t, 2 * inter, k, seed=inter + k, qtype=qtype)
     xn = _normed(x, nw, norm)
@@ -219,7 +227,8 @@ def test_refuses_what_the_entry_point_refuses(emulated):
     out = torch.zeros(1, 8, dtype=BF16)
     args = (_ptr(out), 0, _ptr(x), blocks.ctypes.data, None, None, x.stride(0), 8)
     assert emulated(*args, 1, 8, 256, Q4_K, STORE, 0, 1e-6)
-    assert not emulated(*args, 3, 8, 256, Q4_K, STORE, 0, 1e-6)          # 3 tokens: gguf_gemv's
+    assert not emulated(*args, 9, 8, 256, Q4_K, STORE, 0, 1e-6)          # 1-8 tokens: Q4_K,
+    assert not emulated(*args, 3, 8, 256, Q4_0, STORE, 0, 1e-6)          # Q6_K, Q8_0; else 1-2
     assert not emulated(*args, 1, 8, 32768 + 256, Q4_K, STORE, 0, 1e-6)  # past the staging
     assert not emulated(*args, 1, 8, 24576 + 2048, Q6_K, STORE, 0, 1e-6)  # (staged: less room)
     assert not emulated(*args, 1, 8, 200, Q4_K, STORE, 0, 1e-6)          # not whole blocks
@@ -243,8 +252,10 @@ def emulated_moe(tmp_path_factory):
 EXPERT_MAP = np.array([4, 0, 2, -1, 1, 3], dtype=np.int32)
 IDS = np.array([[1, 3, 5], [0, 1, 4], [5, 2, 1]], dtype=np.int32)
 # (gate/up type, down type, H, I): the Q4_K_M mix (Q6_K down rows of 630 bytes padded to 640,
-# I = 768 as Qwen3-30B-A3B's), all Q4_K, and staged gate/up rows (Q6_K: 420 bytes padded).
-MOE_CASES = [(Q4_K, Q6_K, 512, 768), (Q4_K, Q4_K, 512, 512), (Q8_0, Q8_0, 256, 128),
+# I = 768 as Qwen3-30B-A3B's), all Q4_K (short rows both halves; gate/up rows past 2048), and
+# staged gate/up rows (Q6_K: 420 bytes padded).
+MOE_CASES = [(Q4_K, Q6_K, 512, 768), (Q4_K, Q4_K, 512, 512), (Q4_K, Q4_K, 2304, 256),
+             (Q8_0, Q8_0, 256, 128), (Q8_0, Q8_0, 256, 64),
              (Q5_1, Q5_0, 256, 128),
              (Q6_K, Q5_K, 512, 256)]
 

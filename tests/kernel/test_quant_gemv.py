@@ -148,11 +148,14 @@ def test_linears_take_the_selected_gemv(variant, monkeypatch):
 # (tests/kernel/test_gguf_gemv_q8_emulated.py); here the compiled kernel runs them.
 
 Q8_CASES = ([(12, *shape, rows) for shape in ((1, 37, 256), (1, 21, 4096), (2, 19, 2560),
-                                               (2, 9, 12288), (1, 4099, 4096))
+                                               (2, 9, 12288), (1, 4099, 4096), (1, 4099, 2048))
              for rows in (0, 1, 2)]
             + [(qt, *shape, 0) for qt in (2, 3, 6, 7, 8, 13, 14)
                for shape in ((1, 37, 2048), (2, 19, 6144), (2, 9, 12288), (1, 4099, 4096))]
-            + [(14, 2, 37, 768, 0)])   # Q6_K rows of 630 bytes, padded to 640 (gpu_rows)
+            + [(14, 2, 37, 768, 0)]    # Q6_K rows of 630 bytes, padded to 640 (gpu_rows)
+            # 3-8 tokens: Q4_K, Q6_K and Q8_0 (3, 5 with masked tokens; 8 x K at the staging)
+            + [(qt, t, 1031, k, 0) for qt, k in ((12, 2048), (12, 4096), (14, 3072), (8, 2048))
+               for t in (3, 5, 8)])
 
 
 @pytest.mark.parametrize("qtype,t,n,k,rows", Q8_CASES,
@@ -188,9 +191,10 @@ def test_gguf_gemv_q8_epilogues_match_the_reference_chain(mode, qtype):
     from freetoken.kernel import reference
     from tests.kernel.test_gguf_gemv_q8_emulated import _case, q8_bound, quantize_rows
 
-    for t in (1, 2):
+    for t in (1, 2, 8):
         rows = 2 * 24 if mode == 2 else 24
-        x, blocks, w, nw, g = _case(t, rows, 4096, seed=mode * 10 + t, qtype=qtype)
+        k = 4096 if t <= 2 else 2048                  # 8 tokens: x within every staging
+        x, blocks, w, nw, g = _case(t, rows, k, seed=mode * 10 + t, qtype=qtype)
         base = torch.randn(t, 24, generator=g).to(torch.bfloat16)
         norm = nw if mode == 2 else None
         want = base.clone()
@@ -222,9 +226,12 @@ def test_gguf_gemv_q8_refuses_what_it_does_not_read():
         ops.gguf_gemv_q8(out, x, q4k, 12, mode=3)
     with pytest.raises(Exception, match="float32 out is for mode 0"):
         ops.gguf_gemv_q8(out, x, q4k, 12, mode=1)
-    with pytest.raises(Exception, match="at most 2 rows of x"):
-        ops.gguf_gemv_q8(torch.empty(3, 4, device="cuda"), x.expand(3, 256).contiguous(), q4k,
+    with pytest.raises(Exception, match="at most 8 rows of x"):
+        ops.gguf_gemv_q8(torch.empty(9, 4, device="cuda"), x.expand(9, 256).contiguous(), q4k,
                          12)
+    with pytest.raises(Exception, match="at most 2 rows of x"):
+        ops.gguf_gemv_q8(torch.empty(3, 4, device="cuda"), x.expand(3, 256).contiguous(),
+                         torch.zeros(4, 144, device="cuda", dtype=torch.uint8), 2)
     big = torch.zeros(1, 256 * 129, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(Exception, match="32768 values"):
         ops.gguf_gemv_q8(out, big, torch.zeros(4, 144 * 129, device="cuda", dtype=torch.uint8),

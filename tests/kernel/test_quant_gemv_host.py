@@ -72,7 +72,13 @@ def test_fp8_gemv_reads_power_of_two_or_whole_row_blocks():
 def test_gguf_gemv_q8_reads_steps_within_its_staging():
     assert quant_gemv.q8_reads(12, 4096, 1) and quant_gemv.q8_reads(12, 12288, 2)
     assert quant_gemv.q8_reads(12, 32768, 1) and not quant_gemv.q8_reads(12, 32768, 2)
-    assert not quant_gemv.q8_reads(12, 4096, 3)               # 3 tokens: gguf_gemv
+    # Q4_K, Q6_K and Q8_0 take up to 8 tokens, the other types 2; x within the staging
+    assert quant_gemv.q8_reads(12, 4096, 3) and quant_gemv.q8_reads(12, 4096, 8)
+    assert not quant_gemv.q8_reads(12, 4096, 9) and not quant_gemv.q8_reads(12, 8192, 5)
+    assert quant_gemv.q8_reads(14, 3072, 8) and quant_gemv.q8_reads(8, 2048, 8)
+    assert not quant_gemv.q8_reads(2, 256, 3) and not quant_gemv.q8_reads(13, 256, 3)
+    assert [quant_gemv.q8_max_tokens(qt, k) for qt, k in
+            ((12, 2048), (12, 8192), (14, 12288), (2, 256), (10, 256))] == [8, 4, 2, 2, 0]
     # the staged types: less room; any row of whole blocks (the GPU pads rows to 16 bytes)
     assert quant_gemv.q8_reads(14, 4096, 2) and quant_gemv.q8_reads(14, 12288, 2)
     assert not quant_gemv.q8_reads(14, 16384, 2) and quant_gemv.q8_reads(14, 256, 1)

@@ -194,17 +194,20 @@ def to_gguf(hf, folder, seed: int, mix: dict) -> dict:
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_fused_gguf_steps_match_the_unfused_chain(mix, tmp_path, reference_ops, monkeypatch):
-    """GGUF projections on the fused path (gguf_gemv_q8, v3) at steps of 1-2 tokens (3-4 take
-    the unfused chain); a qkv of two block types runs one product per part into its columns.
+    """GGUF projections on the fused path (gguf_gemv_q8, v3) at steps of up to 8 tokens where
+    every part is Q4_K, Q6_K or Q8_0 (x within the staging) and 2 where one is another type
+    (wider steps take the unfused chain); a qkv of two block types runs one product per part
+    into its columns.
     The unfused model's GGUF products quantize their activations exactly as gguf_gemv_q8 does
     (kernel/reference.py) at those steps, so the two differ by float32 order alone, as the float
     fused step does from transformers; a wrong buffer, part offset, norm weight or residual add
     is off by O(1). (The int8 sums themselves: tests/kernel/test_gguf_gemv_q8_emulated.py.)"""
     monkeypatch.setenv("FREETOKEN_QUANT_GEMV", "v3")
     calls = []
+    most = 2 if mix == "q4_0" else 8     # the kernel's tokens for Q4_0 / Q4_K, Q6_K, Q8_0
 
     def int8_matmul(out, x, qweight, qtype):
-        if x.shape[0] <= fused_decode.QUANT_MAX_TOKENS:
+        if x.shape[0] <= most:
             reference.gguf_gemv_q8(out, x, qweight, qtype)
         else:
             reference.quant_matmul(out, x, qweight, qtype)
@@ -220,7 +223,7 @@ def test_fused_gguf_steps_match_the_unfused_chain(mix, tmp_path, reference_ops, 
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     blocks = to_gguf(hf, tmp_path, seed=5, mix=MIXES[mix])
     config, plain, fused = _models(tmp_path, blocks)
-    assert all(layer.max_tokens == fused_decode.QUANT_MAX_TOKENS for layer in fused._fused)
+    assert all(layer.max_tokens == most for layer in fused._fused)
     assert all(isinstance(layer.qkv, fused_decode.QuantProjection) for layer in fused._fused)
     qkv_parts = len(fused._fused[0].qkv.parts)
     assert qkv_parts == (2 if mix == "q4_k_m" else 1)
@@ -231,10 +234,11 @@ def test_fused_gguf_steps_match_the_unfused_chain(mix, tmp_path, reference_ops, 
     for runner in runners:
         for seq, prompt in enumerate(prompts):
             runner.step([(seq, prompt)])
-    for chunks in ([(0, [5]), (1, [6])], [(1, [7])], [(0, [8, 9, 10])], [(0, [11])]):
+    for chunks in ([(0, [5]), (1, [6])], [(1, [7])], [(0, [8, 9, 10])], [(0, [11])],
+                   [(0, list(range(12, 17))), (1, [17, 18, 19])], [(1, list(range(20, 29)))]):
         calls.clear()
         theirs, ours = (r.step(chunks).clone() for r in runners)
-        fused_step = sum(len(tokens) for _, tokens in chunks) <= fused_decode.QUANT_MAX_TOKENS
+        fused_step = sum(len(tokens) for _, tokens in chunks) <= most
         # store (qkv, per part), add (o), SwiGLU (gate_up), add (down) per layer, fused steps only
         layer_calls = [0] * qkv_parts + [1, 2, 1]
         assert calls == (layer_calls * config.num_layers if fused_step else []), calls

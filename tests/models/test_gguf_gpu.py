@@ -101,8 +101,9 @@ def test_k_quant_mix_stays_in_vram_and_matches_the_dequantized_float_path(tmp_pa
 
 @pytest.mark.parametrize("mix", ["all-q4_k", "q4_k_m"])
 def test_fused_decode_v3_matches_the_dequantized_float_path(tmp_path, monkeypatch, mix):
-    """FREETOKEN_QUANT_GEMV=v3: every GGUF projection of a 1-2 token step runs gguf_gemv_q8 on
-    the fused chain (int8 activations: a rounding far inside REL_TOL); in the Q4_K_M-like mix
+    """FREETOKEN_QUANT_GEMV=v3: every GGUF projection of a 1-8 token step (Q4_K and Q6_K rows
+    of K = 2048 take 8) runs gguf_gemv_q8 on the fused chain (int8 activations: a rounding far
+    inside REL_TOL); in the Q4_K_M-like mix
     qkv is two parts (Q4_K q and k, Q6_K v) and down is Q6_K, read by the staged kernel."""
     from freetoken.models.forward import fused_decode
 
@@ -112,7 +113,7 @@ def test_fused_decode_v3_matches_the_dequantized_float_path(tmp_path, monkeypatc
     gpu = load_model(str(path), device="cuda")
     reference = load_model(str(path), device="cuda", dtype="float32")
     assert gpu.model._fused is not None and reference.model._fused is None
-    assert all(isinstance(layer.qkv, fused_decode.QuantProjection) and layer.max_tokens == 2
+    assert all(isinstance(layer.qkv, fused_decode.QuantProjection) and layer.max_tokens == 8
                for layer in gpu.model._fused)
     assert len(gpu.model._fused[0].qkv.parts) == (1 if mix == "all-q4_k" else 2)
     assert gpu.model._lm_head._q8 is not None       # Q6_K head, K = 2048: gguf_gemv_q8 too

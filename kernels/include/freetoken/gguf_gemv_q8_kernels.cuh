@@ -1,5 +1,5 @@
 // The device half of gguf_gemv_q8 (kernels/cuda/gguf_gemv_q8.cu holds the launches and checks):
-// the decode GEMV (1-2 tokens) over GGUF rows on int8 activations, with the fused decode step's
+// the decode GEMV (1-8 tokens) over GGUF rows on int8 activations, with the fused decode step's
 // prologue and epilogues, and the two halves of the MoE decode step over GGUF experts, which are
 // the same kernels reading gathered rows. Q4_K rows stream straight into registers (below);
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K and Q6_K rows, whose blocks are not all 16-byte aligned,
@@ -51,13 +51,20 @@ namespace freetoken {
 namespace gemv_q8 {
 
 constexpr int kWarps = 8, kThreads = kWarps * kWarp;
-constexpr int kMaxTokens = 2;
+// Tokens one call takes: 1, 2, 4 or 8 a kernel (3 runs the 4-token one with a token masked).
+// The types a 4-bit K-quant or Q6_K / Q8_0 file keeps most of its bytes in take up to 8, so a
+// batch of 8 reads each weight once; the rest take up to kMaxTokensOther.
+constexpr int kMaxTokens = 8, kMaxTokensOther = 2;
 constexpr int kXCapacity = 32768;  // int8 x values a block stages: tokens * K at most
 // The staged kernel: 4 warps, one output row each (two weight rows for SwiGLU), and room for
 // x beside the weight chunks within 48 KB of shared memory.
 constexpr int kStagedWarps = 4, kStagedThreads = kStagedWarps * kWarp;
 constexpr int kStagedCapacity = 24576;
 constexpr int kUnroll = 4;         // 16-byte weight words in flight per lane and row
+// Q4_K rows of at most kShortUnits units (K <= 2048) fill only 2 of those 4 words a lane: their
+// kernel holds 2, which halves the registers the loads take and fits 2 blocks on an SM where
+// the SwiGLU pair's 4-word kernel fit one (172 registers a thread).
+constexpr int kShortUnroll = 2, kShortUnits = kShortUnroll * kWarp;
 constexpr int kBlockBytes = 144, kBlockWeights = 256;  // Q4_K
 constexpr int kUnitsPerBlock = 8;  // lanes (16-byte words of nibbles) per Q4_K block
 constexpr int kMaxTopK = 16;       // routed experts per token the MoE halves take
@@ -74,7 +81,7 @@ struct Args {
   const bf16* bias;    // [N] or null (kStore only)
   const bf16* norm;    // [K] RMSNorm weight, or null for x as it is
   int64_t n, k, row_bytes, ldx, ldo;
-  int tokens;          // 1..kMaxTokens: the kernel's NT (the MoE halves: 1 per block)
+  int tokens;          // 1..NT, the kernel's tokens (the MoE halves: 1 per block)
   bool out_f32;
   float eps;
   // MoE decode (gather != kDense): w holds S experts' matrices expert_bytes apart
@@ -85,7 +92,17 @@ struct Args {
   int top_k = 1, experts = 0, slots = 0;
   int64_t expert_bytes = 0;
   int64_t seg = 0;                  // kExpertDown: weights per expert row (I); k = top_k * seg
+  // The launch: the grid's y extent (1, pairs or tokens) and the SMs its x extent is sized
+  // for (0: one block per row group; see kResident)
+  int grid_y = 1, sms = 0;
 };
+
+// Where the row groups outnumber them, a launch keeps about one wave of blocks (x times y):
+// what an SM holds of each kernel (2 of the Q4_K kernel's 256-thread blocks, their registers'
+// limit; 4 of the staged kernel's 128-thread ones) times the SMs. Each block then stages x
+// once and streams several row groups, where a block per group re-quantized x for every 8 or
+// 4 rows (at 8 tokens and a 152k-row head, re-reading x cost more than the weights).
+constexpr int kResidentQ4k = 2, kResidentStaged = 4;
 
 using Word = Vec<uint32_t, 4>;
 
@@ -148,9 +165,11 @@ template <int NT, int THREADS>
 __device__ void stage_x(const Args& a, const bf16* x, int8_t* xq, float* xds,
                         const float* seg_scale = nullptr) {
   __shared__ float inv_rms[NT];
-  if (a.norm != nullptr) block_inv_rms<bf16, NT, THREADS>(x, a.ldx, a.k, NT, a.eps, inv_rms);
+  if (a.norm != nullptr) {
+    block_inv_rms<bf16, NT, THREADS>(x, a.ldx, a.k, a.tokens, a.eps, inv_rms);
+  }
   const int64_t groups = a.k / 32;
-  for (int64_t gi = threadIdx.x; gi < NT * groups; gi += THREADS) {
+  for (int64_t gi = threadIdx.x; gi < a.tokens * groups; gi += THREADS) {
     const int t = static_cast<int>(gi / groups);
     const int64_t g = gi % groups;
     const bf16* xp = x + t * a.ldx + 32 * g;
@@ -237,13 +256,12 @@ struct Q4kRows {
   }
 };
 
-// The lane's words of units u0 + i * 32 + lane (i < kUnroll) of every row it reads.
-template <int GATHER, int NW>
+// The lane's words of units u0 + i * 32 + lane (i < KU) of every row it reads.
+template <int GATHER, int NW, int KU>
 __device__ __forceinline__ void load_units(const Q4kRows<GATHER, NW>& rows, int u0, int units,
-                                           int lane, Word (&hdr)[kUnroll][NW],
-                                           Word (&qs)[kUnroll][NW]) {
+                                           int lane, Word (&hdr)[KU][NW], Word (&qs)[KU][NW]) {
 #pragma unroll
-  for (int i = 0; i < kUnroll; ++i) {
+  for (int i = 0; i < KU; ++i) {
     const int u = u0 + i * kWarp + lane;
     if (u >= units) break;
     const int j = u % kUnitsPerBlock;
@@ -273,6 +291,7 @@ __device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int6
     if (n >= a.n) break;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
+      if (t >= a.tokens) break;
       const float v = acc[r][t];
       const int64_t at = out_row + t * a.ldo + n;
       if (MODE == kStore) {
@@ -304,19 +323,22 @@ __device__ __forceinline__ void zero_rows(const Args& a, int64_t n0, int64_t out
     if (n0 + r < a.n) static_cast<bf16*>(a.out)[out_row + n0 + r] = from_float<bf16>(0.f);
 }
 
-// out[t, n] for the warp's R output rows n (kSwiGLU: R gate rows and their R up rows).
-template <int R, int NT, int MODE, int GATHER = kDense>
-__global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
+// out[t, n] for the warp's R output rows n (kSwiGLU: R gate rows and their R up rows), KU
+// words in flight per lane and row.
+template <int R, int NT, int MODE, int GATHER = kDense, int KU = kUnroll>
+__global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv_kernel(Args a) {
   __shared__ __attribute__((aligned(16))) int8_t xq[kXCapacity];
   __shared__ __attribute__((aligned(16))) float xds[kXCapacity / 16];
   __shared__ const uint8_t* seg_w[kMaxTopK];
   __shared__ float seg_scale[kMaxTopK];
   constexpr int NW = MODE == kSwiGLU ? 2 * R : R;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R;
-  const bool live = n0 < a.n;
+  // Rows n0, n0 + step, ...: a grid smaller than the rows (Args::grid_rows) stages x once per
+  // block and streams several row groups through it.
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarps * R;
+  int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R;
   const int units = static_cast<int>(a.k / kBlockWeights * kUnitsPerBlock);
-  Word hdr[kUnroll][NW], qs[kUnroll][NW];
+  Word hdr[KU][NW], qs[KU][NW];
   // The dense product's first weights stream in while the previous kernel drains
   // (programmatic launch) and while x is staged; x itself is read only after
   // wait_for_inputs(). The MoE halves read ids the previous kernels wrote: kExpertDown's come
@@ -327,71 +349,82 @@ __global__ void __launch_bounds__(kThreads) q4k_gemv_kernel(Args a) {
   Q4kRows<GATHER, NW> rows;
   rows.base = view.w;
   rows.seg_w = seg_w;
-#pragma unroll
-  for (int r = 0; r < NW; ++r) {
-    int64_t row = n0 + r % R;
-    row = row < a.n ? row : a.n - 1;  // rows past N repeat the last (their sums are dropped)
-    rows.off[r] = (row + (r >= R ? a.n : 0)) * a.row_bytes;
-  }
   rows.units_per_seg = static_cast<int>(a.seg / kBlockWeights * kUnitsPerBlock);
-  if (live && !view.skip) load_units<GATHER, NW>(rows, 0, units, lane, hdr, qs);
+  auto row_group = [&](int64_t first) {
+#pragma unroll
+    for (int r = 0; r < NW; ++r) {
+      int64_t row = first + r % R;
+      row = row < a.n ? row : a.n - 1;  // rows past N repeat the last (their sums are dropped)
+      rows.off[r] = (row + (r >= R ? a.n : 0)) * a.row_bytes;
+    }
+  };
+  row_group(n0);
+  if (n0 < a.n && !view.skip) load_units<GATHER, NW, KU>(rows, 0, units, lane, hdr, qs);
   if constexpr (GATHER != kExpertGateUp) wait_for_inputs();
   if (view.skip) {  // uniform over the block
     allow_dependents();
-    if (live) zero_rows<R>(a, n0, view.out_row, lane);
+    for (; n0 < a.n; n0 += step) zero_rows<R>(a, n0, view.out_row, lane);
     return;
   }
   stage_x<NT, kThreads>(a, view.x, xq, xds, GATHER == kExpertDown ? seg_scale : nullptr);
-  if (!live) return;  // whole warps: nothing below synchronises the block
   // this lane's place in every block it reads: word j = 2c + h (see the file comment)
   const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
   const int64_t groups = a.k / 32;
-  float acc[NW][NT] = {};
-  for (int u0 = 0; u0 < units; u0 += kWarp * kUnroll) {
-    if (u0 > 0) load_units<GATHER, NW>(rows, u0, units, lane, hdr, qs);
+  // whole warps from here: nothing below synchronises the block
+  for (bool first = true; n0 < a.n; n0 += step, first = false) {
+    if (!first) {
+      row_group(n0);
+      load_units<GATHER, NW, KU>(rows, 0, units, lane, hdr, qs);
+    }
+    float acc[NW][NT] = {};
+    for (int u0 = 0; u0 < units; u0 += kWarp * KU) {
+      if (u0 > 0) load_units<GATHER, NW, KU>(rows, u0, units, lane, hdr, qs);
 #pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const int u = u0 + i * kWarp + lane;
-      if (u >= units) break;
-      const int64_t blk = u / kUnitsPerBlock;
-      float f0[NW], f1[NW], m[NW][2];
-#pragma unroll
-      for (int r = 0; r < NW; ++r) {
-        const float d = gguf::half_bits_to_float(hdr[i][r].v[0] & 0xFFFFu);
-        const float dmin = gguf::half_bits_to_float(hdr[i][r].v[0] >> 16);
-        float sc0, mn0, sc1, mn1;
-        scale_min(hdr[i][r], 2 * c, &sc0, &mn0);
-        scale_min(hdr[i][r], 2 * c + 1, &sc1, &mn1);
-        f0[r] = d * sc0;
-        f1[r] = d * sc1;
-        m[r][0] = h == 0 ? dmin * mn0 : 0.f;  // each sub-block's min term counted once
-        m[r][1] = h == 0 ? dmin * mn1 : 0.f;
-      }
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* xp = xq + t * a.k + blk * kBlockWeights + 64 * c + 16 * h;
-        const Word x0 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp));
-        const Word x1 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp + 32));
-        // (d, d * sum q) of sub-blocks 2c and 2c + 1: 4 floats, 16-byte aligned (2c even)
-        const Vec<float, 4> ds = load_vec<float, 4>(xds + 2 * (t * groups + blk * 8 + 2 * c));
+      for (int i = 0; i < KU; ++i) {
+        const int u = u0 + i * kWarp + lane;
+        if (u >= units) break;
+        const int64_t blk = u / kUnitsPerBlock;
+        float f0[NW], f1[NW], m[NW][2];
 #pragma unroll
         for (int r = 0; r < NW; ++r) {
-          int p0 = 0, p1 = 0;
+          const float d = gguf::half_bits_to_float(hdr[i][r].v[0] & 0xFFFFu);
+          const float dmin = gguf::half_bits_to_float(hdr[i][r].v[0] >> 16);
+          float sc0, mn0, sc1, mn1;
+          scale_min(hdr[i][r], 2 * c, &sc0, &mn0);
+          scale_min(hdr[i][r], 2 * c + 1, &sc1, &mn1);
+          f0[r] = d * sc0;
+          f1[r] = d * sc1;
+          m[r][0] = h == 0 ? dmin * mn0 : 0.f;  // each sub-block's min term counted once
+          m[r][1] = h == 0 ? dmin * mn1 : 0.f;
+        }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const uint32_t wv = qs[i][r].v[e];
-            p0 = dot4_i8(wv & 0x0F0F0F0Fu, x0.v[e], p0);
-            p1 = dot4_i8((wv >> 4) & 0x0F0F0F0Fu, x1.v[e], p1);
+        for (int t = 0; t < NT; ++t) {
+          if (t >= a.tokens) break;
+          const int8_t* xp = xq + t * a.k + blk * kBlockWeights + 64 * c + 16 * h;
+          const Word x0 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp));
+          const Word x1 = load_vec<uint32_t, 4>(reinterpret_cast<const uint32_t*>(xp + 32));
+          // (d, d * sum q) of sub-blocks 2c and 2c + 1: 4 floats, 16-byte aligned (2c even)
+          const Vec<float, 4> ds =
+              load_vec<float, 4>(xds + 2 * (t * groups + blk * 8 + 2 * c));
+#pragma unroll
+          for (int r = 0; r < NW; ++r) {
+            int p0 = 0, p1 = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t wv = qs[i][r].v[e];
+              p0 = dot4_i8(wv & 0x0F0F0F0Fu, x0.v[e], p0);
+              p1 = dot4_i8((wv >> 4) & 0x0F0F0F0Fu, x1.v[e], p1);
+            }
+            acc[r][t] += f0[r] * ds.v[0] * static_cast<float>(p0) +
+                         f1[r] * ds.v[2] * static_cast<float>(p1) -
+                         (m[r][0] * ds.v[1] + m[r][1] * ds.v[3]);
           }
-          acc[r][t] += f0[r] * ds.v[0] * static_cast<float>(p0) +
-                       f1[r] * ds.v[2] * static_cast<float>(p1) -
-                       (m[r][0] * ds.v[1] + m[r][1] * ds.v[3]);
         }
       }
     }
+    if (n0 + step >= a.n) allow_dependents();  // the warp's last row group
+    finish<R, MODE>(a, acc, n0, view.out_row, lane);
   }
-  allow_dependents();
-  finish<R, MODE>(a, acc, n0, view.out_row, lane);
 }
 
 // out[t, n] for the warp's one output row n (kSwiGLU: its gate and up rows) over blocks of QT,
@@ -409,55 +442,68 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
   __shared__ const uint8_t* seg_w[kMaxTopK];
   __shared__ float seg_scale[kMaxTopK];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kStagedWarps + warp;
-  const bool live = n0 < a.n;
-  const int64_t row = n0 < a.n ? n0 : a.n - 1;
+  // rows n0, n0 + step, ... (a grid smaller than the rows: Args::grid_rows)
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kStagedWarps;
+  int64_t n0 = static_cast<int64_t>(blockIdx.x) * kStagedWarps + warp;
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
   const uint8_t* rows[NW];
+  int64_t row = 0;
+  auto set_row = [&](int64_t n) {
+    row = n < a.n ? n : a.n - 1;
 #pragma unroll
-  for (int r = 0; r < NW; ++r) rows[r] = view.w + (row + (r > 0 ? a.n : 0)) * a.row_bytes;
-  if constexpr (GATHER == kExpertDown) rows[0] = seg_w[0] + row * a.row_bytes;
+    for (int r = 0; r < NW; ++r) rows[r] = view.w + (row + (r > 0 ? a.n : 0)) * a.row_bytes;
+    if constexpr (GATHER == kExpertDown) rows[0] = seg_w[0] + row * a.row_bytes;
+  };
+  set_row(n0);
   Stage stage;
   const int bytes = static_cast<int>(a.row_bytes < Stage::kChunk ? a.row_bytes : Stage::kChunk);
-  if (live && !view.skip) stage.load(rows, 0, bytes, lane);  // in flight while x is staged
+  if (n0 < a.n && !view.skip) stage.load(rows, 0, bytes, lane);  // in flight while x is staged
   if constexpr (GATHER != kExpertGateUp) wait_for_inputs();
   if (view.skip) {  // uniform over the block
     allow_dependents();
-    if (live) zero_rows<1>(a, n0, view.out_row, lane);
+    for (; n0 < a.n; n0 += step) zero_rows<1>(a, n0, view.out_row, lane);
     return;
   }
   stage_x<NT, kStagedThreads>(a, view.x, xq, xds, GATHER == kExpertDown ? seg_scale : nullptr);
-  if (!live) return;  // whole warps: below, only the warp synchronises
   const int64_t groups = a.k / 32;
-  float acc[NW][NT] = {};
   uint8_t* mine = staged[warp];
   const int segments = GATHER == kExpertDown ? a.top_k : 1;
-  for (int s = 0; s < segments; ++s) {
-    if (s > 0) {  // kExpertDown: the next expert's row
-      rows[0] = seg_w[s] + row * a.row_bytes;
+  // whole warps from here: below, only the warp synchronises
+  for (bool first = true; n0 < a.n; n0 += step, first = false) {
+    if (!first) {
+      set_row(n0);
       stage.load(rows, 0, bytes, lane);
     }
-    const int64_t col0 = s * a.seg;
-    gguf_stage::for_each_unit(stage, rows, a.row_bytes, bytes, mine, lane,
-                              [&](int blk, int64_t col, int u) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const uint32_t* xp = reinterpret_cast<const uint32_t*>(xq + t * a.k + col0 + col);
-        const Word x0 = load_vec<uint32_t, 4>(xp), x1 = load_vec<uint32_t, 4>(xp + 4);
-        const uint32_t xw[8] = {x0.v[0], x0.v[1], x0.v[2], x0.v[3],
-                                x1.v[0], x1.v[1], x1.v[2], x1.v[3]};
-        const Vec<float, 2> ds = load_vec<float, 2>(xds + 2 * (t * groups + (col0 + col) / 32));
-#pragma unroll
-        for (int r = 0; r < NW; ++r) {
-          acc[r][t] += gguf::dot32_q8<QT>(mine + r * Stage::kChunk + blk * B::kBytes, u, xw,
-                                          ds.v[0], ds.v[1]);
-        }
+    float acc[NW][NT] = {};
+    for (int s = 0; s < segments; ++s) {
+      if (s > 0) {  // kExpertDown: the next expert's row
+        rows[0] = seg_w[s] + row * a.row_bytes;
+        stage.load(rows, 0, bytes, lane);
       }
-    });
+      const int64_t col0 = s * a.seg;
+      gguf_stage::for_each_unit(stage, rows, a.row_bytes, bytes, mine, lane,
+                                [&](int blk, int64_t col, int u) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (t >= a.tokens) break;
+          const uint32_t* xp = reinterpret_cast<const uint32_t*>(xq + t * a.k + col0 + col);
+          const Word x0 = load_vec<uint32_t, 4>(xp), x1 = load_vec<uint32_t, 4>(xp + 4);
+          const uint32_t xw[8] = {x0.v[0], x0.v[1], x0.v[2], x0.v[3],
+                                  x1.v[0], x1.v[1], x1.v[2], x1.v[3]};
+          const Vec<float, 2> ds =
+              load_vec<float, 2>(xds + 2 * (t * groups + (col0 + col) / 32));
+#pragma unroll
+          for (int r = 0; r < NW; ++r) {
+            acc[r][t] += gguf::dot32_q8<QT>(mine + r * Stage::kChunk + blk * B::kBytes, u, xw,
+                                            ds.v[0], ds.v[1]);
+          }
+        }
+      });
+    }
+    if (n0 + step >= a.n) allow_dependents();  // the warp's last row
+    finish<1, MODE>(a, acc, n0, view.out_row, lane);
   }
-  allow_dependents();
-  finish<1, MODE>(a, acc, n0, view.out_row, lane);
 }
 
 /*! \brief int8 x values a block of the kernel for `qtype` stages (tokens * K at most). */
@@ -465,24 +511,51 @@ inline int64_t capacity(int qtype) {
   return qtype == gguf::kQ4_K ? kXCapacity : kStagedCapacity;
 }
 
+/*! \brief Whether `qtype` has kernels of 4 and 8 tokens (see kMaxTokens). */
+constexpr bool takes_eight(int qtype) {
+  return qtype == gguf::kQ4_K || qtype == gguf::kQ6_K || qtype == gguf::kQ8_0;
+}
+
+/*! \brief The most tokens one dense call over `qtype` rows takes. */
+inline int max_tokens(int qtype) { return takes_eight(qtype) ? kMaxTokens : kMaxTokensOther; }
+
 // Which kernel one call runs: go(kernel, blocks, threads) with the instantiation that the type,
 // the weight rows per warp (Q4_K: 1 or 2, 0 = by the tokens for the dense product and 1 for the
-// MoE halves; the staged types take one), the tokens, the mode and the gather select. False for a type none reads. The launch part and the
-// emulated tests both launch through it; the grid's y extent (1, pairs or tokens) is the
+// MoE halves; the staged types take one), the tokens (1, 2, 4 or 8 a kernel), the row length
+// (Q4_K rows of K <= 2048 take the short-row kernel), the mode and the gather select. False
+// for a type none reads. The launch part and the emulated tests both launch through it; the
+// grid's x extent follows kResident where a.sms is set, its y extent (a.grid_y) is the
 // caller's.
 template <int MODE, int GATHER = kDense, class Go>
 bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
-  const bool one = a.tokens == 1;
-  auto blocks = [&](int64_t rows_per_block) {
-    return static_cast<unsigned>(ceil_div(a.n, rows_per_block));
+  const int tokens = a.tokens;
+  const bool short_rows = a.k / 32 <= kShortUnits;  // a Q4_K row's 16-byte units: K / 32
+  auto grid = [&](int64_t rows_per_block, int resident) {
+    int64_t x = ceil_div(a.n, rows_per_block);
+    if (a.sms > 0) {
+      const int64_t wave = ceil_div(static_cast<int64_t>(a.sms) * resident, a.grid_y);
+      x = x < wave ? x : wave;
+    }
+    return static_cast<unsigned>(x);
   };
+  auto blocks = [&](int64_t rows_per_block) { return grid(rows_per_block, kResidentQ4k); };
   auto staged = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
-    if constexpr (GATHER == kDense) {
-      go(one ? staged_gemv_kernel<QT, 1, MODE> : staged_gemv_kernel<QT, 2, MODE>,
-         blocks(kStagedWarps), kStagedThreads);
+    const unsigned x = grid(kStagedWarps, kResidentStaged);
+    if constexpr (GATHER != kDense) {
+      go(staged_gemv_kernel<QT, 1, MODE, GATHER>, x, kStagedThreads);
+    } else if (tokens == 1) {
+      go(staged_gemv_kernel<QT, 1, MODE>, x, kStagedThreads);
+    } else if (tokens == 2) {
+      go(staged_gemv_kernel<QT, 2, MODE>, x, kStagedThreads);
+    } else if constexpr (takes_eight(QT)) {
+      if (tokens <= 4) {
+        go(staged_gemv_kernel<QT, 4, MODE>, x, kStagedThreads);
+      } else {
+        go(staged_gemv_kernel<QT, 8, MODE>, x, kStagedThreads);
+      }
     } else {
-      go(staged_gemv_kernel<QT, 1, MODE, GATHER>, blocks(kStagedWarps), kStagedThreads);
+      return false;
     }
     return true;
   };
@@ -491,15 +564,26 @@ bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
       if constexpr (GATHER != kDense) {  // one token per block row; rows: 1 (0) or 2 a warp
         if (rows == 2) {
           go(q4k_gemv_kernel<2, 1, MODE, GATHER>, blocks(2 * kWarps), kThreads);
+        } else if (short_rows) {
+          go(q4k_gemv_kernel<1, 1, MODE, GATHER, kShortUnroll>, blocks(kWarps), kThreads);
         } else {
           go(q4k_gemv_kernel<1, 1, MODE, GATHER>, blocks(kWarps), kThreads);
         }
-      } else if (rows == 2 || (rows == 0 && !one)) {
-        go(one ? q4k_gemv_kernel<2, 1, MODE> : q4k_gemv_kernel<2, 2, MODE>, blocks(2 * kWarps),
-           kThreads);
+      } else if (tokens > 2) {  // one row a warp: 4 or 8 tokens' sums are registers enough
+        if (tokens <= 4) {
+          go(q4k_gemv_kernel<1, 4, MODE, kDense, kShortUnroll>, blocks(kWarps), kThreads);
+        } else {
+          go(q4k_gemv_kernel<1, 8, MODE, kDense, kShortUnroll>, blocks(kWarps), kThreads);
+        }
+      } else if (rows == 2 || (rows == 0 && tokens == 2)) {
+        go(tokens == 1 ? q4k_gemv_kernel<2, 1, MODE> : q4k_gemv_kernel<2, 2, MODE>,
+           blocks(2 * kWarps), kThreads);
+      } else if (tokens == 2) {
+        go(q4k_gemv_kernel<1, 2, MODE>, blocks(kWarps), kThreads);
+      } else if (short_rows) {
+        go(q4k_gemv_kernel<1, 1, MODE, kDense, kShortUnroll>, blocks(kWarps), kThreads);
       } else {
-        go(one ? q4k_gemv_kernel<1, 1, MODE> : q4k_gemv_kernel<1, 2, MODE>, blocks(kWarps),
-           kThreads);
+        go(q4k_gemv_kernel<1, 1, MODE>, blocks(kWarps), kThreads);
       }
       return true;
     case gguf::kQ4_0: return staged(std::integral_constant<int, gguf::kQ4_0>());

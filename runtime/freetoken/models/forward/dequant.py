@@ -19,8 +19,8 @@ from typing import Any
 # A dense product of more than this many tokens dequantizes: on an H100 (8-layer Qwen3-8B in
 # Q4_K_M, benchmarks/results/h100-gpu_vs_llamacpp-qwen3-8b-q4km-first.log) gguf_gemv's bf16
 # dots took 6.2 ms a step at 8 tokens and gguf_matmul's tiles 14.6 ms at 32, where the
-# dequantizing pass plus cuBLAS moves ~8x the block bytes once (~4 ms); 1-2 tokens keep
-# gguf_gemv_q8, 3-4 gguf_gemv.
+# dequantizing pass plus cuBLAS moves ~8x the block bytes once (~4 ms). Steps that
+# gguf_gemv_q8 takes (up to 8 tokens for Q4_K, Q6_K and Q8_0, linear.QuantLinear) never get here.
 MIN_TOKENS = 4
 # Routed experts: steps of up to moe_decode_quant.MAX_TOKENS stream each routed pair's expert
 # (moe_q8_*); wider ones dequantize EXPERT_CHUNK experts per moe_experts call.

@@ -26,7 +26,7 @@ stores it, so the two paths differ only in the f32 summation order of the dot pr
 With FREETOKEN_QUANT_GEMV=v3, quantized projections take the same chain: GGUF blocks (bf16
 activations; every type gguf_gemv_q8 reads, and a qkv of row parts of different types, as the
 _M mixes write) through gguf_gemv_q8, whose blocks quantize their input to int8 after the
-RMSNorm prologue (quant_gemv.py), for steps of up to QUANT_MAX_TOKENS tokens, one launch more
+RMSNorm prologue (quant_gemv.py), for steps of up to what every part reads (2-8 tokens), one launch more
 per extra qkv part; FP8 weights through fp8_gemv_fused, at every fused step.
 """
 
@@ -56,7 +56,10 @@ if TYPE_CHECKING:
 # tensor cores do the work of 8 tokens at the cost of one.
 MAX_TOKENS = 4
 NORM_IN_PROLOGUE_TOKENS = 2
-QUANT_MAX_TOKENS = quant_gemv.Q8_MAX_TOKENS   # steps a layer with GGUF projections takes
+# Steps a layer with GGUF projections takes: at least QUANT_MIN_TOKENS (every part must read
+# them), up to what every part reads (quant_gemv.q8_max_tokens; 8 for Q4_K, Q6_K and Q8_0 rows
+# whose x fits the staging)
+QUANT_MIN_TOKENS = 2
 # gguf_gemv_q8 and fp8_gemv_fused launched as programmatic dependents (sm_90+): their blocks
 # start while the previous kernel drains, as decode_gemv's pdl variants
 Q8_PDL = True
@@ -189,7 +192,7 @@ def _gguf_parts(weight) -> list[QuantWeight] | None:
     parts = weight if isinstance(weight, list) else [weight]
     if env.read().quant_gemv != "v3" or not all(
             isinstance(p, QuantWeight) and hasattr(p.data, "data_ptr")
-            and quant_gemv.q8_reads(p.qtype, p.shape[1], QUANT_MAX_TOKENS) for p in parts):
+            and quant_gemv.q8_reads(p.qtype, p.shape[1], QUANT_MIN_TOKENS) for p in parts):
         return None
     if len(parts) > 1 and any(p.shape[0] % 8 for p in parts):
         return None
@@ -281,7 +284,6 @@ class QuantProjection:
     columns of the output (and bias); the norm always rides in the prologue (each block
     normalises x while it quantizes it)."""
 
-    plan = (GemvChoice(norm_prologue=True),) * (QUANT_MAX_TOKENS + 1)
     _MODES = {"qkv": quant_gemv.Q8_STORE, "add": quant_gemv.Q8_ADD,
               "swiglu": quant_gemv.Q8_SWIGLU}
 
@@ -291,6 +293,8 @@ class QuantProjection:
         for p in parts:
             starts.append(starts[-1] + p.shape[0])
         self.parts = [(p.data, p.qtype, a, b) for p, a, b in zip(parts, starts, starts[1:])]
+        self.max_tokens = min(quant_gemv.q8_max_tokens(p.qtype, p.shape[1]) for p in parts)
+        self.plan = (GemvChoice(norm_prologue=True),) * (self.max_tokens + 1)
         self._fn = ops.bind("gguf_gemv_q8", device)
 
     def __call__(self, out: Array, x: Array, tokens: int, norm: Array | None = None,
@@ -372,8 +376,7 @@ class FusedLayer:
             self.gate_up = proj("gate_up", "swiglu", inter, h)
             self.down = proj("down", "add", h, inter)
             projections += [self.gate_up, self.down]
-        quantized = any(isinstance(p, QuantProjection) for p in projections)
-        self.max_tokens = QUANT_MAX_TOKENS if quantized else MAX_TOKENS
+        self.max_tokens = min(getattr(p, "max_tokens", MAX_TOKENS) for p in projections)
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:

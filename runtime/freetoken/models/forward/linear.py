@@ -112,7 +112,8 @@ class QuantLinear:
     """out[T, N] = x[T, K] @ dequant(W).T (+ bias) on GGUF blocks, never dequantized at load: f32
     on the CPU (quant_matmul, or quant_matmul_packed over a copy repacked at load:
     packs_on_cpu); bf16 x and a bf16 or f32 out on a GPU, which may be a column slice of a wider
-    out (``strided_out``): gguf_gemv_q8 at 1-2 tokens, gguf_gemv at 3-4, the float GEMM over
+    out (``strided_out``): gguf_gemv_q8 at 1-8 tokens (1-2 for the types without its 8-token
+    kernels, and fewer where x outgrows its staging), gguf_gemv at 3-4, the float GEMM over
     the weight dequantized into the device's scratch above (dequant.py), gguf_matmul where the
     scratch does not hold it."""
 
@@ -142,9 +143,8 @@ class QuantLinear:
         self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
         # the most tokens gguf_gemv_q8 takes for this weight (0: none), decided once
-        self._q8_tokens = 0 if self._q8 is None else max(
-            t for t in range(quant_gemv.Q8_MAX_TOKENS + 1)
-            if t == 0 or quant_gemv.q8_reads(self.qtype, self.in_features, t))
+        self._q8_tokens = 0 if self._q8 is None else quant_gemv.q8_max_tokens(
+            self.qtype, self.in_features)
         # gguf_gemv_q8 adds a bf16 bias in its epilogue; another keeps the add after it
         self._q8_bias = bias if self._q8 is not None and _bf16_vector(bias) else None
 

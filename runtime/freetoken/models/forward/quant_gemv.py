@@ -15,7 +15,11 @@ from typing import Any, Callable
 from freetoken import env
 
 GEMV_MAX_TOKENS = 8                 # kernels/cuda/quant_gemv.cu kMaxTokens
-Q8_MAX_TOKENS = 2                   # kernels/cuda/gguf_gemv_q8.cu kMaxTokens
+# kernels/cuda/gguf_gemv_q8.cu kMaxTokens: Q4_K, Q6_K and Q8_0 (the types that hold most of a
+# K-quant or Q8_0 file's bytes) take up to 8 tokens, the others kMaxTokensOther
+Q8_MAX_TOKENS = 8
+Q8_EIGHT_TOKEN_TYPES = (12, 14, 8)
+Q8_MAX_TOKENS_OTHER = 2
 # The types gguf_gemv_q8 reads, (weights, bytes) per block: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 # Q4_K, Q5_K, Q6_K
 Q8_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
@@ -57,8 +61,13 @@ def q8_reads(qtype: int, cols: int, tokens: int = Q8_MAX_TOKENS) -> bool:
     if qtype not in Q8_BLOCKS:
         return False
     weights, _ = Q8_BLOCKS[qtype]
-    return (cols % weights == 0 and tokens <= Q8_MAX_TOKENS
-            and tokens * cols <= q8_capacity(qtype))
+    most = Q8_MAX_TOKENS if qtype in Q8_EIGHT_TOKEN_TYPES else Q8_MAX_TOKENS_OTHER
+    return cols % weights == 0 and tokens <= most and tokens * cols <= q8_capacity(qtype)
+
+
+def q8_max_tokens(qtype: int, cols: int) -> int:
+    """The most tokens one gguf_gemv_q8 call takes over this weight (0: none)."""
+    return max((t for t in range(1, Q8_MAX_TOKENS + 1) if q8_reads(qtype, cols, t)), default=0)
 
 
 def fp8_reads(fmt: int, block: tuple[int, int], cols: int) -> bool:
