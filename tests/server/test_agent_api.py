@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.agent.templates import write_family
+from tests.server.family_server import serve
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -21,22 +21,6 @@ TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "F
          {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
 ASK = [{"role": "user", "content": "Forecast for Paris?"}]
 NAMED = {"type": "function", "function": {"name": "forecast"}}
-
-
-def serve(tmp_path_factory, family):
-    from freetoken.engine.config import EngineConfig
-    from freetoken.engine.engine import Engine
-    from freetoken.models.loader import load_model
-    from freetoken.server.app import create_app
-    from freetoken.server.launch import ServerThread
-
-    directory = tmp_path_factory.mktemp(family)
-    write_family(directory, family)
-    loaded = load_model(str(directory), device="cpu")
-    engine = Engine.from_loaded(loaded, EngineConfig(num_tokens=4096, block_size=16,
-                                                     max_num_seqs=4, device="cpu")).start()
-    thread = ServerThread(create_app(engine, loaded.tokenizer, loaded.name)).start()
-    return thread, engine, loaded
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from freetoken.server.metrics import Metrics
 
 logger = logging.getLogger("freetoken.server")
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/stats",
-          "/health", "/metrics", "/openapi.json", "/docs")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+          "/v1/responses", "/v1/stats", "/health", "/metrics", "/openapi.json", "/docs")
 
 
 def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None = None,
@@ -30,12 +30,13 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None
     max_image_pixels caps the resized area of an image (None: the model's max_pixels).
     /openapi.json and /docs describe it."""
     from freetoken import __version__
-    from freetoken.server import anthropic, openai
+    from freetoken.server import anthropic, openai, responses
     from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest
     from freetoken.server.cache_route import create_cache_router
     from freetoken.server.metrics import create_admin_router
     from freetoken.server.openapi import install_openapi
     from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest
+    from freetoken.server.responses_protocol import ResponsesRequest
 
     app = FastAPI(title="FreeToken", version=__version__, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json")
@@ -47,10 +48,12 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, api_key: str | None
                                   max_image_pixels=max_image_pixels)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(responses.router)
     app.include_router(create_admin_router())
     app.include_router(create_cache_router())
     install_openapi(app, {"/v1/chat/completions": ChatCompletionRequest,
                           "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest,
                           "/v1/messages": MessagesRequest,
                           "/v1/messages/count_tokens": CountTokensRequest})
     install_error_handlers(app)
