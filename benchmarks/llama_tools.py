@@ -86,30 +86,33 @@ class LlamaServer:
 
     With `parallel` slots (`-np`) the `ctx` tokens (`-c`) are split evenly among them (a slot
     holds ctx / parallel); without it the server picks 4 slots sharing one unified KV.
-    `binary` names another build (the CUDA peer's).
+    `binary` names another build (the CUDA peer's); `repack=False` passes `--no-repack`.
     """
 
     def __init__(self, model: str, threads: int, ctx: int = 4096, gpu: bool = False,
-                 parallel: int | None = None, binary: Path | None = None):
+                 parallel: int | None = None, binary: Path | None = None,
+                 repack: bool = True):
         binary = binary or tool("llama-server")
         offload = ["-ngl", "99"] if gpu else []
         slots = ["-np", str(parallel)] if parallel else []
+        repacking = [] if repack else ["--no-repack"]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self._log = tempfile.TemporaryFile("w+")
         self.spawned = time.perf_counter()
         self._proc = subprocess.Popen(
-            [str(binary), "-m", model, "-t", str(threads), "-c", str(ctx), *slots, "--port",
-             str(self.port), "--host", "127.0.0.1", *offload, *_flash_attn_args(binary)],
+            [str(binary), "-m", model, "-t", str(threads), "-c", str(ctx), *slots, *repacking,
+             "--port", str(self.port), "--host", "127.0.0.1", *offload, *_flash_attn_args(binary)],
             stdout=subprocess.DEVNULL, stderr=self._log)
 
     def wait_ready(self) -> dict:
         url = f"http://127.0.0.1:{self.port}/health"
         while True:
-            if self._proc.poll() is not None:
+            if (code := self._proc.poll()) is not None:
                 self._log.seek(0)
-                raise ToolUnavailable("llama-server exited: " + self._log.read()[-400:])
+                raise ToolUnavailable(f"llama-server exited ({code}): "
+                                      + self._log.read()[-400:])
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as response:
                     if response.status == 200:
@@ -130,7 +133,11 @@ class LlamaServer:
 
 
 def stop_and_peak_rss_mb(proc: subprocess.Popen, log) -> float:
-    """Stop a server process (closing its log file); its peak RSS in MB."""
+    """Stop a server process (closing its log file); its peak RSS in MB (nan when it had
+    already exited: there is nothing left to read)."""
+    if proc.poll() is not None:
+        log.close()
+        return float("nan")
     status = Path(f"/proc/{proc.pid}/status").read_text()
     proc.terminate()
     proc.wait(timeout=60)

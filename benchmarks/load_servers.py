@@ -61,7 +61,9 @@ class FreeTokenServer:
 
     label = "FreeToken"
 
-    def __init__(self, plan: ServerPlan):
+    def __init__(self, plan: ServerPlan, env: dict[str, str] | None = None, log=None):
+        """`env`: more environment variables for the server; `log`: an open text file its
+        output goes to (default: a temporary one)."""
         self.base_url = f"http://127.0.0.1:{free_port()}"
         self._ft = str(Path(sys.executable).with_name("ft"))
         self.command = [
@@ -70,8 +72,8 @@ class FreeTokenServer:
             "--max-num-seqs", str(plan.max_num_seqs), "--num-tokens", str(plan.kv_tokens),
             # llama-server queues without bound: let every request of the run wait here too
             "--max-queued-requests", str(plan.queued)]
-        env = {**os.environ, "FREETOKEN_NUM_THREADS": str(plan.threads)}
-        self._log = tempfile.TemporaryFile("w+")
+        env = {**os.environ, "FREETOKEN_NUM_THREADS": str(plan.threads), **(env or {})}
+        self._log = log or tempfile.TemporaryFile("w+")
         self.spawned = time.perf_counter()
         self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                       env=env)
@@ -90,6 +92,11 @@ class FreeTokenServer:
         """Stop it (SIGTERM: it drains, then exits); its peak RSS in MB."""
         return llama_tools.stop_and_peak_rss_mb(self._proc, self._log)
 
+    @property
+    def exit_code(self) -> int | None:
+        """The process's exit status once it ended (None while it runs)."""
+        return self._proc.poll()
+
 
 class LlamaCppServer:
     """llama.cpp's `llama-server`: the CPU build of benchmarks/build_llama_cpp.sh, or on a GPU
@@ -98,7 +105,7 @@ class LlamaCppServer:
     label = "llama-server"
 
     def __init__(self, plan: ServerPlan):
-        gpu = plan.device == "cuda"
+        gpu = self._gpu = plan.device == "cuda"
         binary = None
         if gpu:
             from benchmarks.llama_cpp_cuda import paths
@@ -107,19 +114,34 @@ class LlamaCppServer:
                 binary = paths.tool("llama-server")
             except paths.PeerUnavailable as exc:
                 raise ServerUnavailable(str(exc)) from None
+        self._start = lambda repack: llama_tools.LlamaServer(
+            str(plan.model), plan.threads, ctx=plan.kv_tokens, gpu=gpu,
+            parallel=plan.max_num_seqs, binary=binary, repack=repack)
         try:
-            self._server = llama_tools.LlamaServer(str(plan.model), plan.threads,
-                                                   ctx=plan.kv_tokens, gpu=gpu,
-                                                   parallel=plan.max_num_seqs, binary=binary)
+            self._server = self._start(True)
         except llama_tools.ToolUnavailable as exc:
             raise ServerUnavailable(str(exc)) from None
         self.base_url = f"http://127.0.0.1:{self._server.port}"
 
     def wait_ready(self) -> dict:
+        """Ready; on the CPU, a server that dies while warming up is started again with
+        `--no-repack` and the result says so under "note"."""
         try:
             return self._server.wait_ready()
+        except llama_tools.ToolUnavailable as crash:
+            if self._gpu:
+                raise ServerUnavailable(str(crash)) from None
+            # NOTE: on some CPUs ggml's AMX matmul over weights repacked at load dies with
+            # SIGILL on the first prompt (llama_tools.bench_round meets it in llama-bench)
+            self._server.close()
+            first = str(crash).split(":", 1)[0]
+        self._server = self._start(False)
+        self.base_url = f"http://127.0.0.1:{self._server.port}"
+        try:
+            ready = self._server.wait_ready()
         except llama_tools.ToolUnavailable as exc:
             raise ServerUnavailable(str(exc)) from None
+        return {**ready, "note": f"--no-repack ({first} with weights repacked at load)"}
 
     def close(self) -> float:
         return self._server.close()

@@ -18,7 +18,8 @@ Both servers get the same budget (benchmarks/load_servers.py): `--max-num-seqs` 
 once (llama-server: `-np` slots with continuous batching) and a KV of that many times the
 longest request. llama-server comes from benchmarks/build_llama_cpp.sh on the CPU and from
 `python -m benchmarks.llama_cpp_cuda build` with `--device cuda`; without it, its column says
-so and FreeToken's runs.
+so and FreeToken's runs. On a CPU where it dies warming up over weights repacked at load
+(ggml's AMX matmul on some CPUs), it starts again with `--no-repack`, and the output says so.
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ def main(argv: list[str]) -> dict:
     for name, result in results.items():
         if "start_to_ready_s" in result:
             print(f"{labels[name]}: start->ready {result['start_to_ready_s']:.2f} s, peak RSS "
-                  f"{result['peak_rss_mb']:.0f} MB")
+                  f"{result['peak_rss_mb']:.0f} MB"
+                  + (f"; {result['note']}" if result.get("note") else ""))
     report = {"machine": machine_line(), "command": "python benchmarks/serve_load.py "
               + " ".join(argv), "model": str(model),
               "plan": {"max_num_seqs": plan.max_num_seqs, "kv_tokens": plan.kv_tokens,

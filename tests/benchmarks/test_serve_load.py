@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from benchmarks import load_client, load_report, load_stats, serve_load
+from benchmarks import llama_tools, load_client, load_report, load_servers, load_stats, serve_load
 from benchmarks.load_stats import RequestRecord
 from benchmarks.load_workload import (LengthDistribution, RequestSpec, WorkloadError,
                                       arrival_times)
@@ -192,6 +192,55 @@ def test_the_command_line():
             serve_load.parse_args(bad)
 
 
+# ---- the servers -------------------------------------------------------------------------------
+
+class FakeLlamaServer:
+    """llama_tools.LlamaServer's surface: dies warming up unless started with repack=False."""
+
+    started: list = []
+
+    def __init__(self, model, threads, ctx, gpu, parallel, binary, repack):
+        self.port, self.repack, self.closed = 4000 + len(self.started), repack, False
+        self.started.append(self)
+
+    def wait_ready(self):
+        if self.repack:
+            raise llama_tools.ToolUnavailable("llama-server exited (-4): warming up ...")
+        return {"start_to_ready_s": 0.5}
+
+    def close(self):
+        self.closed = True
+        return 100.0
+
+
+def test_a_llama_server_that_dies_over_repacked_weights_starts_again_without(monkeypatch,
+                                                                             tmp_path):
+    monkeypatch.setattr(llama_tools, "LlamaServer", FakeLlamaServer)
+    FakeLlamaServer.started = []
+    plan = load_servers.ServerPlan(tmp_path / "m.gguf", "cpu", 2, 4, 200, 8)
+    server, ready = load_servers.start_server("llama-server", plan)
+    first, second = FakeLlamaServer.started
+    assert first.repack and first.closed and not second.repack
+    assert server.base_url == "http://127.0.0.1:4001"
+    assert ready["note"] == ("--no-repack (llama-server exited (-4) with weights repacked "
+                             "at load)")
+    from benchmarks.llama_cpp_cuda import paths
+
+    monkeypatch.setattr(paths, "tool", lambda name: tmp_path / name)
+    FakeLlamaServer.started = []
+    with pytest.raises(load_servers.ServerUnavailable, match="exited"):   # a GPU: no retry
+        load_servers.start_server("llama-server", load_servers.ServerPlan(
+            tmp_path / "m.gguf", "cuda", 2, 4, 200, 8))
+    assert len(FakeLlamaServer.started) == 1
+
+
+def test_a_missing_llama_server_leaves_its_column_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path))
+    plan = load_servers.ServerPlan(tmp_path / "m.gguf", "cpu", 2, 4, 200, 8)
+    with pytest.raises(load_servers.ServerUnavailable, match="build_llama_cpp.sh"):
+        load_servers.start_server("llama-server", plan)
+
+
 # ---- a real run --------------------------------------------------------------------------------
 
 @pytest.mark.needs_weights
@@ -212,3 +261,20 @@ def test_a_short_run_against_ft_serve_completes_every_request(tmp_path, capsys):
     assert level["output_tok_per_s"] == pytest.approx(level["output_tokens"]
                                                       / level["duration_s"])
     assert "concurrency 2: 6 requests" in capsys.readouterr().out
+
+
+@pytest.mark.needs_weights
+def test_a_short_run_against_llama_server_where_it_is_built(tmp_path):
+    try:
+        llama_tools.tool("llama-server")
+    except llama_tools.ToolUnavailable as exc:
+        pytest.skip(str(exc))
+    report = serve_load.main(["--concurrency", "2", "--num-requests", "4", "--prompt-len", "16",
+                              "--output-len", "4", "--servers", "llama-server", "--threads",
+                              "2"])
+    server = report["servers"]["llama-server"]
+    assert "unavailable" not in server and server["warmup_error"] is None
+    level = server["levels"]["concurrency 2"]
+    assert (level["completed"], level["errors"], level["short_outputs"]) == (4, {}, 0)
+    assert level["output_tokens"] == 4 * 4                 # its usage: ignore_eos honoured
+    assert level["mean_prompt_tokens"] > 16 and level["tpot_s"]["p50"] > 0
