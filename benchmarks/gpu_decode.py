@@ -34,6 +34,19 @@ CONFIGS = {
 }
 
 
+def replay_ms(graph, reps: int) -> float:
+    """Median GPU milliseconds of one replay of a captured CUDA graph, between CUDA events."""
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
 def d2d_bandwidth() -> float:
     """Bytes read + written per second by a large device-to-device copy (median of 20)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

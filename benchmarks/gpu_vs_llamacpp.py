@@ -80,15 +80,7 @@ def graph_step_ms(engine, size: int, reps: int = 50) -> float | None:
     graphs = getattr(engine, "graphs", None)
     if graphs is None or size not in graphs.graphs:
         return None
-    graph, times = graphs.graphs[size], []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return gpu_decode.replay_ms(graphs.graphs[size], reps)
 
 
 def freetoken(source: str, gen: int) -> dict:

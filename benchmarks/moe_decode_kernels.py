@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_decode import d2d_bandwidth  # noqa: E402
+from benchmarks.gpu_decode import d2d_bandwidth, replay_ms  # noqa: E402
 
 # name: (hidden, experts, inter, top_k, shared inter, shared gate)
 SHAPES = {
@@ -159,15 +159,7 @@ def graph_ms(step, layers, bufs, reps: int) -> float:
         run()
     for _ in range(3):
         graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[reps // 2] / len(layers)
+    return replay_ms(graph, reps) / len(layers)
 
 
 def variant_ok(ly: Layer, b: Buffers, variant: int) -> bool:

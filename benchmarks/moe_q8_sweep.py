@@ -17,7 +17,6 @@ rows) and every (token, expert) down read, at the blocks' bytes.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
-from benchmarks.gpu_decode import d2d_bandwidth  # noqa: E402
+from benchmarks.gpu_decode import d2d_bandwidth, replay_ms  # noqa: E402
 
 Q4_K, Q6_K = 12, 14
 # name: (hidden, experts, inter, top_k)
@@ -53,15 +52,7 @@ def _time(fn, reps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return replay_ms(graph, reps)
 
 
 def sweep(name: str, tokens: int, q2: int, layers: int, reps: int, bandwidth: float) -> None:

@@ -262,6 +262,7 @@ class FloatProjection:
     residual +=) or decode_gemv_swiglu ("swiglu"), with the plan's choice per token count."""
 
     _KERNELS = {"qkv": "decode_gemv", "add": "decode_gemv_add", "swiglu": "decode_gemv_swiglu"}
+    max_tokens = MAX_TOKENS
 
     def __init__(self, weight, kind: str, n: int, k: int, sms: int, device):
         self.weight, self.kind = weight, kind
@@ -312,6 +313,7 @@ class Fp8Projection:
     """An FP8 matrix through fp8_gemv_fused in the mode of its kind; the norm rides in the
     prologue up to NORM_IN_PROLOGUE_TOKENS tokens, as the float GEMV's rule."""
 
+    max_tokens = MAX_TOKENS
     plan = tuple(GemvChoice(norm_prologue=t <= NORM_IN_PROLOGUE_TOKENS)
                  for t in range(MAX_TOKENS + 1))
 
@@ -376,7 +378,7 @@ class FusedLayer:
             self.gate_up = proj("gate_up", "swiglu", inter, h)
             self.down = proj("down", "add", h, inter)
             projections += [self.gate_up, self.down]
-        self.max_tokens = min(getattr(p, "max_tokens", MAX_TOKENS) for p in projections)
+        self.max_tokens = min(p.max_tokens for p in projections)
 
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:
