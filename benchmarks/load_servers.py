@@ -11,6 +11,7 @@ among the slots), a slot being the longest prompt + output of the run plus the c
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -56,6 +57,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ft_command() -> str:
+    """The `ft` beside this interpreter (a venv), else the one on PATH (a --target install)."""
+    beside = Path(sys.executable).with_name("ft")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("ft")
+    if found is None:
+        raise ServerUnavailable("no `ft` beside this Python nor on PATH: install freetoken")
+    return found
+
+
 class FreeTokenServer:
     """`ft serve` in a child process."""
 
@@ -65,7 +77,7 @@ class FreeTokenServer:
         """`env`: more environment variables for the server; `log`: an open text file its
         output goes to (default: a temporary one)."""
         self.base_url = f"http://127.0.0.1:{free_port()}"
-        self._ft = str(Path(sys.executable).with_name("ft"))
+        self._ft = ft_command()
         self.command = [
             self._ft, "serve", "--model", str(plan.model), "--device", plan.device,
             "--port", self.base_url.rsplit(":", 1)[1], "--log-level", "warning",

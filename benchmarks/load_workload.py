@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +105,14 @@ class PromptWriter:
         meta = GGUFFile(model).meta
         self.tokenizer = tokenizer_from_gguf(meta, str(model))
         self.words = self._one_token_words(meta["tokenizer.ggml.tokens"])
+        self.separator = " "
         if len(self.words) < 100:
-            raise WorkloadError(f"{model}: only {len(self.words)} one-token words in its "
-                                "vocabulary; cannot write prompts from it")
+            # a placeholder vocabulary (random-weight benchmark files): letters and digits
+            # that are one token each, run together
+            self.words, self.separator = self._one_token_characters(), ""
+        if len(self.words) < 20:
+            raise WorkloadError(f"{model}: only {len(self.words)} one-token words or "
+                                "characters in its vocabulary; cannot write prompts from it")
 
     def _one_token_words(self, tokens: list[str]) -> list[str]:
         """Lower-case words that follow a space as exactly one token (BPE's `Ġword`,
@@ -123,6 +129,10 @@ class PromptWriter:
                     break
         return words
 
+    def _one_token_characters(self) -> list[str]:
+        chars = string.ascii_letters + string.digits
+        return [c for c in chars if len(self.tokenizer.encode(c)) == 1]
+
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
@@ -131,14 +141,14 @@ class PromptWriter:
         `tokens` (the first word may take two tokens without its space)."""
         words = rng.choices(self.words, k=tokens)
         for _ in range(4):
-            got = self.count(" ".join(words))
+            got = self.count(self.separator.join(words))
             if got == tokens:
                 break
             if got > tokens:
                 words = words[:max(1, len(words) - (got - tokens))]
             else:
                 words += rng.choices(self.words, k=tokens - got)
-        text = " ".join(words)
+        text = self.separator.join(words)
         return text, self.count(text)
 
 

@@ -14,6 +14,11 @@ NORMAL, CONTROL = 1, 3     # gguf.TokenType values
 MERGES = (("Ġ", "t"), ("Ġ", "a"), ("h", "e"), ("i", "n"), ("r", "e"), ("o", "n"),
           ("Ġt", "he"), ("e", "r"), ("Ġ", "s"), ("a", "t"))
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML, as Qwen's own templates render plain messages: both servers can then serve the file
+# through their chat endpoints (load benchmarks send chat requests)
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+          "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def byte_symbols() -> list[str]:
@@ -54,3 +59,4 @@ def add_placeholder_vocab(writer, size: int) -> None:
     writer.add_bos_token_id(size - 3)
     writer.add_eos_token_id(size - 1)
     writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)

@@ -120,3 +120,23 @@ def test_freetoken_loads_the_file_and_gives_finite_logits(tiny_file, reference_m
         assert 0 < logits.float().std() < 10
     ids = loaded.tokenizer.encode("hello there\n")
     assert ids and all(0 <= i < 512 for i in ids)
+
+
+def test_load_benchmarks_write_exact_prompts_and_chat_over_the_placeholder_vocabulary(tiny_file):
+    """The placeholder vocabulary has no one-token words: prompts are runs of one-token
+    characters, counted by the file's own tokenizer, and its ChatML template renders."""
+    import random
+
+    from benchmarks.load_workload import PromptWriter
+    from freetoken.models.loader import load_model
+
+    writer = PromptWriter(tiny_file[0])
+    assert writer.separator == "" and len(writer.words) >= 20
+    rng = random.Random(0)
+    for length in (1, 17, 200):
+        text, tokens = writer.write(length, rng)
+        assert tokens == length == len(writer.tokenizer.encode(text))
+    tokenizer = load_model(str(tiny_file[0]), device="cpu").tokenizer
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "ab12"}],
+                                             add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nab12<|im_end|>\n<|im_start|>assistant\n"
