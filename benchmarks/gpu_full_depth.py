@@ -2,8 +2,8 @@
 beside llama.cpp with every layer on the GPU, on the same file.
 
     python benchmarks/gpu_full_depth.py [--work DIR] [--engines freetoken,llama.cpp]
-        [--gpu-memory-limit 24GiB] [--context 32768] [--moe-cache-rate auto]
-        [--n-cpu-moe 0[,N,...]] [--gen 128] [--results FILE] [--drop-file]
+        [--gpu-memory-limit 24GiB[,16GiB,...]] [--context 32768] [--moe-cache-rate auto]
+        [--n-cpu-moe 0[,N,...]] [--batches 1[,4]] [--gen 128] [--results FILE] [--drop-file]
 
 The file (~17 GiB) is written directly by benchmarks/write_gguf_moe.py into --work (default
 ~/ft-full-depth) and reused by later calls (--drop-file deletes it at the end): its bf16
@@ -14,8 +14,12 @@ FreeToken: load_model + the engine with the engine config's gpu_memory_limit (`f
 plan decides whether the experts stay resident or go to pinned host memory behind a GPU cache.
 Where this runtime has no gpu_memory_limit yet, the budget is imposed from outside instead: a
 ballast allocation leaves only the limit free before the model loads (the report says which).
-Reported: resident or offloaded (cache rate), the plan's pools, load time, decode tok/s at
-batch 1 (and the engine's stats), peak GPU memory.
+Reported per budget (several run one after the other, e.g. 24GiB resident and 16GiB with the
+experts offloaded in their blocks): resident or offloaded (cache rate), the plan's pools, load
+time, decode tok/s at each of --batches (and the engine's stats), peak GPU memory. An
+offloaded row adds its expert hit rate and miss bytes per token and its ceiling: 1 / max(the
+resident step time of this run's resident row, miss bytes per token / the pinned H2D bandwidth
+measured in the run), copies perfectly hidden.
 
 llama.cpp: llama-bench -ngl 99 -fa 1 -r 3 (decode tg128, prefill pp512/pp2048) for each
 --n-cpu-moe value (0: everything on the GPU), with the peak GPU memory it used (nvidia-smi).
@@ -135,8 +139,9 @@ def _load_and_decode(path: Path, args, limit) -> dict:
     from freetoken.engine.offload_setup import OffloadConfig, OffloadPlanner, parse_cache_rate
     from freetoken.models.loader import load_model, resolve_device
 
-    settings = dict(num_tokens=args.context, max_num_seqs=1, max_prefill_tokens=2048,
-                    device="cuda", prefix_cache=False)
+    batches = [int(b) for b in args.batches.split(",")]
+    settings = dict(num_tokens=args.context, max_num_seqs=max(batches),
+                    max_prefill_tokens=2048, device="cuda", prefix_cache=False)
     if limit is not None:
         settings["gpu_memory_limit"] = limit
     config = EngineConfig(**settings)
@@ -156,14 +161,41 @@ def _load_and_decode(path: Path, args, limit) -> dict:
         engine.warm_up()
         vocab = loaded.config.vocab_size
         asyncio.run(_batch(engine, 1, 16, 4, vocab))
-        row = asyncio.run(_batch(engine, 1, 128, args.gen, vocab))
-        out.update(decode_bs1=row["decode_tok_s"], ttft_128_s=row["ttft_s"],
-                   engine_stats=engine.stats())
+        for trace in args.traces.split(","):
+            if trace != "model" or len(args.traces.split(",")) > 1:
+                from benchmarks.gpu_offload import set_trace
+
+                set_trace(engine, trace)
+            tag = "" if trace == "model" else f"_{trace}"
+            for batch in batches:
+                before = engine.stats()
+                row = asyncio.run(_batch(engine, batch, 128, args.gen, vocab))
+                out[f"decode{tag}_bs{batch}"] = row["decode_tok_s"]
+                out[f"ttft_128{tag}_bs{batch}_s"] = row["ttft_s"]
+                if not out["resident"]:
+                    out[f"offload{tag}_bs{batch}"] = _offload_delta(before, engine.stats())
+                print(f"  {trace} routing, batch {batch}: {row['decode_tok_s']:.1f} tok/s"
+                      + (f", {out[f'offload{tag}_bs{batch}']}" if not out["resident"] else ""),
+                      flush=True)
+        out.update(engine_stats=engine.stats())
     finally:
         engine.shutdown()
         if hasattr(loaded.model, "close"):
             loaded.model.close()
     return out
+
+
+def _offload_delta(before: dict, after: dict) -> dict:
+    """The expert cache's decode hit rate and decode miss bytes per generated token between two
+    stats snapshots (misses x the mean expert's bytes in its format: the prompt's streamed
+    layers are not decode traffic)."""
+    d = {k: after[k] - before[k] for k in ("expert_hits", "expert_misses",
+                                           "tokens_generated")}
+    looked = d["expert_hits"] + d["expert_misses"]
+    expert = after["pinned_bytes"] / (after["moe_layers"] * after["num_experts"])
+    return {"hit_rate": d["expert_hits"] / looked if looked else 0.0,
+            "miss_bytes_per_token": d["expert_misses"] * expert
+            / max(d["tokens_generated"], 1)}
 
 
 def llamacpp(path: Path, n_cpu_moe: list[int]) -> dict:
@@ -187,19 +219,35 @@ def report(entry: dict) -> None:
     print(f"\n== Qwen3-30B-A3B, {entry['layers']} layers, Q4_K_M ({entry['file_gib']:.2f} GiB) ==")
     print(f"batch-1 ceiling {ceiling:.0f} tok/s (D2D {entry['bandwidth_Bps'] / 1e12:.2f} TB/s / "
           f"{entry['step_bytes'] / 1e9:.3f} GB: the file's step bytes + KV of the context)")
-    ours = entry.get("freetoken")
-    if ours:
+    rows = {k: v for k, v in entry.items() if k.startswith("freetoken")}
+    resident = next((r for r in rows.values() if r.get("resident") and "decode_bs1" in r), None)
+    for ours in rows.values():
         print(f"FreeToken ({ours['budget']}):")
         if "refused" in ours:
             print(f"  refused: {ours['refused']}")
-        else:
-            where = "resident" if ours["resident"] else \
-                f"experts offloaded, cache rate {ours['moe_cache_rate']:.3f}"
-            print(f"  {where}; KV pool {ours['kv_tokens']} tokens; load {ours['load_s']:.0f} s")
-            print(f"  plan: {ours['plan']}")
-            print(f"  decode batch 1: {ours['decode_bs1']:.1f} tok/s "
-                  f"({100 * ours['decode_bs1'] / ceiling:.0f}% of the ceiling)"
-                  + (f"; pinned H2D {ours['h2d_GBps']:.1f} GB/s" if "h2d_GBps" in ours else ""))
+            continue
+        where = "resident" if ours["resident"] else \
+            f"experts offloaded in their blocks, cache rate {ours['moe_cache_rate']:.3f}"
+        print(f"  {where}; KV pool {ours['kv_tokens']} tokens; load {ours['load_s']:.0f} s")
+        print(f"  plan: {ours['plan']}")
+        for key in sorted(k for k in ours if k.startswith("decode") and "_bs" in k):
+            tag, batch = key[len("decode"):].rsplit("_bs", 1)
+            batch = int(batch)
+            trace = tag.lstrip("_") or "model"
+            line = f"  {trace} routing, decode batch {batch}: {ours[key]:.1f} tok/s"
+            if batch == 1 and trace == "model":
+                line += f" ({100 * ours[key] / ceiling:.0f}% of the resident ceiling)"
+            off = ours.get(f"offload{tag}_bs{batch}")
+            if off and "h2d_GBps" in ours:
+                copy = ours["h2d_GBps"] * 1e9 / max(off["miss_bytes_per_token"], 1)
+                step = resident.get(key) if resident else None
+                bound = min(copy, step) if step else copy
+                line += (f"; hit rate {off['hit_rate']:.3f}, miss "
+                         f"{off['miss_bytes_per_token'] / 1e6:.1f} MB/token; ceiling "
+                         f"{bound:.1f} tok/s (copies at {ours['h2d_GBps']:.1f} GB/s"
+                         + (f", resident step {step:.1f} tok/s" if step else "")
+                         + f"): {100 * ours[key] / bound:.0f}%")
+            print(line)
     peer = entry.get("llama.cpp")
     if peer:
         if "skipped" in peer:
@@ -211,9 +259,10 @@ def report(entry: dict) -> None:
                   f"pp2048 {fig.get('prefill2048', '-')}, "
                   f"VRAM {vram if vram is not None else '-'} MiB"
                   + (f"; errors {fig['errors']}" if "errors" in fig else ""))
-    if ours and "decode_bs1" in ours and peer and peer.get("ncmoe0", {}).get("decode_bs1"):
+    if resident and "decode_bs1" in resident and peer and \
+            peer.get("ncmoe0", {}).get("decode_bs1"):
         print(f"FreeToken / llama.cpp (all on GPU), decode batch 1: "
-              f"{ours['decode_bs1'] / peer['ncmoe0']['decode_bs1']:.2f}x")
+              f"{resident['decode_bs1'] / peer['ncmoe0']['decode_bs1']:.2f}x")
 
 
 def main() -> None:
@@ -221,7 +270,12 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path.home() / "ft-full-depth")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--engines", default="freetoken,llama.cpp")
-    p.add_argument("--gpu-memory-limit", default="24GiB")
+    p.add_argument("--gpu-memory-limit", default="24GiB",
+                   help="FreeToken's budget; several (comma-separated) run one after the other")
+    p.add_argument("--batches", default="1", help="decode batch sizes, comma-separated")
+    p.add_argument("--traces", default="model",
+                   help="routing per run: model (its own router), uniform, skewed "
+                        "(benchmarks/gpu_offload.TraceRouter), comma-separated")
     p.add_argument("--context", type=int, default=32768, help="FreeToken's KV pool (tokens)")
     p.add_argument("--moe-cache-rate", default="auto")
     p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")
@@ -254,7 +308,9 @@ def main() -> None:
                  weight_bytes_by_type=weights["by_type"],
                  ceiling_tok_s=bandwidth / (weights["weights"] + kv))
     if "freetoken" in engines:
-        entry["freetoken"] = freetoken(path, args)
+        for limit in args.gpu_memory_limit.split(","):
+            entry[f"freetoken@{limit}"] = freetoken(
+                path, argparse.Namespace(**{**vars(args), "gpu_memory_limit": limit}))
     if "llama.cpp" in engines:
         entry["llama.cpp"] = llamacpp(path, [int(n) for n in args.n_cpu_moe.split(",")])
     report(entry)

@@ -74,8 +74,13 @@ def set_trace(engine, mode: str) -> None:
     for index, mlp in enumerate(moe_layers(model)):
         if not hasattr(mlp, "_real_router"):
             mlp._real_router = mlp.router
+            # the small-step decode's own router GEMV (moe_decode_quant) reads the weights
+            # directly: without it, it calls the layer's router, which the trace replaces
+            mlp._real_decode_router = getattr(mlp.decode, "router", None)
         mlp.router = mlp._real_router if mode == "model" else TraceRouter(
             model.config.moe.num_experts, model.config.hidden_size, index, mode)
+        if mlp.decode is not None and hasattr(mlp.decode, "router"):
+            mlp.decode.router = mlp._real_decode_router if mode == "model" else None
     if engine.graphs is not None:
         engine.graphs = engine.recapture_graphs()
 

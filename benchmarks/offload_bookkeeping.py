@@ -18,13 +18,14 @@ import time
 import torch
 
 from freetoken.engine.expert_cache import ExpertCache
+from freetoken.engine.expert_pool import FloatPool
 
 
 def per_layer_us(experts: int, top_k: int, layers: int, batch: int,
                  segments: bool = False) -> float:
     w13 = [torch.zeros(experts, 2, 1) for _ in range(layers)]
     w2 = [torch.zeros(experts, 1, 1) for _ in range(layers)]
-    cache = ExpertCache(w13, w2, "cpu", experts * layers, lambda *args: None)
+    cache = ExpertCache(FloatPool(w13, w2, lambda *args: None), "cpu", experts * layers)
     cache.prefill = False
     g = torch.Generator().manual_seed(0)
     steps = [torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(batch)])

@@ -129,9 +129,11 @@ void check_routing(Args* a, const TensorView& topk_ids, const TensorView& expert
 }
 
 /*! \brief Stacked experts [S, rows, row_bytes] of GGUF type qtype holding `weights` weights a
- * row: checked, and their row bytes. */
+ * row: checked, and their row bytes. Each slot's rows are contiguous; slots may lie further
+ * apart than one matrix (stride(0) >= rows * row_bytes, in 16-byte steps: an expert-offload
+ * pool whose slots are sized for the model's widest expert), which `slot_bytes` returns. */
 int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t weights,
-                      const char* name, int dev) {
+                      const char* name, int dev, int64_t* slot_bytes) {
   int per_block = 0, block_bytes = 0;
   gguf::block_shape(static_cast<int>(qtype), &per_block, &block_bytes);
   TVM_FFI_ICHECK(per_block > 0)
@@ -140,7 +142,6 @@ int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t 
   check_gpu(w, name, dev);
   check_dtype(w, kDLUInt, 8, name, "uint8");
   check_ndim(w, 3, name);
-  check_contiguous(w, name);
   TVM_FFI_ICHECK(aligned16(w)) << name << " must start on a 16-byte boundary";
   const int64_t rb = (weights / per_block * block_bytes + 15) / 16 * 16;  // padded to words
   TVM_FFI_ICHECK(weights % per_block == 0 && w.size(1) == rows && w.size(2) == rb)
@@ -148,6 +149,13 @@ int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t 
       << " weights in whole " << block_bytes << "-byte blocks, padded to 16 bytes), got ["
       << w.size(0) << ", " << w.size(1) << ", " << w.size(2) << "]";
   TVM_FFI_ICHECK(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31)) << name << ": no expert slots";
+  const int64_t matrix = rows * rb;
+  TVM_FFI_ICHECK(w.stride(2) == 1 && w.stride(1) == rb &&
+                 (w.size(0) == 1 || (w.stride(0) >= matrix && w.stride(0) % 16 == 0)))
+      << name << ": each slot's rows must be contiguous and slots at least " << matrix
+      << " bytes apart in 16-byte steps, got strides [" << w.stride(0) << ", " << w.stride(1)
+      << ", " << w.stride(2) << "]";
+  *slot_bytes = w.size(0) == 1 ? matrix : w.stride(0);
   return rb;
 }
 
@@ -172,7 +180,8 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
   TVM_FFI_ICHECK(w13.ndim() == 3 && w13.size(1) % 2 == 0)
       << "w13 must be [S, 2I, row_bytes] with gate rows then up rows";
   const int64_t inter = w13.size(1) / 2;
-  const int64_t rb = check_experts(w13, qtype, 2 * inter, h, "w13", dev);
+  int64_t slot_bytes = 0;
+  const int64_t rb = check_experts(w13, qtype, 2 * inter, h, "w13", dev, &slot_bytes);
   TVM_FFI_ICHECK(h <= capacity(static_cast<int>(qtype)))
       << "moe_q8_gate_up stages at most " << capacity(static_cast<int>(qtype))
       << " values of x for qtype " << qtype << ", got H = " << h;
@@ -192,7 +201,7 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
   a.tokens = 1;
   a.gather = kExpertGateUp;
   a.slots = static_cast<int>(w13.size(0));
-  a.expert_bytes = 2 * inter * rb;
+  a.expert_bytes = slot_bytes;
   DeviceGuard guard(dev);
   launch_mode<kSwiGLU, kExpertGateUp>(a, static_cast<int>(qtype), rows, pdl, dev,
                                       stream_for(w13), static_cast<unsigned>(tokens * a.top_k));
@@ -233,7 +242,8 @@ void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
   const int64_t inter = act.size(1);
   TVM_FFI_ICHECK(w2.ndim() == 3) << "w2 must be [S, H, row_bytes]";
   const int64_t h = w2.size(1);
-  const int64_t rb = check_experts(w2, qtype, h, inter, "w2", dev);
+  int64_t slot_bytes = 0;
+  const int64_t rb = check_experts(w2, qtype, h, inter, "w2", dev, &slot_bytes);
   TVM_FFI_ICHECK(qtype != gguf::kQ4_K || inter % kBlockWeights == 0)
       << "moe_q8_down reads Q4_K rows of whole 256-weight blocks: I must be a multiple of 256, "
       << "got " << inter;
@@ -254,7 +264,7 @@ void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
   a.gather = kExpertDown;
   a.topk_w = data_of<float>(topk_weights);
   a.slots = static_cast<int>(w2.size(0));
-  a.expert_bytes = h * rb;
+  a.expert_bytes = slot_bytes;
   a.seg = inter;
   DeviceGuard guard(dev);
   const int qt = static_cast<int>(qtype);

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from freetoken.engine.expert_cache import ExpertCache
+from freetoken.engine.expert_pool import FloatPool
 from freetoken.engine.expert_slots import SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
 from freetoken.kernel import reference
@@ -70,7 +71,7 @@ def run_steps(cache, w13, w2, steps, tokens, skew=False):
 @pytest.mark.parametrize("slots", [2, 5, 12, 24])
 def test_decode_through_the_lru_matches_the_resident_experts(experts, slots):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", slots, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", slots)
     run_steps(cache, w13, w2, steps=6, tokens=1)
     s = cache.stats
     assert s.hits + s.misses == 6 * LAYERS * K          # batch 1: K distinct experts a layer
@@ -81,7 +82,7 @@ def test_decode_through_the_lru_matches_the_resident_experts(experts, slots):
 
 def test_a_cache_that_holds_everything_stops_missing(experts):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", E * LAYERS, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", E * LAYERS)
     run_steps(cache, w13, w2, steps=8, tokens=3)
     misses = cache.stats.misses
     run_steps(cache, w13, w2, steps=4, tokens=3)
@@ -90,13 +91,13 @@ def test_a_cache_that_holds_everything_stops_missing(experts):
 
 def test_misses_beyond_the_free_slots_go_through_staging(experts):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", K, slot_kernel)   # one layer's top-k only
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", K)   # one layer's top-k only
     run_steps(cache, w13, w2, steps=3, tokens=3)          # 3 tokens route to up to 6 experts
 
 
 def test_prefill_streams_whole_layers_without_touching_the_lru(experts):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", 4, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 4)
     run_steps(cache, w13, w2, steps=2, tokens=E)          # T * K >= E: streamed
     assert len(cache.lru) == 0 and cache.stats.hits + cache.stats.misses == 0
     assert cache.stats.streamed_layers == 2 * LAYERS
@@ -107,7 +108,7 @@ def test_co_execution_on_the_cpu_gives_the_same_outputs(experts, skew):
     w13, w2 = experts
     slow_pcie = Throughput(h2d_bytes_per_s=1e6, cpu_bytes_per_s=1e9, cpu_flops=1e9)
     policy = CoExecPolicy(slow_pcie, expert_bytes=3 * H * I * 4, flops_per_token=6 * H * I)
-    cache = ExpertCache(w13, w2, "cpu", 6, slot_kernel, policy)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 6, policy)
     run_steps(cache, w13, w2, steps=4, tokens=2, skew=skew)
     assert cache.stats.cpu_experts > 0
 
@@ -122,10 +123,10 @@ def test_cpu_experts_matches_the_reference(experts):
 
 def test_resize_keeps_what_still_fits_and_serves_on(experts):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", 16, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 16)
     run_steps(cache, w13, w2, steps=3, tokens=2)
     cache.resize(5)
-    assert len(cache.lru) <= 5 and cache.w13.shape[0] == 5 + 2 * E
+    assert len(cache.lru) <= 5 and cache.pool.w13.shape[0] == 5 + 2 * E
     run_steps(cache, w13, w2, steps=3, tokens=2)
     cache.resize(30)
     run_steps(cache, w13, w2, steps=3, tokens=2)
@@ -149,7 +150,7 @@ def test_lru_evicts_the_least_recent_key_not_held():
 
 def test_the_engine_hint_decides_between_streaming_and_the_lru(experts):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", 24, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 24)
     cache.prefill = False
     run_steps(cache, w13, w2, steps=2, tokens=E)           # a big decode batch: the LRU
     assert cache.stats.streamed_layers == 0 and cache.stats.misses > 0
@@ -192,7 +193,7 @@ def run_segments(cache, w13, w2, steps, tokens, real, seed=0):
 @pytest.mark.parametrize("tokens,real", [(1, 1), (4, 3), (4, 4)])
 def test_graph_segments_route_the_real_rows_through_the_lru(experts, slots, tokens, real):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", slots, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", slots)
     cache.prefill = False
     run_segments(cache, w13, w2, steps=5, tokens=tokens, real=real)
     s = cache.stats
@@ -204,7 +205,7 @@ def test_graph_segments_route_the_real_rows_through_the_lru(experts, slots, toke
 
 def test_graph_segments_upload_a_map_only_when_a_routed_slot_changed(experts):
     w13, w2 = experts
-    cache = ExpertCache(w13, w2, "cpu", E * LAYERS, slot_kernel)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", E * LAYERS)
     cache.prefill = False
     cache.maps_dev = [CountingMap(m) for m in cache.maps_dev]
     run_segments(cache, w13, w2, steps=1, tokens=2, real=2)
@@ -220,7 +221,7 @@ def test_graph_segments_never_hand_misses_to_the_cpu(experts):
     w13, w2 = experts
     slow_pcie = Throughput(h2d_bytes_per_s=1e6, cpu_bytes_per_s=1e9, cpu_flops=1e9)
     policy = CoExecPolicy(slow_pcie, expert_bytes=3 * H * I * 4, flops_per_token=6 * H * I)
-    cache = ExpertCache(w13, w2, "cpu", 6, slot_kernel, policy)
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 6, policy)
     cache.prefill = False
     run_segments(cache, w13, w2, steps=3, tokens=2, real=2)
     assert cache.stats.cpu_experts == 0 and cache.stats.misses > 0
@@ -241,7 +242,7 @@ def test_segments_and_misses_run_in_and_out_of_inference_mode(experts):
     H200 run failed with 'Inplace update to inference tensor outside InferenceMode')."""
     w13, w2 = experts
     with torch.inference_mode():
-        cache = ExpertCache(w13, w2, "cpu", 5, slot_kernel)
+        cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 5)
         cache.prefill = False
         run_segments(cache, w13, w2, steps=2, tokens=2, real=2)     # pinned id views made here
         cache.resize(4)                                             # a new pool made here

@@ -66,13 +66,14 @@ extern "C" int ft_gguf_gemv_q8_emu(void* out, int out_f32, const void* x, const 
 
 // The MoE halves (the entry points moe_q8_gate_up and moe_q8_down without their checks):
 // x bf16 [tokens, h]; ids int32 [tokens, top_k]; map int32 [experts]; w13 [slots, 2i, rb13];
-// w2 [slots, h, rb2]; act bf16 [tokens * top_k, i]; out bf16 [tokens, ldo]. Returns 0 for what
-// the real entry points refuse.
+// w2 [slots, h, rb2]; act bf16 [tokens * top_k, i]; out bf16 [tokens, ldo]. slot13 / slot2:
+// the bytes from one slot to the next (0: one matrix, packed), as an offload pool lays them out.
+// Returns 0 for what the real entry points refuse.
 extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w13,
                              const void* w2, const int* ids, const float* weights,
                              const int* map, int tokens, int top_k, int experts, int slots,
                              long h, long i, long ldo, int qtype13, int qtype2, int accumulate,
-                             int rows) {
+                             int rows, long slot13, long slot2) {
   int rb13 = 0, rb2 = 0;
   if (!block_rows(qtype13, h, &rb13) || !block_rows(qtype2, i, &rb2) || tokens < 1 ||
       tokens > q8::kMaxMoETokens || top_k < 1 || top_k > q8::kMaxTopK ||
@@ -97,7 +98,7 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   g.top_k = top_k;
   g.experts = experts;
   g.slots = slots;
-  g.expert_bytes = 2 * i * rb13;
+  g.expert_bytes = slot13 ? slot13 : 2 * i * rb13;
   if (!run_mode<q8::kSwiGLU, q8::kExpertGateUp>(g, qtype13, rows, tokens * top_k)) return 0;
   q8::Args d = g;
   d.out = out;
@@ -110,7 +111,7 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   d.ldo = ldo;
   d.gather = q8::kExpertDown;
   d.topk_w = weights;
-  d.expert_bytes = h * rb2;
+  d.expert_bytes = slot2 ? slot2 : h * rb2;
   d.seg = i;
   return accumulate ? run_mode<q8::kAddResidual, q8::kExpertDown>(d, qtype2, rows, tokens)
                     : run_mode<q8::kStore, q8::kExpertDown>(d, qtype2, rows, tokens);

@@ -244,7 +244,7 @@ def test_refuses_what_the_entry_point_refuses(emulated):
 def emulated_moe(tmp_path_factory):
     return build_emulation(tmp_path_factory, "gguf_gemv_q8_emu", ctypes.c_int,
                            [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_long] * 3
-                           + [ctypes.c_int] * 4, entry="moe_q8_emu")
+                           + [ctypes.c_int] * 4 + [ctypes.c_long] * 2, entry="moe_q8_emu")
 
 
 # Six experts over five slots, expert 3 unmapped (its pairs add nothing), and routes that two
@@ -330,10 +330,34 @@ def test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter,
     ok = emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
                       ids.ctypes.data, wts.ctypes.data, EXPERT_MAP.ctypes.data, tokens, k,
                       len(EXPERT_MAP), p13.shape[0], h, inter, whole.stride(0), q13, q2,
-                      int(accumulate), rows)
+                      int(accumulate), rows, 0, 0)
     assert ok, "the configuration was refused"
     check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual if accumulate else None)
     assert torch.isfinite(whole[:, h:]).all()
+
+
+@pytest.mark.parametrize("q13,q2,h,inter", [MOE_CASES[0], MOE_CASES[3]],
+                         ids=["Q4_K-Q6_K", "Q8_0-Q8_0"])
+@pytest.mark.parametrize("tokens", (1, 3))
+def test_moe_halves_read_slots_of_an_offload_pool(emulated_moe, q13, q2, h, inter, tokens):
+    """An expert-offload pool: each slot holds an expert's gate/up rows then its down rows in
+    room for a wider expert (the rest of the slot is 0xFF bytes, never read); both halves read
+    the slots `slot_bytes` apart and give what the packed stacks give."""
+    x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
+    slots, k = p13.shape[0], ids.shape[1]
+    e13, e2 = p13[0].nbytes, p2[0].nbytes
+    slot_bytes = e13 + e2 + 4096
+    pool = np.full((slots, slot_bytes), 0xFF, dtype=np.uint8)
+    pool[:, :e13] = p13.reshape(slots, -1)
+    pool[:, e13:e13 + e2] = p2.reshape(slots, -1)
+    act = torch.full((tokens * k, inter), float("nan"), dtype=BF16)
+    out = torch.full((tokens, h), float("nan"), dtype=BF16)
+    ok = emulated_moe(_ptr(out), _ptr(act), _ptr(x), pool.ctypes.data, pool.ctypes.data + e13,
+                      ids.ctypes.data, wts.ctypes.data, EXPERT_MAP.ctypes.data, tokens, k,
+                      len(EXPERT_MAP), slots, h, inter, h, q13, q2, 0, 1, slot_bytes,
+                      slot_bytes)
+    assert ok, "the configuration was refused"
+    check_moe(act, out, x, b13, b2, q13, q2, ids, wts)
 
 
 def test_moe_halves_refuse_what_the_entry_points_refuse(emulated_moe):
@@ -346,7 +370,7 @@ def test_moe_halves_refuse_what_the_entry_points_refuse(emulated_moe):
         return emulated_moe(_ptr(buf), _ptr(buf), _ptr(buf), zeros.ctypes.data,
                             zeros.ctypes.data, ids.ctypes.data, wts.ctypes.data,
                             EXPERT_MAP.ctypes.data, tokens, k, 6, 5, h, inter, h, q13, q2, 0,
-                            rows)
+                            rows, 0, 0)
 
     assert run(Q8_0, Q8_0, 64, 32)
     assert not run(Q4_K, Q4_K, 256, 128)          # Q4_K down rows of whole 256-weight blocks

@@ -78,6 +78,20 @@ def gpu_block_bytes(t) -> int:
     return rows * (-(-row_bytes // 16) * 16)
 
 
+def gguf_slot(path, experts: int) -> int:
+    """An expert offload pool's slot for GGUF experts: the widest layer's expert (gate, up
+    and down blocks, rows padded to 16 bytes) in 256-byte steps, by gguf's reader."""
+    from gguf import GGUFReader
+
+    layers: dict[str, int] = {}
+    for t in GGUFReader(str(path)).tensors:
+        if "_exps." in t.name:
+            layer = t.name.split(".")[1]
+            layers[layer] = layers.get(layer, 0) + gpu_block_bytes(t)
+    widest = max(-(-b // experts) for b in layers.values())
+    return -(-widest // 256) * 256
+
+
 def gguf_expected(path) -> tuple[int, int, int]:
     """(other, expert blocks, expert floats) bytes on a bf16 GPU, by gguf's reader: block types
     the GPU kernels read at their file bytes (rows padded to 16 bytes), the rest at bf16."""
@@ -100,7 +114,9 @@ def test_gguf_weights_count_their_blocks_on_a_gpu(k_mix_gguf, monkeypatch):
     config, tensors, _ = read_gguf(k_mix_gguf)
     experts_in_blocks(monkeypatch, True)
     # the projections keep blocks too: prefill's dequantizing scratch is planned
-    assert weight_bytes(tensors, config, gpu_placement()) == WeightBytes(other, blocks, True)
+    slot = gguf_slot(k_mix_gguf, config.moe.num_experts)
+    assert weight_bytes(tensors, config, gpu_placement()) == WeightBytes(other, blocks, True,
+                                                                         slot)
     experts_in_blocks(monkeypatch, False)
     assert weight_bytes(tensors, config, gpu_placement()) == WeightBytes(other, floats, True)
     # bf16 arithmetic would have counted about 3 times the blocks
@@ -123,7 +139,7 @@ def test_gguf_on_a_float16_gpu_dequantizes_everything(k_mix_gguf):
 
 def test_the_gpu_plan_holds_the_file_bytes_not_bf16(k_mix_gguf, monkeypatch):
     """The start-up planner, fed what load_model hands it, plans the blocks' bytes: resident
-    experts in blocks, an expert cache in float slots."""
+    experts in blocks, an expert cache in slots of blocks (the widest layer's expert)."""
     other, blocks, _ = gguf_expected(k_mix_gguf)
     config, tensors, _ = read_gguf(k_mix_gguf)
     experts_in_blocks(monkeypatch, True)
@@ -136,7 +152,8 @@ def test_the_gpu_plan_holds_the_file_bytes_not_bf16(k_mix_gguf, monkeypatch):
     assert pools["weights"] == other and pools["experts"] == blocks
     planner = OffloadPlanner(engine, OffloadConfig(cache_rate=0.25), FakeGPU())
     assert planner(config, "bfloat16", weights) is True
-    slot = 3 * config.hidden_size * config.moe.intermediate_size * 2     # bf16 gate, up, down
+    slot = gguf_slot(k_mix_gguf, config.moe.num_experts)
+    assert slot < 3 * config.hidden_size * config.moe.intermediate_size * 2 / 2   # bf16: 2x
     experts = config.moe.num_experts
     slots = int(0.25 * experts * config.num_layers) + 2 * experts
     assert planner.decision.plan.pools["expert_cache"] == slots * slot

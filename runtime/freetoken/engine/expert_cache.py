@@ -1,9 +1,10 @@
 """Offloaded experts: every expert in pinned host memory, the hot ones in one GPU slot pool.
 
-The pool is two fixed tensors, w13 [S + 2E, 2I, H] and w2 [S + 2E, H, I]: S LRU slots shared by
-every MoE layer (expert_slots.SlotLRU), then two staging buffers of E slots each. The experts
-kernel reads weights through a per-layer expert-id -> slot map (int32 [E] on the device), so the
-kernel is the resident one: resident = the identity map over the model's own stacked tensors.
+The pool (engine/expert_pool.py: float experts, or GGUF experts in their blocks) has S + 2E
+slots: S LRU slots shared by every MoE layer (expert_slots.SlotLRU), then two staging buffers
+of E slots each. The experts kernel reads weights through a per-layer expert-id -> slot map
+(int32 [E] on the device), so the kernel is the resident one: resident = the identity map over
+the model's own stacked tensors. Host copies, slots and every copy hold the experts' own format.
 
 Per MoE layer call (``run``):
 - decode (a decode-only step; without the engine's hint, T * K < E): the routing's ids come to
@@ -11,7 +12,8 @@ Per MoE layer call (``run``):
   slot, misses are copied into LRU slots on the copy stream (or, when the co-execution policy
   says so, computed on the CPU from host memory while the GPU runs), the map is uploaded, and
   the kernel waits for the copies' event. When the misses do not fit beside the layer's hits,
-  they go through staging buffer 0 instead.
+  they go through staging buffer 0 instead. A pool whose mapped kernels take a bounded step
+  (GGUF blocks: moe_decode_quant.MAX_TOKENS tokens) streams wider steps.
 - decode in CUDA graph segments (engine/segment_graphs.py): the same per layer, but the engine
   calls ``prepare_segment`` between two replays (the ids arrive through a pinned buffer and an
   event), the map is uploaded only when a routed entry changed, and misses are always copied
@@ -44,30 +46,25 @@ class _NoEvent:
 
 class ExpertCache:
     """Args:
-        host_w13, host_w2: per MoE layer, CPU tensors [E, 2I, H] / [E, H, I] (pinned when the
-            device is a GPU).
+        pool: the device pool and its host experts (expert_pool.FloatPool or BlockPool).
         device: torch device of the pool (cuda, or cpu for tests).
         num_slots: LRU slots (cache rate * every expert of every layer).
-        kernel: moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace).
-        policy: co-execution policy, or None to copy every miss.
+        policy: co-execution policy (float experts only), or None to copy every miss.
     """
 
-    def __init__(self, host_w13: list, host_w2: list, device: Any, num_slots: int,
-                 kernel: Callable, policy: CoExecPolicy | None = None):
+    def __init__(self, pool, device: Any, num_slots: int, policy: CoExecPolicy | None = None):
         import torch
 
-        self.torch, self.device, self.kernel, self.policy = torch, device, kernel, policy
-        self.host_w13, self.host_w2 = host_w13, host_w2
-        self.num_layers = len(host_w13)
-        self.num_experts, two_i, self.hidden = host_w13[0].shape
-        self.inter = two_i // 2
-        self.dtype = host_w13[0].dtype
-        self.expert_bytes = (host_w13[0][0].numel() + host_w2[0][0].numel()) * \
-            host_w13[0].element_size()
+        if policy is not None and pool.in_format:
+            raise ValueError("CPU co-execution computes float experts; this pool keeps "
+                             "GGUF blocks")
+        self.torch, self.device, self.pool, self.policy = torch, device, pool, policy
+        self.num_layers, self.num_experts = pool.num_layers, pool.num_experts
+        self.hidden, self.inter = pool.hidden, pool.inter
+        self.expert_bytes = pool.slot_bytes     # one slot of the device pool
         self.is_cuda = torch.device(device).type == "cuda"
         self.lru = SlotLRU(num_slots)
         self.stats = OffloadStats()
-        self.w13 = self.w2 = None
         self._alloc(num_slots)
         e, i32 = self.num_experts, torch.int32
         pin = self.is_cuda
@@ -99,6 +96,28 @@ class ExpertCache:
         self._ids_views: dict = {}
         self._ids_ready = torch.cuda.Event() if self.is_cuda else _NoEvent()
 
+    @property
+    def in_format(self) -> bool:
+        """Whether the pool keeps the experts' blocks (moe_decode_quant's decode runs on it)."""
+        return self.pool.in_format
+
+    @property
+    def kernel(self) -> Callable:
+        """A float pool's moe_experts (tests swap it)."""
+        return self.pool.kernel
+
+    @kernel.setter
+    def kernel(self, kernel: Callable) -> None:
+        self.pool.kernel = kernel
+
+    @property
+    def host_w13(self) -> list:
+        return self.pool.host_w13
+
+    @property
+    def host_w2(self) -> list:
+        return self.pool.host_w2
+
     # ---- pool --------------------------------------------------------------------------------
 
     @property
@@ -111,7 +130,7 @@ class ExpertCache:
 
     @property
     def pinned_bytes(self) -> int:
-        return self.num_layers * self.num_experts * self.expert_bytes
+        return self.pool.pinned_bytes
 
     def _staging_base(self, buf: int) -> int:
         return self.num_slots + buf * self.num_experts
@@ -121,21 +140,8 @@ class ExpertCache:
         their slot and data. NOTE: what the cache writes in place is made a normal tensor even
         in inference mode (capture, a resize): an inference tensor refuses in-place updates
         outside inference mode, and callers may step in either mode."""
-        torch, total = self.torch, num_slots + 2 * self.num_experts
-        with torch.inference_mode(False):
-            w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype,
-                              device=self.device)
-            w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype,
-                             device=self.device)
-        if self.w13 is not None:
-            keep = min(num_slots, self.w13.shape[0] - 2 * self.num_experts)
-            w13[:keep].copy_(self.w13[:keep])
-            w2[:keep].copy_(self.w2[:keep])
-        self.w13, self.w2 = w13, w2
-        e = self.num_experts
-        self._staging_maps = [torch.arange(num_slots + b * e, num_slots + (b + 1) * e,
-                                           dtype=torch.int32, device=self.device)
-                              for b in range(2)]
+        with self.torch.inference_mode(False):
+            self.pool.alloc(self.torch, self.device, num_slots)
 
     def resize(self, num_slots: int) -> None:
         """New pool tensors of `num_slots` LRU slots; call between steps (nothing in flight)."""
@@ -147,16 +153,19 @@ class ExpertCache:
 
     # ---- one MoE layer -------------------------------------------------------------------------
 
-    def run(self, layer: int, out, x, topk_ids, topk_weights, workspace) -> None:
-        """The routed experts of MoE layer `layer` into out (overwritten), as moe_experts."""
+    def run(self, layer: int, out, x, topk_ids, topk_weights, workspace,
+            accumulate: bool = False) -> None:
+        """The routed experts of MoE layer `layer` into out (overwritten; accumulate, for an
+        in-format pool's decode steps: added to it), as moe_experts."""
         tokens, top_k = topk_ids.shape
         if layer == 0 and self.segment_hook is None:    # segments count in prepare_segment
             self.stats.tokens += tokens
         stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
-        if stream:
-            self._stream(layer, out, x, topk_ids, topk_weights, workspace)
+        widest = self.pool.max_mapped_tokens()
+        if stream or (widest is not None and tokens > widest):
+            self._stream(layer, out, x, topk_ids, topk_weights, workspace, accumulate)
         else:
-            self._decode(layer, out, x, topk_ids, topk_weights, workspace)
+            self._decode(layer, out, x, topk_ids, topk_weights, workspace, accumulate)
 
     def _copy_ctx(self):
         return self.torch.cuda.stream(self.copy_stream) if self.is_cuda \
@@ -167,48 +176,43 @@ class ExpertCache:
             self.torch.cuda.current_stream(self.device).wait_event(event)
 
     def _copy_expert(self, layer: int, expert: int, slot: int) -> None:
-        self.w13[slot].copy_(self.host_w13[layer][expert], non_blocking=True)
-        self.w2[slot].copy_(self.host_w2[layer][expert], non_blocking=True)
-        self.stats.bytes_h2d += self.expert_bytes
+        self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
 
     def _stage_layer(self, layer: int, buf: int) -> None:
         """Copy every expert of `layer` into staging buffer `buf` once its last reader is done."""
-        base, e = self._staging_base(buf), self.num_experts
         with self._copy_ctx():
             if self.is_cuda:
                 self.copy_stream.wait_event(self._done[buf])
-            self.w13[base:base + e].copy_(self.host_w13[layer], non_blocking=True)
-            self.w2[base:base + e].copy_(self.host_w2[layer], non_blocking=True)
+            self.stats.bytes_h2d += self.pool.stage(layer, buf, self._staging_base(buf))
             self._ready[buf].record(self.copy_stream)
-        self.stats.bytes_h2d += e * self.expert_bytes
         self._staged[buf] = layer
 
-    def _stream(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
+    def _stream(self, layer, out, x, topk_ids, topk_weights, workspace, accumulate) -> None:
         buf = layer % 2
         if self._staged[buf] != layer:
             self._stage_layer(layer, buf)
         self._compute_wait(self._ready[buf])
-        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self._staging_maps[buf],
-                    workspace)
+        self.pool.run_staged(layer, buf, self._staging_base(buf), out, x, topk_ids,
+                             topk_weights, workspace, accumulate)
         if self.is_cuda:
             self._done[buf].record(self.torch.cuda.current_stream(self.device))
         self.stats.streamed_layers += 1
         if layer + 1 < self.num_layers and self._staged[1 - buf] != layer + 1:
             self._stage_layer(layer + 1, 1 - buf)     # overlaps this layer's kernel
 
-    def _decode(self, layer, out, x, topk_ids, topk_weights, workspace) -> None:
+    def _decode(self, layer, out, x, topk_ids, topk_weights, workspace, accumulate) -> None:
         if self.segment_hook is not None:             # capturing decode graph segments
             self.segment_hook(layer, topk_ids)
-            self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self.maps_dev[layer],
-                        workspace)
+            self.pool.run_mapped(layer, out, x, topk_ids, topk_weights, self.maps_dev[layer],
+                                 workspace, accumulate)
             return
         ids = topk_ids.to("cpu")                      # the one host sync of this layer
         cpu = self._route(layer, ids.numpy(), eager=True)
         host_x = host_w = None
         if cpu:
             host_x, host_w = x.to("cpu"), topk_weights.to("cpu")
-        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self.maps_dev[layer],
-                    workspace)
+        self.pool.run_mapped(layer, out, x, topk_ids, topk_weights, self.maps_dev[layer],
+                             workspace, accumulate)
         if cpu:                                       # runs while the GPU computes the rest
             part = cpu_experts(host_x, self.host_w13[layer], self.host_w2[layer], ids, host_w,
                                cpu)

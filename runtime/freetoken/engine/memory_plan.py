@@ -51,8 +51,9 @@ class ModelSizes:
     other_weight_bytes: int  # everything that is not a routed expert (always on the device)
     kv_bytes_per_token: int  # K and V of every attention layer
     state_bytes_per_slot: int = 0   # hybrid models: one sequence's GDN states, every layer
-    # One slot of the offloaded experts' GPU pool, and one expert's pinned host copy: the
-    # expert cache moves floats of the activation dtype (0: the same as expert_bytes).
+    # One slot of the offloaded experts' GPU pool, and one expert's pinned host copy: GGUF
+    # blocks where every MoE layer keeps them (the widest layer's expert), else floats of the
+    # activation dtype (0: the same as expert_bytes).
     slot_bytes: int = 0
 
     @property
@@ -83,6 +84,8 @@ class ModelSizes:
             if weights.experts is not None and experts * layers:
                 # an average: a _K_M mix keeps some layers' experts in a wider block type
                 resident = -(-weights.experts // (experts * layers))
+            if getattr(weights, "expert_slot", None):
+                slot = weights.expert_slot
         lin = getattr(cfg, "linear", None)
         state = sum(cfg.linear_layers) * lin.state_bytes(item) if lin is not None else 0
         return cls(resident, experts, layers, moe.top_k if moe else 0, other, kv, state, slot)
@@ -206,8 +209,8 @@ def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, fre
     state_slots / snapshots: a hybrid model's recurrent-state slots (--max-num-seqs) and
     snapshot rows, a pool of their own taken before the KV pool. extra: more fixed pools and
     their notes (a vision tower's, engine/vision_memory.py), also taken before the KV pool.
-    Resident experts count at `sizes.expert_bytes` (their format), an expert cache at float
-    slots (`sizes.expert_slot_bytes`, what the offload pool allocates).
+    Resident experts count at `sizes.expert_bytes` (their format), an expert cache at its
+    slots (`sizes.expert_slot_bytes`, what the offload pool allocates: blocks or floats).
     Raises MemoryPlanError (with the per-pool numbers) when even that does not fit.
     """
     budget = GpuRoom(free, total, limit, held)
@@ -250,7 +253,7 @@ def plan_host(sizes: ModelSizes, *, pinned_experts: bool, num_tokens: int,
               snapshots: int = 0, extra: tuple[dict[str, int], dict[str, str]] = ({}, {})
               ) -> MemoryPlan:
     """The host RAM plan: on the CPU path every weight, the KV pool and the `extra` pools (as
-    plan_gpu's); with offload the pinned copy of every expert (floats: expert_slot_bytes).
+    plan_gpu's); with offload the pinned copy of every expert (at expert_slot_bytes).
     `sizes` of the CPU path should count weights at the bytes they keep in memory (GGUF
     blocks stay quantized there)."""
     pools: dict[str, int] = {}

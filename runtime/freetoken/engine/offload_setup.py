@@ -184,36 +184,89 @@ def moe_layers(model) -> list:
 
 
 def attach_expert_cache(model, decision: OffloadDecision):
-    """Pin every MoE layer's host experts, build the cache and route the layers through it."""
+    """Pin every MoE layer's host experts, build the cache and route the layers through it.
+    GGUF experts stay in their blocks (expert_pool.BlockPool) where the decode kernels read
+    every layer's types; other experts are floats (FloatPool)."""
     import torch
 
     from freetoken.engine.expert_cache import ExpertCache
-    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu, \
-        measure_h2d
     from freetoken.kernel import ops
 
     layers = moe_layers(model)
     device = model.arrays.torch_device
     total = sum(t.numel() * t.element_size() for mlp in layers for t in (mlp.w13, mlp.w2))
+    blocks = in_format(model, layers)
+    if not blocks and any(mlp.qtypes for mlp in layers):
+        log.warning("offloaded experts become floats: the GGUF expert decode does not take "
+                    "this model's expert types or shapes")
+        _dequantize_experts(layers, model.dtype)
     w13, w2 = [], []
     for mlp in layers:     # layer by layer, so the unpinned copy of one layer at a time is extra
         w13.append(pin(mlp.w13, total))
         w2.append(pin(mlp.w2, total))
         mlp.w13 = mlp.w2 = None
-    _, two_i, h = w13[0].shape
     slots = cache_slots(ModelSizes.of(model.config, model.dtype), decision.rate)
-    policy = None
-    if decision.cpu:
-        cpu_bw, cpu_flops = measure_cpu(torch, h, two_i // 2, w13[0].dtype)
-        throughput = Throughput(measure_h2d(torch, device), cpu_bw, cpu_flops)
-        policy = CoExecPolicy(throughput, (w13[0][0].numel() + w2[0][0].numel())
-                              * w13[0].element_size(), 6 * h * (two_i // 2))
-        log.info("co-execution policy: %.1f GB/s H2D, CPU %.1f GB/s and %.1f GFLOP/s",
-                 throughput.h2d_bytes_per_s / 1e9, cpu_bw / 1e9, cpu_flops / 1e9)
-    cache = ExpertCache(w13, w2, device, slots, ops.bind("moe_experts", model.device), policy)
+    if blocks:
+        from freetoken.engine.expert_pool import BlockKernels, BlockPool
+
+        cfg = model.config
+        pool = BlockPool(w13, w2, [mlp.qtypes for mlp in layers], cfg.hidden_size,
+                         cfg.moe.intermediate_size, BlockKernels.for_device(model.device, device))
+        if decision.cpu:
+            log.warning("--moe-cpu auto: CPU co-execution computes float experts only; every "
+                        "miss of these GGUF experts is copied")
+        policy = None
+    else:
+        from freetoken.engine.expert_pool import FloatPool
+
+        pool = FloatPool(w13, w2, ops.bind("moe_experts", model.device))
+        policy = _co_execution(torch, device, w13, w2) if decision.cpu else None
+    cache = ExpertCache(pool, device, slots, policy)
     for index, mlp in enumerate(layers):
         mlp.offload = _LayerHook(cache, index)
     return cache
+
+
+def in_format(model, layers: list) -> bool:
+    """Whether every MoE layer's experts are GGUF blocks the in-format pool's decode reads
+    (moe_decode_quant's rule)."""
+    from freetoken.models.forward import moe_decode_quant
+
+    if not layers or not all(mlp.qtypes for mlp in layers):
+        return False
+    device = getattr(model.arrays, "device", None)
+    return all(moe_decode_quant.eligible(model.config, mlp, model.dtype, device)
+               for mlp in layers)
+
+
+def _dequantize_experts(layers: list, dtype: str) -> None:
+    """GGUF host experts as floats of `dtype` (the float pool's), layer by layer."""
+    import torch
+
+    from freetoken.kernel.reference import dequantize
+
+    item = getattr(torch, dtype)
+    for mlp in layers:
+        q13, q2 = mlp.qtypes
+        for name, qtype in (("w13", q13), ("w2", q2)):
+            blocks = getattr(mlp, name)
+            e, rows = blocks.shape[:2]
+            floats = dequantize(blocks.reshape(e * rows, -1).cpu(), qtype)
+            setattr(mlp, name, floats.reshape(e, rows, -1).to(item))
+        mlp.qtypes = ()
+
+
+def _co_execution(torch, device, w13: list, w2: list):
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu, \
+        measure_h2d
+
+    _, two_i, h = w13[0].shape
+    cpu_bw, cpu_flops = measure_cpu(torch, h, two_i // 2, w13[0].dtype)
+    throughput = Throughput(measure_h2d(torch, device), cpu_bw, cpu_flops)
+    log.info("co-execution policy: %.1f GB/s H2D, CPU %.1f GB/s and %.1f GFLOP/s",
+             throughput.h2d_bytes_per_s / 1e9, cpu_bw / 1e9, cpu_flops / 1e9)
+    return CoExecPolicy(throughput, (w13[0][0].numel() + w2[0][0].numel())
+                        * w13[0].element_size(), 6 * h * (two_i // 2))
 
 
 class _LayerHook:
@@ -222,5 +275,14 @@ class _LayerHook:
     def __init__(self, cache, index: int):
         self.cache, self.index = cache, index
 
-    def __call__(self, out, x, topk_ids, topk_weights, workspace) -> None:
-        self.cache.run(self.index, out, x, topk_ids, topk_weights, workspace)
+    @property
+    def fuses_decode(self) -> bool:
+        """Whether moe_decode_quant's decode step may hand its routed experts to this hook
+        (an in-format pool runs them with its kernels, accumulating into the residual)."""
+        return self.cache.in_format
+
+    def __call__(self, out, x, topk_ids, topk_weights, workspace, accumulate=False) -> None:
+        if accumulate:
+            self.cache.run(self.index, out, x, topk_ids, topk_weights, workspace, accumulate)
+        else:
+            self.cache.run(self.index, out, x, topk_ids, topk_weights, workspace)

@@ -12,7 +12,8 @@ then applies the placement rules of weights.py to each tensor:
   layout, else (the CPU, an odd scale layout, an embedding) at the dtype's bytes;
 - float tensors count at the dtype's bytes;
 - routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
-  in their format only as a whole (``Placement.keeps_experts`` for GGUF), else become floats.
+  in their format only as a whole (``Placement.keeps_experts`` for GGUF, offloaded or not),
+  else become floats.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ class WeightBytes:
     other: every weight but the routed experts. experts: the routed experts of every MoE
     layer where they would stay resident beside the rest (None: the reader could not tell).
     blocks: some layer weight stays in GGUF blocks (a GPU then plans prefill's dequantizing
-    scratch, forward/dequant.py)."""
+    scratch, forward/dequant.py). expert_slot: where every MoE layer's experts stay GGUF
+    blocks, one slot of an expert offload pool (engine/expert_pool.BlockPool: the widest
+    layer's expert, in 256-byte steps); None where offloaded experts are floats."""
 
     other: int
     experts: int | None
     blocks: bool = False
+    expert_slot: int | None = None
 
 
 def weight_bytes(src, cfg: ModelConfig, where: Placement) -> WeightBytes | None:
@@ -83,25 +87,31 @@ def weight_bytes(src, cfg: ModelConfig, where: Placement) -> WeightBytes | None:
         other += placed_bytes(tensor, where, lookup=name == "embed")
         blocks |= (name.startswith("layers.") and tensor.kind == GGUF
                    and where.keeps(tensor.qtype))
-    experts = _routed_expert_bytes(stored, cfg, where)
+    experts, slot = _routed_expert_bytes(stored, cfg, where)
     blocks |= cfg.moe is not None and any(
         t is not None and t.kind == GGUF and where.keeps_experts(t.qtype)
         for t in (stored(f"layers.{i}.experts.gate") for i in range(cfg.num_layers)))
-    return WeightBytes(other, experts, blocks)
+    return WeightBytes(other, experts, blocks, slot)
 
 
-def _routed_expert_bytes(stored, cfg: ModelConfig, where: Placement) -> int | None:
+def _routed_expert_bytes(stored, cfg: ModelConfig,
+                         where: Placement) -> tuple[int | None, int | None]:
+    """(every MoE layer's stacked experts in bytes, the offload pool's block slot or None)."""
     if cfg.moe is None:
-        return 0
-    total = 0
+        return 0, None
+    total, widest, all_blocks = 0, 0, True
     for i in range(cfg.num_layers):
         if not cfg.is_sparse(i):
             continue
         parts = [stored(f"layers.{i}.{part}") for part in _EXPERT_PARTS]
         if None in parts:       # a layout this reader cannot describe: count at the dtype
-            return None
-        total += layer_expert_bytes(parts, where)
-    return total
+            return None, None
+        layer = layer_expert_bytes(parts, where)
+        total += layer
+        all_blocks &= _expert_kind(parts[:2], where) == _expert_kind(parts[2:], where) == GGUF
+        widest = max(widest, -(-layer // cfg.moe.num_experts))
+    slot = -(-widest // 256) * 256 if all_blocks and widest else None
+    return total, slot
 
 
 def placed_bytes(tensor: StoredTensor, where: Placement, lookup: bool = False) -> int:
@@ -140,7 +150,7 @@ def _block_bytes(tensor: StoredTensor, where: Placement) -> int:
 def _expert_kind(parts: list[StoredTensor], where: Placement) -> str:
     """The kind stacked experts keep (mirrors _Reader.stacked): FP8 on a GPU with its kernel's
     layout (NVFP4 experts are dequantized), GGUF blocks where keeps_experts says so, else
-    floats; offloaded experts are floats (the expert cache moves float slots)."""
+    floats; offloaded FP8 experts are floats (the expert cache moves GGUF blocks or floats)."""
     first = parts[0]
     if all(p.kind == first.kind for p in parts) and first.kind in FORMATS and \
             first.kind != NVFP4 and all(p.kernel_ready for p in parts) and \

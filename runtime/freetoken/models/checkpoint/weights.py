@@ -61,10 +61,8 @@ class Placement:
     def keeps_experts(self, qtype: int) -> bool:
         """Whether stacked experts of GGML type `qtype` stay in their blocks here (read by the
         CPU's moe_experts_quant, or on a GPU by moe_experts_gguf and the decode kernels of
-        moe_decode_quant.py). Offloaded experts become floats: the expert cache moves float
-        slots."""
-        if self.experts is not None:
-            return False
+        moe_decode_quant.py). Offloaded experts keep them too, in host memory: the expert
+        cache moves blocks (engine/expert_pool.py)."""
         return self.keeps(qtype)
 
     def keeps(self, qtype: int) -> bool:
@@ -113,6 +111,15 @@ def gpu_rows(data: np.ndarray) -> np.ndarray:
 
 def _shape(weight: Weight) -> tuple[int, ...]:
     return tuple(weight.shape)
+
+
+def _place_experts(weight: QuantWeight, where: Placement) -> QuantWeight:
+    """Stacked GGUF experts: beside the rest, or in host memory when offloaded (the GPU's row
+    layout either way, so the expert cache copies rows as the kernels read them)."""
+    if where.experts is None or where.arrays.device.is_cpu:
+        return _place(weight, where)
+    return QuantWeight(weight.qtype, where.experts.place(gpu_rows(weight.data), "uint8"),
+                       weight.shape)
 
 
 def _place(weight: Weight, where: Placement) -> Weight:
@@ -239,7 +246,7 @@ class _Reader:
         if all(isinstance(w, ScaledWeight) and w.format != scaled.NVFP4 and scaled.kernel_ready(w)
                for w in raw) and not self.where.keeps_quantized and self.where.experts is None:
             # FP8/NVFP4 experts stay in their format on a GPU when their scales line up
-            # (offloaded experts are dequantized: the expert cache moves float slots)
+            # (offloaded FP8 experts become floats: the expert cache moves GGUF blocks or floats)
             joined = scaled.concat_rows([_place(w, self.where) for w in raw])
             if joined is not None:
                 return joined
@@ -247,11 +254,12 @@ class _Reader:
         if all(quant) and len({w.qtype for w in raw}) == 1 and self.where.keeps_experts(
                 raw[0].qtype):
             if len(raw) == 1:
-                return _place(raw[0], self.where)
+                return _place_experts(raw[0], self.where)
             rows = sum(w.shape[1] for w in raw)
-            joined = _place(QuantWeight(raw[0].qtype, np.concatenate([w.data for w in raw],
-                                                                      axis=1),
-                                        (raw[0].shape[0], rows, raw[0].shape[2])), self.where)
+            joined = _place_experts(QuantWeight(raw[0].qtype,
+                                                np.concatenate([w.data for w in raw], axis=1),
+                                                (raw[0].shape[0], rows, raw[0].shape[2])),
+                                    self.where)
         else:
             floats = [dequantize(w) if isinstance(w, QuantWeight) else
                       scaled.dequantize(w) if isinstance(w, ScaledWeight) else w for w in raw]

@@ -130,9 +130,10 @@ class MoEMLP:
         _add_gated(array_view(out), array_view(w.shared_out), array_view(w.shared_gate))
 
     def decode_applies(self, tokens: int) -> bool:
-        """Whether a step of `tokens` tokens takes the small-step decode kernels."""
-        return (self.decode is not None and self.offload is None
-                and tokens <= self.decode.max_tokens)
+        """Whether a step of `tokens` tokens takes the small-step decode kernels (with an
+        expert offload cache: only one that runs the routed experts in their blocks)."""
+        return (self.decode is not None and tokens <= self.decode.max_tokens
+                and (self.offload is None or getattr(self.offload, "fuses_decode", False)))
 
 
 def _add_gated(out: Array, shared: Array, gate: Array) -> None:

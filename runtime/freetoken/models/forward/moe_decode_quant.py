@@ -13,8 +13,10 @@ experts:
 runs after them through its own projections and sigmoid gate. The rule (decided once at load,
 per layer): a CUDA/ROCm device, bf16 activations, GGUF experts of types the kernels read, H and
 K * I within their staging, Q4_K down rows of whole 256-weight blocks, top_k <= 16. Per step:
-no expert offload cache attached and T <= MAX_TOKENS; wider steps keep moe_experts_gguf. Ids
-stay on the device: no host sync, graph-capturable.
+T <= MAX_TOKENS; wider steps keep moe_experts_gguf. Ids stay on the device: no host sync,
+graph-capturable. With an expert offload cache that keeps the blocks (engine/expert_pool.py's
+BlockPool), the routed experts go through the cache, which launches the same two kernels over
+its slots: the router, top-k and shared expert stay here.
 """
 
 from __future__ import annotations
@@ -96,10 +98,13 @@ class QuantMoEDecode:
         else:
             m.router(w.router_logits, x)
         self.topk(w.topk_weights, w.topk_ids, w.router_logits, self.renormalize)
-        pairs = t * self.top_k
-        act = w.moe_workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
-        self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL)
-        self.down(out, act, m.w2, self.q2, w.topk_ids, w.topk_weights, m.expert_map,
-                  accumulate, DOWN_ROWS, PDL)
+        if m.offload is not None:     # an in-format expert cache: the same two kernels
+            m.offload(out, x, w.topk_ids, w.topk_weights, w.moe_workspace, accumulate)
+        else:
+            pairs = t * self.top_k
+            act = w.moe_workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
+            self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL)
+            self.down(out, act, m.w2, self.q2, w.topk_ids, w.topk_weights, m.expert_map,
+                      accumulate, DOWN_ROWS, PDL)
         if m.shared is not None:
             m.add_shared(out, x, w)

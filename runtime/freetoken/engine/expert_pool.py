@@ -1,0 +1,214 @@
+"""The expert cache's device pool, in the experts' own format, and the kernels that read it.
+
+A pool has T = S + 2E slots: S LRU slots shared by every MoE layer, then two staging buffers
+of E slots (engine/expert_cache.py decides what goes where). Every expert also lives in
+pinned host memory in the same format, so a miss is a copy of the checkpoint's bytes.
+
+- FloatPool: float experts, w13 [T, 2I, H] and w2 [T, H, I], read by moe_experts through an
+  expert -> slot map (a streamed layer's map points at its staging slots).
+- BlockPool: GGUF experts kept in their blocks: one uint8 tensor [T, slot_bytes], a slot
+  holding an expert's gate/up rows then its down rows in its layer's block types, slot_bytes
+  sized for the widest layer's expert (a _K_M mix gives some layers Q6_K down rows). Decode
+  steps (up to moe_decode_quant.MAX_TOKENS tokens) read slots slot_bytes apart through
+  moe_q8_gate_up / moe_q8_down, the kernels of the resident decode, so an offloaded step
+  computes what the resident one does. A streamed layer is copied packed into its staging
+  buffer's bytes ([E, 2I, rb13] then [E, H, rb2]), where the wide-step kernels read it
+  (dequantized chunks feeding the float grouped GEMM, as resident prefill).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class FloatPool:
+    """Float experts: per MoE layer, host w13 [E, 2I, H] and w2 [E, H, I] (pinned on a GPU).
+    kernel: moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)."""
+
+    in_format = False   # the decode fusion of moe_decode_quant does not apply
+
+    def __init__(self, host_w13: list, host_w2: list, kernel: Callable):
+        self.host_w13, self.host_w2, self.kernel = host_w13, host_w2, kernel
+        self.num_layers = len(host_w13)
+        self.num_experts, two_i, self.hidden = host_w13[0].shape
+        self.inter = two_i // 2
+        self.dtype = host_w13[0].dtype
+        self.slot_bytes = (host_w13[0][0].numel() + host_w2[0][0].numel()) * \
+            host_w13[0].element_size()
+        self.pinned_bytes = self.num_layers * self.num_experts * self.slot_bytes
+        self.w13 = self.w2 = None
+        self._staging_maps: list = []
+
+    def alloc(self, torch, device, num_slots: int) -> None:
+        """Fixed pool tensors of num_slots LRU slots and the staging buffers; the LRU slots
+        below the new size keep their data. (Called in inference_mode(False): see
+        ExpertCache._alloc.)"""
+        total, e = num_slots + 2 * self.num_experts, self.num_experts
+        w13 = torch.empty((total, 2 * self.inter, self.hidden), dtype=self.dtype, device=device)
+        w2 = torch.empty((total, self.hidden, self.inter), dtype=self.dtype, device=device)
+        if self.w13 is not None:
+            keep = min(num_slots, self.w13.shape[0] - 2 * e)
+            w13[:keep].copy_(self.w13[:keep])
+            w2[:keep].copy_(self.w2[:keep])
+        self.w13, self.w2 = w13, w2
+        self._staging_maps = [torch.arange(num_slots + b * e, num_slots + (b + 1) * e,
+                                           dtype=torch.int32, device=device) for b in range(2)]
+
+    def copy_expert(self, layer: int, expert: int, slot: int) -> int:
+        self.w13[slot].copy_(self.host_w13[layer][expert], non_blocking=True)
+        self.w2[slot].copy_(self.host_w2[layer][expert], non_blocking=True)
+        return self.slot_bytes
+
+    def stage(self, layer: int, buf: int, base: int) -> int:
+        """Every expert of `layer` into staging buffer `buf` (slots base .. base + E)."""
+        e = self.num_experts
+        self.w13[base:base + e].copy_(self.host_w13[layer], non_blocking=True)
+        self.w2[base:base + e].copy_(self.host_w2[layer], non_blocking=True)
+        return e * self.slot_bytes
+
+    def run_staged(self, layer, buf, base, out, x, topk_ids, topk_weights, workspace,
+                   accumulate=False) -> None:
+        """The experts of `layer`, staged in buffer `buf` (from slot `base`), for every pair."""
+        assert not accumulate, "float experts write out (no fused residual add)"
+        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self._staging_maps[buf],
+                    workspace)
+
+    def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
+                   accumulate=False) -> None:
+        assert not accumulate, "float experts write out (no fused residual add)"
+        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, expert_map, workspace)
+
+    def max_mapped_tokens(self) -> int | None:
+        """The widest step run_mapped takes (None: any)."""
+        return None
+
+
+class BlockKernels:
+    """What BlockPool launches, bound for its device (tests on the CPU pass kernel/reference.py's
+    functions): moe_q8_gate_up, moe_q8_down, moe_experts_gguf and a factory of
+    dequant.ExpertChunks (None: wide steps always take moe_experts_gguf)."""
+
+    def __init__(self, gate_up: Callable, down: Callable, experts_gguf: Callable,
+                 chunks: Callable | None):
+        self.gate_up, self.down, self.experts_gguf, self.chunks = \
+            gate_up, down, experts_gguf, chunks
+
+    @classmethod
+    def for_device(cls, device, torch_device) -> BlockKernels:
+        """device: the model's (kernel binding); torch_device: where the pool lives."""
+        from freetoken.kernel import ops
+        from freetoken.models.forward.dequant import ExpertChunks
+
+        return cls(ops.bind("moe_q8_gate_up", device), ops.bind("moe_q8_down", device),
+                   ops.bind("moe_experts_gguf", device),
+                   lambda w13, w2, qtypes: ExpertChunks(w13, w2, qtypes, torch_device))
+
+
+class BlockPool:
+    """GGUF experts in their blocks (see the module doc). Per MoE layer: host w13 uint8
+    [E, 2I, rb13] and w2 uint8 [E, H, rb2] in the GPU's row layout (rows padded to 16 bytes,
+    models/checkpoint/weights.gpu_rows), pinned on a GPU, and the layer's (qtype13, qtype2)."""
+
+    in_format = True
+
+    def __init__(self, host_w13: list, host_w2: list, qtypes: list[tuple[int, int]],
+                 hidden: int, inter: int, kernels: BlockKernels):
+        from freetoken.models.forward import moe_decode_quant
+
+        self.host_w13, self.host_w2, self.qtypes = host_w13, host_w2, qtypes
+        self.kernels = kernels
+        self.num_layers = len(host_w13)
+        self.num_experts = host_w13[0].shape[0]
+        self.hidden, self.inter = hidden, inter
+        self.bytes13 = [w[0].numel() for w in host_w13]
+        self.bytes2 = [w[0].numel() for w in host_w2]
+        widest = max(a + b for a, b in zip(self.bytes13, self.bytes2))
+        self.slot_bytes = -(-widest // 256) * 256     # whole 256-byte steps: aligned slots
+        self.pinned_bytes = self.num_experts * sum(self.bytes13 + self.bytes2)
+        self.decode_tokens = moe_decode_quant.MAX_TOKENS
+        self.gate_up_rows, self.down_rows = (moe_decode_quant.GATE_UP_ROWS,
+                                             moe_decode_quant.DOWN_ROWS)
+        self.pool = None
+        self._identity = None
+        self._views: dict[int, tuple[Any, Any]] = {}
+
+    def alloc(self, torch, device, num_slots: int) -> None:
+        total = num_slots + 2 * self.num_experts
+        pool = torch.empty((total, self.slot_bytes), dtype=torch.uint8, device=device)
+        if self.pool is not None:
+            keep = min(num_slots, self.pool.shape[0] - 2 * self.num_experts)
+            pool[:keep].copy_(self.pool[:keep])
+        self.pool, self._views = pool, {}
+        if self._identity is None:
+            self._identity = torch.arange(self.num_experts, dtype=torch.int32, device=device)
+
+    def _slot_views(self, layer: int):
+        """The layer's w13 [T, 2I, rb13] and w2 [T, H, rb2] over every slot (slot_bytes
+        apart), as the decode kernels read them."""
+        views = self._views.get(layer)
+        if views is None:
+            total, a, b = self.pool.shape[0], self.bytes13[layer], self.bytes2[layer]
+            w13 = self.pool[:, :a].view(total, 2 * self.inter, a // (2 * self.inter))
+            w2 = self.pool[:, a:a + b].view(total, self.hidden, b // self.hidden)
+            views = self._views[layer] = (w13, w2)
+        return views
+
+    def _packed_views(self, layer: int, base: int):
+        """The layer's E experts packed from slot `base`'s first byte: w13 [E, 2I, rb13] then
+        w2 [E, H, rb2], each contiguous."""
+        e, a, b = self.num_experts, self.bytes13[layer], self.bytes2[layer]
+        flat = self.pool.view(-1)[base * self.slot_bytes:]
+        w13 = flat[:e * a].view(e, 2 * self.inter, a // (2 * self.inter))
+        w2 = flat[e * a:e * (a + b)].view(e, self.hidden, b // self.hidden)
+        return w13, w2
+
+    def copy_expert(self, layer: int, expert: int, slot: int) -> int:
+        a, b = self.bytes13[layer], self.bytes2[layer]
+        self.pool[slot, :a].copy_(self.host_w13[layer][expert].view(-1), non_blocking=True)
+        self.pool[slot, a:a + b].copy_(self.host_w2[layer][expert].view(-1), non_blocking=True)
+        return a + b
+
+    def stage(self, layer: int, buf: int, base: int) -> int:
+        w13, w2 = self._packed_views(layer, base)
+        w13.copy_(self.host_w13[layer], non_blocking=True)
+        w2.copy_(self.host_w2[layer], non_blocking=True)
+        return self.num_experts * (self.bytes13[layer] + self.bytes2[layer])
+
+    def max_mapped_tokens(self) -> int:
+        return self.decode_tokens
+
+    def _decode(self, layer, w13, w2, out, x, topk_ids, topk_weights, expert_map, workspace,
+                accumulate) -> None:
+        """moe_q8_gate_up then moe_q8_down, as moe_decode_quant.QuantMoEDecode launches them.
+        gate/up is not a programmatic dependent: copies on another stream come before it."""
+        q13, q2 = self.qtypes[layer]
+        pairs = x.shape[0] * topk_ids.shape[1]
+        act = workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
+        self.kernels.gate_up(act, x, w13, q13, topk_ids, expert_map, self.gate_up_rows, False)
+        self.kernels.down(out, act, w2, q2, topk_ids, topk_weights, expert_map, accumulate,
+                          self.down_rows, True)
+
+    def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
+                   accumulate=False) -> None:
+        if x.shape[0] > self.decode_tokens:
+            raise ValueError(f"a mapped step over GGUF expert slots takes at most "
+                             f"{self.decode_tokens} tokens, got {x.shape[0]} (stream it)")
+        w13, w2 = self._slot_views(layer)
+        self._decode(layer, w13, w2, out, x, topk_ids, topk_weights, expert_map, workspace,
+                     accumulate)
+
+    def run_staged(self, layer, buf, base, out, x, topk_ids, topk_weights, workspace,
+                   accumulate=False) -> None:
+        w13, w2 = self._packed_views(layer, base)
+        if x.shape[0] <= self.decode_tokens:
+            self._decode(layer, w13, w2, out, x, topk_ids, topk_weights, self._identity,
+                         workspace, accumulate)
+            return
+        assert not accumulate, "wide steps write out (no fused residual add)"
+        chunks = self.kernels.chunks(w13, w2, self.qtypes[layer]) if self.kernels.chunks \
+            else None
+        if chunks is not None and chunks.applies(x.shape[0]):
+            chunks(out, x, topk_ids, topk_weights, self._identity, workspace)
+        else:
+            self.kernels.experts_gguf(out, x, w13, w2, *self.qtypes[layer], topk_ids,
+                                      topk_weights, self._identity, workspace)
