@@ -161,8 +161,8 @@ void run_experts(Isa isa, TensorView out, TensorView x, TensorView w13, TensorVi
   p.x = data_of<float>(x);
   p.w13 = static_cast<const uint8_t*>(w13.data_ptr()) + w13.byte_offset();
   p.w2 = static_cast<const uint8_t*>(w2.data_ptr()) + w2.byte_offset();
-  p.rb13 = f13.row_bytes(p.sh.h);
-  p.rb2 = f2.row_bytes(p.sh.i);
+  p.rb13 = f13.pitch(w13, p.sh.h);
+  p.rb2 = f2.pitch(w2, p.sh.i);
   allocate(p);
   sort_pairs(p, data_of<int32_t>(topk_ids), data_of<float>(topk_weights),
              data_of<int32_t>(expert_map));

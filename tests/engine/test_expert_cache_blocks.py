@@ -167,10 +167,68 @@ def test_graph_segments_route_through_the_block_slots(experts):
     assert cache.stats.tokens == 4 * 2
 
 
-def test_co_execution_is_refused_for_blocks(experts):
+def test_cpu_block_experts_sums_the_chosen_experts_pairs(experts):
+    """The CPU side of co-execution over blocks: the CPU experts kernel on the host blocks
+    (rows padded as the GPU keeps them) for the pairs routed to the chosen experts only, against
+    the dequantized experts in float64."""
+    from freetoken.engine.offload_policy import cpu_block_experts, measure_cpu_blocks
+    from freetoken.kernel import ops
+
+    kernel = ops.bind("moe_experts_quant", "cpu")
+    layer = 0                                      # Q4_K gate/up, Q6_K down: padded rows
+    w13, w2 = experts[0][layer], experts[1][layer]
+    q13, q2 = QTYPES[layer]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, H, generator=g)
+    ids, weights = routing(5, 8)
+    chosen = sorted({int(ids[0, 0]), int(ids[3, 1])})
+    got = cpu_block_experts(x, w13, w2, q13, q2, ids, weights, chosen, kernel)
+    f13 = torch.stack([reference.dequantize(w13[e], q13) for e in range(E)]).double()
+    f2 = torch.stack([reference.dequantize(w2[e], q2) for e in range(E)]).double()
+    want = torch.zeros(5, H, dtype=torch.float64)
+    scale = torch.zeros(5, H, dtype=torch.float64)
+    for t in range(5):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e not in chosen:
+                continue
+            gu = f13[e] @ x[t].double()
+            act = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            want[t] += float(weights[t, k]) * (f2[e] @ act)
+            scale[t] += float(weights[t, k]) * (f2[e].abs() @ act.abs())
+    # int8 activations (x, then act) and float32 sums: a few 1/127 steps of each magnitude
+    assert (got.double() - want).abs().le(0.05 * scale + 1e-6).all()
+    assert got[[t for t in range(5) if not set(ids[t].tolist()) & set(chosen)]].eq(0).all()
+    bandwidth, flops = measure_cpu_blocks(torch, kernel, w13, w2, q13, q2, repeats=1)
+    assert bandwidth > 0 and flops > 0
+
+
+def test_co_execution_computes_some_misses_on_the_cpu_over_the_blocks(experts):
+    """A policy that finds the CPU fast hands it most misses: the layer's output is the GPU
+    kernel's part (the copied and cached experts) plus the CPU kernel's part over the same host
+    blocks; against the resident blocks, each co-executed layer moves by int8 roundings only
+    (the CPU kernel quantizes x and act per 32 values as the GPU's does, but sums in another
+    order), never by a missing or doubled expert."""
+    from freetoken.engine.expert_pool import BlockKernels
     from freetoken.engine.offload_policy import CoExecPolicy, Throughput
+    from freetoken.kernel import ops
 
     w13, w2 = experts
-    policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), 1000, 1000)
-    with pytest.raises(ValueError, match="float experts"):
-        ExpertCache(BlockPool(w13, w2, QTYPES, H, I, KERNELS), "cpu", 4, policy)
+    kernels = BlockKernels(reference.moe_q8_gate_up, reference.moe_q8_down, experts_gguf, None,
+                           ops.bind("moe_experts_quant", "cpu"))
+    policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), 100_000, 6 * H * I)
+    cache = ExpertCache(BlockPool(w13, w2, QTYPES, H, I, kernels), "cpu", 4, policy)
+    cache.prefill = False
+    for seed in range(3):
+        for layer in range(LAYERS):
+            g = torch.Generator().manual_seed(seed * 10 + layer)
+            x = (torch.randn(2, H, generator=g) * 0.5).to(torch.bfloat16)
+            ids, weights = routing(2, 70 + seed * 10 + layer)
+            out = torch.full_like(x, float("nan"))
+            workspace = torch.empty(2 * 2 * K * I * 2, dtype=torch.uint8)
+            cache.run(layer, out, x, ids, weights, workspace)
+            want = resident(experts, layer, x, ids, weights).double()
+            scale = want.abs().amax(1, keepdim=True)
+            assert ((out.double() - want).abs() <= 0.05 * scale + 1e-6).all(), (seed, layer)
+    assert cache.stats.cpu_experts > 0 and cache.stats.misses > cache.stats.cpu_experts
+    cache.check_integrity()

@@ -99,13 +99,13 @@ def test_the_gpu_tests_layer_check_passes_co_execution_only(model_dir, monkeypat
     """tests/engine/test_offload_gpu.py checks co-execution per MoE layer against the resident
     experts; here on the CPU (the GPU kernel's -1 slots emulated): it must pass the real CPU
     partial sums and fail them dropped or doubled."""
-    from freetoken.engine import expert_cache, offload_setup
+    from freetoken.engine import offload_policy, offload_setup
     from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
     from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
     from tests.engine.test_offload_gpu import check_co_executed_layers
 
     monkeypatch.setattr(offload_setup, "pin", lambda t, total=0: t)
-    monkeypatch.setattr(expert_cache, "cpu_experts", lambda *a: factor * cpu_experts(*a))
+    monkeypatch.setattr(offload_policy, "cpu_experts", lambda *a: factor * cpu_experts(*a))
     model = build(model_dir, plan=lambda cfg, dtype, weights: True)
     cache = attach_expert_cache(model, OffloadDecision(0.5, 1024, None, None, False))
     cache.kernel = slot_kernel

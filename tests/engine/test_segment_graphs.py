@@ -44,6 +44,7 @@ def run(stage: str) -> None:
 
 class FakeCache:
     num_layers, policy, prefill, segment_hook = LAYERS, None, None, None
+    max_mapped_tokens = None
 
     def prepare_segment(self, layer, topk_ids):
         LOG.append(f"prepare {layer} rows {topk_ids.shape[0]}")
@@ -134,3 +135,16 @@ def test_a_failed_capture_falls_back_to_eager_decode(graphs, monkeypatch, caplog
     with caplog.at_level("WARNING"):
         got = segment_graphs.capture_decode_graphs(graphs.model, kv, 4, 2, graphs.cache)
     assert got is None and "decode runs eagerly" in caplog.text
+
+
+def test_batches_wider_than_the_mapped_kernels_take_run_eagerly(monkeypatch):
+    """A pool whose mapped kernels take at most 2 tokens (FP8: 8) streams wider decode steps
+    through its staging buffers, with no routing point to cut at: no graph is captured for
+    them, so they run eagerly."""
+    monkeypatch.setattr(segment_graphs.torch.cuda, "CUDAGraph", FakeGraph)
+    cache = FakeCache()
+    cache.max_mapped_tokens = 2
+    kv = types.SimpleNamespace(num_state_slots=0)
+    graphs = SegmentedDecodeGraphs(FakeModel(cache), kv, max_batch=4, max_blocks=2, cache=cache)
+    assert graphs.sizes == [1, 2]
+    assert graphs.can_run(decode_batch(2)) and not graphs.can_run(decode_batch(3))

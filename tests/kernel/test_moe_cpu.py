@@ -371,3 +371,28 @@ def test_bad_quant_and_routing_arguments_raise():
         ops.moe_topk_softmax(w[:, :2], i[:, :2], torch.zeros(3, 4, dtype=torch.int32), True)
     with raises(r"topk_weights must be \[T=3, K=2\] like topk_ids, got \[3, 5\]"):
         ops.moe_topk_softmax(w, i[:, :2].contiguous(), torch.randn(3, 4), True)
+
+
+@pytest.mark.parametrize("q13,q2,inter", [(12, 14, 256), (Q8_0, 6, 96)],
+                         ids=["Q4_K-Q6_K", "Q8_0-Q5_0"])
+def test_moe_experts_quant_reads_rows_padded_to_16_bytes(q13, q2, inter):
+    """GGUF rows as the GPU keeps them (each padded to whole 16-byte words: Q6_K rows of 256
+    weights are 210 bytes, Q5_0 rows of 96 are 66), as an expert offload's host blocks are: the
+    same result as the file's rows, bit for bit."""
+    from freetoken.models.checkpoint.weights import gpu_rows
+    from tests.kernel.gguf_random import random_blocks
+
+    r, experts, hidden = rng(11), 4, 256
+    b13 = np.stack([random_blocks(q13, 2 * inter, hidden, r, centered=True)
+                    for _ in range(experts)])
+    b2 = np.stack([random_blocks(q2, hidden, inter, r, centered=True) for _ in range(experts)])
+    p13, p2 = gpu_rows(b13), gpu_rows(b2)
+    assert p2.shape[-1] > b2.shape[-1]
+    ids = np.array([[0, 2], [1, 3], [2, 1]], dtype=np.int32)
+    weights = np.array([[0.6, 0.4], [0.5, 0.5], [0.9, 0.1]], dtype=np.float32)
+    emap = np.arange(experts, dtype=np.int32)
+    x = r.standard_normal((3, hidden)).astype(np.float32)
+    plain = run_quant(x, b13, b2, q13, q2, ids, weights, emap)
+    padded = run_quant(x, np.ascontiguousarray(p13), np.ascontiguousarray(p2), q13, q2, ids,
+                       weights, emap)
+    assert np.isfinite(plain).all() and np.array_equal(plain, padded)

@@ -5,6 +5,7 @@ On a GPU GGUF rows are padded to whole 16-byte words (Q6_K rows of 256 values: 2
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -252,7 +253,67 @@ def test_scaled_weights_count_values_and_scales(tmp_path, arch, layout, fused):
     directory, _ = write_scaled(tmp_path / "float", tmp_path / layout, layout, fused)
     config, tensors, _, _ = read_hf_dir(directory)
     expected, elements = safetensors_expected(directory)
+    if arch == "qwen3_moe" and layout == "fp8-block":     # FP8 experts: FP8 offload slots too
+        expected = replace(expected, expert_slot=fp8_slot(expected.experts, config))
     assert weight_bytes(tensors, config, gpu_placement()) == expected
     # the CPU dequantizes every scaled weight: float32 throughout
     cpu = weight_bytes(tensors, config, Placement(HostArrays(), "float32"))
     assert cpu.other + cpu.experts == 4 * elements
+
+
+def fp8_slot(expert_bytes: int, config) -> int:
+    """One slot of the FP8 offload pool (engine/expert_pool.ScaledPool): an expert's values
+    and scale grids (every layer's experts take the same bytes) and the float32 row scales
+    the kernel reads, one per gate/up and down row (ones where the checkpoint has none)."""
+    moe = config.moe
+    per_expert = expert_bytes // (moe.num_experts * sum(moe.sparse_layers))
+    return per_expert + 4 * (2 * moe.intermediate_size + config.hidden_size)
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory):
+    """(config, tensors, expected bytes) of a qwen3_moe in FP8 128x128 blocks (experts fused,
+    as safetensors_expected counts their scales)."""
+    from freetoken.models.checkpoint.hf import read_hf_dir
+    from tests.models.scaled_checkpoint import write_scaled
+
+    base = tmp_path_factory.mktemp("footprint-fp8")
+    (base / "float").mkdir()
+    tiny_hf_model("qwen3_moe", base / "float", **SCALED)
+    directory, _ = write_scaled(base / "float", base / "fp8", "fp8-block", fused_experts=True)
+    config, tensors, _, _ = read_hf_dir(directory)
+    return config, tensors, safetensors_expected(directory)[0]
+
+
+def test_offloaded_fp8_experts_count_in_their_format(fp8_moe):
+    """Offloaded FP8 experts stay FP8 (in host memory): the same bytes as resident ones, and
+    the offload pool's slot is an FP8 expert's, well under a bf16 expert's."""
+    config, tensors, expected = fp8_moe
+    resident = weight_bytes(tensors, config, gpu_placement())
+    offloaded = weight_bytes(tensors, config, replace(gpu_placement(), experts=HostArrays()))
+    assert offloaded == resident
+    assert resident.experts == expected.experts
+    assert resident.expert_slot == fp8_slot(expected.experts, config)
+    bf16_expert = 3 * config.hidden_size * config.moe.intermediate_size * 2
+    assert resident.expert_slot < 0.6 * bf16_expert
+
+
+def test_the_gpu_plan_counts_fp8_expert_slots(fp8_moe, monkeypatch):
+    """The start-up planner, fed what load_model hands it, plans resident FP8 experts at their
+    bytes and an expert cache (and its pinned host copy) in FP8 slots."""
+    config, tensors, expected = fp8_moe
+    weights = weight_bytes(tensors, config, gpu_placement())
+    slot = fp8_slot(expected.experts, config)
+    sizes = ModelSizes.of(config, "bfloat16", weights=weights)
+    assert sizes.expert_slot_bytes == slot
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * GIB, 8 * GIB))
+    engine = EngineConfig(num_tokens=1024, max_num_seqs=4, max_prefill_tokens=256)
+    planner = OffloadPlanner(engine, OffloadConfig(), FakeGPU())
+    assert planner(config, "bfloat16", weights) is False
+    assert planner.decision.plan.pools["experts"] == expected.experts
+    planner = OffloadPlanner(engine, OffloadConfig(cache_rate=0.25), FakeGPU())
+    assert planner(config, "bfloat16", weights) is True
+    experts = config.moe.num_experts
+    slots = int(0.25 * experts * sum(config.moe.sparse_layers)) + 2 * experts
+    assert planner.decision.plan.pools["expert_cache"] == slots * slot
+    assert planner.decision.host_plan.pools["pinned_experts"] == sizes.total_experts * slot

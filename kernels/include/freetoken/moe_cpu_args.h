@@ -23,6 +23,14 @@ struct Format {
   int64_t row_bytes(int64_t k) const {
     return quantized ? quant::row_bytes_of(type, k) : k * floatrows::element_bytes(type);
   }
+
+  /*! \brief Bytes from one row to the next in w [S, rows, pitch]: the row's bytes, or (GGUF
+   * rows, not packed) those padded to whole 16-byte words as the GPU keeps them, so an expert
+   * offload's host blocks serve the CPU too. */
+  int64_t pitch(const TensorView& w, int64_t k) const {
+    return quantized && !packed && w.size(2) == (row_bytes(k) + 15) / 16 * 16 ? w.size(2)
+                                                                             : row_bytes(k);
+  }
 };
 
 inline const char* type_name(int64_t type) {
@@ -72,7 +80,8 @@ inline void check_weight(const TensorView& w, const char* name, const Format& f,
   } else {
     check_dtype(w, kDLFloat, 32, name, "float32");
   }
-  const int64_t last = bytes ? f.row_bytes(k) : k;
+  TVM_FFI_ICHECK(w.ndim() == 3) << name << " must be " << want << " (3-D), got " << dims_of(w);
+  const int64_t last = bytes ? f.pitch(w, k) : k;
   TVM_FFI_ICHECK(!f.quantized || k % quant::block_weights(f.type) == 0)
       << name << " rows hold " << k << " weights, not a multiple of "
       << quant::block_weights(f.type) << " as " << type_name(f.type) << " blocks need";

@@ -1,10 +1,11 @@
 """Offloaded experts: every expert in pinned host memory, the hot ones in one GPU slot pool.
 
-The pool (engine/expert_pool.py: float experts, or GGUF experts in their blocks) has S + 2E
-slots: S LRU slots shared by every MoE layer (expert_slots.SlotLRU), then two staging buffers
-of E slots each. The experts kernel reads weights through a per-layer expert-id -> slot map
-(int32 [E] on the device), so the kernel is the resident one: resident = the identity map over
-the model's own stacked tensors. Host copies, slots and every copy hold the experts' own format.
+The pool (engine/expert_pool.py: float experts, GGUF experts in their blocks, or FP8 experts
+with their scales) has S + 2E slots: S LRU slots shared by every MoE layer
+(expert_slots.SlotLRU), then two staging buffers of E slots each. The experts kernel reads
+weights through a per-layer expert-id -> slot map (int32 [E] on the device), so the kernel is
+the resident one: resident = the identity map over the model's own stacked tensors. Host
+copies, slots and every copy hold the experts' own format.
 
 Per MoE layer call (``run``):
 - decode (a decode-only step; without the engine's hint, T * K < E): the routing's ids come to
@@ -13,7 +14,8 @@ Per MoE layer call (``run``):
   says so, computed on the CPU from host memory while the GPU runs), the map is uploaded, and
   the kernel waits for the copies' event. When the misses do not fit beside the layer's hits,
   they go through staging buffer 0 instead. A pool whose mapped kernels take a bounded step
-  (GGUF blocks: moe_decode_quant.MAX_TOKENS tokens) streams wider steps.
+  (GGUF blocks: moe_decode_quant.MAX_TOKENS tokens; FP8: scaled_linear.GEMV_MAX_TOKENS)
+  streams wider steps.
 - decode in CUDA graph segments (engine/segment_graphs.py): the same per layer, but the engine
   calls ``prepare_segment`` between two replays (the ids arrive through a pinned buffer and an
   event), the map is uploaded only when a routed entry changed, and misses are always copied
@@ -31,7 +33,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from freetoken.engine.expert_slots import OffloadStats, SlotLRU
-from freetoken.engine.offload_policy import CoExecPolicy, cpu_experts
+from freetoken.engine.offload_policy import CoExecPolicy
 
 
 class _NoEvent:
@@ -46,7 +48,8 @@ class _NoEvent:
 
 class ExpertCache:
     """Args:
-        pool: the device pool and its host experts (expert_pool.FloatPool or BlockPool).
+        pool: the device pool and its host experts (expert_pool.FloatPool, BlockPool or
+            ScaledPool).
         device: torch device of the pool (cuda, or cpu for tests).
         num_slots: LRU slots (cache rate * every expert of every layer).
         policy: co-execution policy (float experts only), or None to copy every miss.
@@ -55,9 +58,9 @@ class ExpertCache:
     def __init__(self, pool, device: Any, num_slots: int, policy: CoExecPolicy | None = None):
         import torch
 
-        if policy is not None and pool.in_format:
-            raise ValueError("CPU co-execution computes float experts; this pool keeps "
-                             "GGUF blocks")
+        if policy is not None and not hasattr(pool, "cpu_experts"):
+            raise ValueError("CPU co-execution computes float experts and GGUF blocks; this "
+                             "pool keeps FP8 experts")
         self.torch, self.device, self.pool, self.policy = torch, device, pool, policy
         self.num_layers, self.num_experts = pool.num_layers, pool.num_experts
         self.hidden, self.inter = pool.hidden, pool.inter
@@ -98,8 +101,19 @@ class ExpertCache:
 
     @property
     def in_format(self) -> bool:
-        """Whether the pool keeps the experts' blocks (moe_decode_quant's decode runs on it)."""
+        """Whether the pool keeps the experts' format (GGUF blocks or FP8, not floats)."""
         return self.pool.in_format
+
+    @property
+    def fuses_decode(self) -> bool:
+        """Whether moe_decode_quant's decode step runs on the pool (GGUF blocks only)."""
+        return self.pool.fuses_decode
+
+    @property
+    def max_mapped_tokens(self) -> int | None:
+        """The widest decode step that runs through the slot map (None: any); wider ones
+        stream."""
+        return self.pool.max_mapped_tokens()
 
     @property
     def kernel(self) -> Callable:
@@ -161,7 +175,7 @@ class ExpertCache:
         if layer == 0 and self.segment_hook is None:    # segments count in prepare_segment
             self.stats.tokens += tokens
         stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
-        widest = self.pool.max_mapped_tokens()
+        widest = self.max_mapped_tokens
         if stream or (widest is not None and tokens > widest):
             self._stream(layer, out, x, topk_ids, topk_weights, workspace, accumulate)
         else:
@@ -214,8 +228,7 @@ class ExpertCache:
         self.pool.run_mapped(layer, out, x, topk_ids, topk_weights, self.maps_dev[layer],
                              workspace, accumulate)
         if cpu:                                       # runs while the GPU computes the rest
-            part = cpu_experts(host_x, self.host_w13[layer], self.host_w2[layer], ids, host_w,
-                               cpu)
+            part = self.pool.cpu_experts(layer, host_x, ids, host_w, cpu)
             # NOTE: a blocking copy. A non-blocking one from this pageable temporary (and the
             # bf16 one torch converts it into) may still be reading it when it is freed and
             # reused by the next layer where the driver maps pageable memory for the GPU

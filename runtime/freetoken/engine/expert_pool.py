@@ -14,6 +14,11 @@ pinned host memory in the same format, so a miss is a copy of the checkpoint's b
   computes what the resident one does. A streamed layer is copied packed into its staging
   buffer's bytes ([E, 2I, rb13] then [E, H, rb2]), where the wide-step kernels read it
   (dequantized chunks feeding the float grouped GEMM, as resident prefill).
+- ScaledPool: FP8 experts kept in their format (e4m3 values, float32 scale grids, row
+  scales), one tensor of T slots per part, read through ScaledExperts as resident FP8 layers
+  are (models/forward/scaled_moe.py): decode steps (up to scaled_linear.GEMV_MAX_TOKENS
+  tokens) through moe_experts_scaled and the expert map; a streamed layer over its staging
+  buffer's E slots, wide steps dequantizing those slots for moe_experts.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ class FloatPool:
     """Float experts: per MoE layer, host w13 [E, 2I, H] and w2 [E, H, I] (pinned on a GPU).
     kernel: moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)."""
 
-    in_format = False   # the decode fusion of moe_decode_quant does not apply
+    in_format = False   # float experts: CPU co-execution may compute them
+    fuses_decode = False   # the decode fusion of moe_decode_quant does not apply
 
     def __init__(self, host_w13: list, host_w2: list, kernel: Callable):
         self.host_w13, self.host_w2, self.kernel = host_w13, host_w2, kernel
@@ -82,6 +88,14 @@ class FloatPool:
         """The widest step run_mapped takes (None: any)."""
         return None
 
+    def cpu_experts(self, layer: int, x, topk_ids, topk_weights, experts: list[int]):
+        """Co-execution's CPU side: float32 [T, H], the pairs routed to `experts` (host x,
+        ids and weights), from the host copies (offload_policy.cpu_experts: torch)."""
+        from freetoken.engine import offload_policy
+
+        return offload_policy.cpu_experts(x, self.host_w13[layer], self.host_w2[layer],
+                                          topk_ids, topk_weights, experts)
+
 
 class BlockKernels:
     """What BlockPool launches, bound for its device (tests on the CPU pass kernel/reference.py's
@@ -89,9 +103,10 @@ class BlockKernels:
     dequant.ExpertChunks (None: wide steps always take moe_experts_gguf)."""
 
     def __init__(self, gate_up: Callable, down: Callable, experts_gguf: Callable,
-                 chunks: Callable | None):
+                 chunks: Callable | None, cpu: Callable | None = None):
         self.gate_up, self.down, self.experts_gguf, self.chunks = \
             gate_up, down, experts_gguf, chunks
+        self.cpu = cpu      # the CPU's moe_experts_quant (co-execution), None: never asked
 
     @classmethod
     def for_device(cls, device, torch_device) -> BlockKernels:
@@ -101,7 +116,8 @@ class BlockKernels:
 
         return cls(ops.bind("moe_q8_gate_up", device), ops.bind("moe_q8_down", device),
                    ops.bind("moe_experts_gguf", device),
-                   lambda w13, w2, qtypes: ExpertChunks(w13, w2, qtypes, torch_device))
+                   lambda w13, w2, qtypes: ExpertChunks(w13, w2, qtypes, torch_device),
+                   ops.bind("moe_experts_quant", "cpu"))
 
 
 class BlockPool:
@@ -110,6 +126,7 @@ class BlockPool:
     models/checkpoint/weights.gpu_rows), pinned on a GPU, and the layer's (qtype13, qtype2)."""
 
     in_format = True
+    fuses_decode = True    # moe_decode_quant's decode hands its routed experts to this pool
 
     def __init__(self, host_w13: list, host_w2: list, qtypes: list[tuple[int, int]],
                  hidden: int, inter: int, kernels: BlockKernels):
@@ -177,6 +194,15 @@ class BlockPool:
     def max_mapped_tokens(self) -> int:
         return self.decode_tokens
 
+    def cpu_experts(self, layer: int, x, topk_ids, topk_weights, experts: list[int]):
+        """Co-execution's CPU side over the same host blocks the cache copies, through the CPU
+        engine's experts kernel (offload_policy.cpu_block_experts)."""
+        from freetoken.engine import offload_policy
+
+        return offload_policy.cpu_block_experts(
+            x, self.host_w13[layer], self.host_w2[layer], *self.qtypes[layer], topk_ids,
+            topk_weights, experts, self.kernels.cpu)
+
     def _decode(self, layer, w13, w2, out, x, topk_ids, topk_weights, expert_map, workspace,
                 accumulate) -> None:
         """moe_q8_gate_up then moe_q8_down, as moe_decode_quant.QuantMoEDecode launches them.
@@ -212,3 +238,153 @@ class BlockPool:
         else:
             self.kernels.experts_gguf(out, x, w13, w2, *self.qtypes[layer], topk_ids,
                                       topk_weights, self._identity, workspace)
+
+
+class ScaledPool:
+    """FP8 experts in their format (see the module doc). Per MoE layer, host ScaledWeight w13
+    [E, 2I, H] and w2 [E, H, I] (e4m3 values, float32 scale grids, float32 row scales or
+    None), pinned on a GPU, every layer in one layout (``takes``). The pool holds each part
+    as one tensor [T, ...]; a slot's row scales are ones where the experts have none (as
+    resident layers read them: scaled_moe._Stacked), never copied."""
+
+    in_format = True
+    fuses_decode = False   # moe_decode_quant's fused decode reads GGUF blocks only
+
+    def __init__(self, host_w13: list, host_w2: list, top_k: int, kernels):
+        """kernels: scaled_moe.ScaledKernels, bound for the pool's device."""
+        from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS
+
+        if not self.takes(host_w13, host_w2):
+            raise ValueError("the FP8 expert pool takes FP8 experts of one layout in every "
+                             "layer, with float32 scales")
+        self.host_w13, self.host_w2 = host_w13, host_w2
+        self.top_k, self.kernels = top_k, kernels
+        self.num_layers = len(host_w13)
+        self.num_experts, two_i, self.hidden = host_w13[0].shape
+        self.inter = two_i // 2
+        self.decode_tokens = GEMV_MAX_TOKENS
+        # per layer, the host tensors of the six parts (w13's values, grid and row scales,
+        # then w2's); None where the pool's part is ones
+        self._host = [_parts(a) + _parts(b) for a, b in zip(host_w13, host_w2)]
+        # one slot of each part: (shape, dtype), dtype None for row scales of ones
+        self._slot = [(tuple(t.shape[1:]), t.dtype) if t is not None else ((w.rows,), None)
+                      for t, w in zip(self._host[0], (host_w13[0],) * 3 + (host_w2[0],) * 3)]
+        self.slot_bytes = sum(_count(shape) * (4 if dtype is None else dtype.itemsize)
+                              for shape, dtype in self._slot)
+        self.pinned_bytes = sum(t.numel() * t.element_size() for parts in self._host
+                                for t in parts if t is not None)
+        self.parts: list | None = None
+        self._identity = None
+        self._mapped = None
+        self._staged: list = []
+
+    @staticmethod
+    def takes(host_w13: list, host_w2: list) -> bool:
+        """Whether every layer holds FP8 experts of one layout (shapes, blocks, scale grids,
+        row scales or none) with float32 scales: what one tensor of slots per part needs."""
+        import torch
+
+        from freetoken.models.quant.scaled import FP8, ScaledWeight
+
+        if not host_w13 or len(host_w13) != len(host_w2):
+            return False
+        for weights in (host_w13, host_w2):
+            if not all(isinstance(w, ScaledWeight) and w.format == FP8 and
+                       w.scales.dtype == torch.float32 for w in weights):
+                return False
+            if len({_layout(w) for w in weights}) != 1:
+                return False
+        return True
+
+    def alloc(self, torch, device, num_slots: int) -> None:
+        """Fixed pool tensors of num_slots LRU slots and the staging buffers; the LRU slots
+        below the new size keep their data. (Called in inference_mode(False): see
+        ExpertCache._alloc.)"""
+        total, e = num_slots + 2 * self.num_experts, self.num_experts
+        parts = []
+        for i, (shape, dtype) in enumerate(self._slot):
+            if dtype is None:
+                parts.append(torch.ones((total,) + shape, dtype=torch.float32, device=device))
+                continue
+            part = torch.empty((total,) + shape, dtype=dtype, device=device)
+            if self.parts is not None:
+                keep = min(num_slots, self.parts[i].shape[0] - 2 * e)
+                part[:keep].copy_(self.parts[i][:keep])
+            parts.append(part)
+        self.parts = parts
+        if self._identity is None:
+            self._identity = torch.arange(e, dtype=torch.int32, device=device)
+        self._mapped = self._experts(0, total)
+        self._staged = [self._experts(num_slots + b * e, num_slots + (b + 1) * e)
+                        for b in range(2)]
+
+    def _experts(self, start: int, stop: int):
+        """The resident FP8 experts' runner (scaled_moe.ScaledExperts) over pool slots
+        start .. stop (views: nothing is copied)."""
+        from dataclasses import replace
+
+        from freetoken.models.forward.scaled_moe import ScaledExperts
+
+        views = [part[start:stop] for part in self.parts]
+        w13, w2 = (replace(w, data=values, scales=grid, row_scale=rows,
+                           shape=(stop - start,) + w.shape[1:])
+                   for w, (values, grid, rows) in ((self.host_w13[0], views[:3]),
+                                                   (self.host_w2[0], views[3:])))
+        return ScaledExperts(w13, w2, self.top_k, self.kernels)
+
+    def _copy(self, layer: int, experts, slots) -> int:
+        """Host experts `experts` (an index or a slice) of `layer` into pool slots `slots`,
+        part by part: the checkpoint's bytes. Returns the bytes copied."""
+        moved = 0
+        for part, host in zip(self.parts, self._host[layer]):
+            if host is not None:
+                src = host[experts]
+                part[slots].copy_(src, non_blocking=True)
+                moved += src.numel() * src.element_size()
+        return moved
+
+    def copy_expert(self, layer: int, expert: int, slot: int) -> int:
+        return self._copy(layer, expert, slot)
+
+    def stage(self, layer: int, buf: int, base: int) -> int:
+        """Every expert of `layer` into staging buffer `buf` (slots base .. base + E)."""
+        return self._copy(layer, slice(None), slice(base, base + self.num_experts))
+
+    def max_mapped_tokens(self) -> int:
+        return self.decode_tokens
+
+    def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
+                   accumulate=False) -> None:
+        assert not accumulate, "FP8 experts write out (no fused residual add)"
+        if x.shape[0] > self.decode_tokens:
+            raise ValueError(f"a mapped step over FP8 expert slots takes at most "
+                             f"{self.decode_tokens} tokens, got {x.shape[0]} (stream it)")
+        self._mapped(out, x, topk_ids, topk_weights, expert_map, workspace)
+
+    def run_staged(self, layer, buf, base, out, x, topk_ids, topk_weights, workspace,
+                   accumulate=False) -> None:
+        """The experts of `layer`, staged in buffer `buf`, as the resident layer runs them
+        over its E experts: decode-sized steps read the routed ones, wider steps dequantize
+        the buffer's E slots (not the whole pool) for moe_experts."""
+        assert not accumulate, "FP8 experts write out (no fused residual add)"
+        self._staged[buf](out, x, topk_ids, topk_weights, self._identity, workspace)
+
+
+def _parts(weight) -> tuple:
+    """(values, scale grid, row scales or None) of a stacked ScaledWeight."""
+    return (weight.data, weight.scales, weight.row_scale)
+
+
+def _layout(weight) -> tuple:
+    """What every layer's experts must share to fill one pool: shapes, blocks, dtypes."""
+    rows = None if weight.row_scale is None else (tuple(weight.row_scale.shape),
+                                                  weight.row_scale.dtype)
+    return (tuple(weight.shape), weight.block, weight.data.dtype, tuple(weight.scales.shape),
+            rows)
+
+
+def _count(shape: tuple) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count

@@ -52,8 +52,8 @@ class ModelSizes:
     kv_bytes_per_token: int  # K and V of every attention layer
     state_bytes_per_slot: int = 0   # hybrid models: one sequence's GDN states, every layer
     # One slot of the offloaded experts' GPU pool, and one expert's pinned host copy: GGUF
-    # blocks where every MoE layer keeps them (the widest layer's expert), else floats of the
-    # activation dtype (0: the same as expert_bytes).
+    # blocks (the widest layer's expert) or FP8 values and scales where every MoE layer keeps
+    # them, else floats of the activation dtype (0: the same as expert_bytes).
     slot_bytes: int = 0
 
     @property
@@ -210,7 +210,7 @@ def plan_gpu(sizes: ModelSizes, *, rate: float | str, num_tokens: int | str, fre
     snapshot rows, a pool of their own taken before the KV pool. extra: more fixed pools and
     their notes (a vision tower's, engine/vision_memory.py), also taken before the KV pool.
     Resident experts count at `sizes.expert_bytes` (their format), an expert cache at its
-    slots (`sizes.expert_slot_bytes`, what the offload pool allocates: blocks or floats).
+    slots (`sizes.expert_slot_bytes`, what the offload pool allocates: blocks, FP8 or floats).
     Raises MemoryPlanError (with the per-pool numbers) when even that does not fit.
     """
     budget = GpuRoom(free, total, limit, held)

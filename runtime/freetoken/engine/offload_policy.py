@@ -1,4 +1,6 @@
-"""Which missed experts to copy to the GPU and which to compute on the CPU, per MoE layer step.
+"""Which missed experts to copy to the GPU and which to compute on the CPU, per MoE layer step,
+and the CPU side itself: float experts through torch, GGUF experts through the CPU engine's own
+experts kernel (moe_experts_quant) over the same host blocks the cache copies.
 
 A copied expert costs its bytes over PCIe whatever the number of tokens routed to it (and stays
 cached for later steps); an expert computed on the CPU costs reading its weights from host RAM
@@ -112,3 +114,49 @@ def cpu_experts(x, w13, w2, ids, weights, experts: list[int]):
         y = (act.to(w2.dtype) @ w2[e].T).float()
         out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
     return out
+
+
+def cpu_block_experts(x, w13, w2, qtype13: int, qtype2: int, ids, weights, experts: list[int],
+                      kernel):
+    """cpu_experts over GGUF blocks: the pairs routed to `experts`, each as its own row, through
+    `kernel` (ops.moe_experts_quant on the CPU: it groups rows by expert, so each expert's
+    blocks are read once), summed into float32 [T, H] per token. w13 uint8 [E, 2I, pitch],
+    w2 uint8 [E, H, pitch] (rows as the GPU keeps them: the kernel reads the padded pitch)."""
+    import torch
+
+    chosen = torch.tensor(experts, dtype=ids.dtype)
+    rows, ks = torch.isin(ids, chosen).nonzero(as_tuple=True)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    if rows.numel() == 0:
+        return out
+    xs = x[rows].float().contiguous()
+    part = torch.empty_like(xs)
+    kernel(part, xs, w13, w2, qtype13, qtype2,
+           ids[rows, ks].to(torch.int32).view(-1, 1).contiguous(),
+           weights[rows, ks].float().view(-1, 1).contiguous(),
+           torch.arange(w13.shape[0], dtype=torch.int32), torch.empty(0, dtype=torch.uint8))
+    out.index_add_(0, rows, part)
+    return out
+
+
+def measure_cpu_blocks(torch, kernel, w13, w2, qtype13: int, qtype2: int,
+                       repeats: int = 3) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) of one GGUF expert on the CPU through `kernel`, at 1 and 16 tokens,
+    as measure_cpu does for torch (w13, w2: one layer's host blocks)."""
+    hidden, inter = w2.shape[1], w13.shape[1] // 2
+
+    def run(tokens: int) -> float:
+        x = torch.randn(tokens, hidden)
+        ids = torch.zeros(tokens, 1, dtype=torch.int32)
+        weights = torch.ones(tokens, 1)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            cpu_block_experts(x, w13, w2, qtype13, qtype2, ids, weights, [0], kernel)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    nbytes = w13[0].numel() + w2[0].numel()
+    one, many = run(1), run(16)
+    flops = 2 * 3 * hidden * inter
+    return nbytes / one, max(15 * flops / max(many - one, 1e-9), flops / one)

@@ -186,7 +186,8 @@ def moe_layers(model) -> list:
 def attach_expert_cache(model, decision: OffloadDecision):
     """Pin every MoE layer's host experts, build the cache and route the layers through it.
     GGUF experts stay in their blocks (expert_pool.BlockPool) where the decode kernels read
-    every layer's types; other experts are floats (FloatPool)."""
+    every layer's types, FP8 experts in their format (ScaledPool) where every layer shares one
+    layout; other experts are floats (FloatPool)."""
     import torch
 
     from freetoken.engine.expert_cache import ExpertCache
@@ -194,28 +195,33 @@ def attach_expert_cache(model, decision: OffloadDecision):
 
     layers = moe_layers(model)
     device = model.arrays.torch_device
-    total = sum(t.numel() * t.element_size() for mlp in layers for t in (mlp.w13, mlp.w2))
+    fp8 = in_scaled_format(layers)
+    if not fp8 and any(mlp.scaled is not None for mlp in layers):
+        log.warning("offloaded experts become floats: the FP8 expert pool takes one layout "
+                    "of FP8 experts in every MoE layer")
+        _dequantize_scaled(layers, model.dtype)
     blocks = in_format(model, layers)
     if not blocks and any(mlp.qtypes for mlp in layers):
         log.warning("offloaded experts become floats: the GGUF expert decode does not take "
                     "this model's expert types or shapes")
         _dequantize_experts(layers, model.dtype)
-    w13, w2 = [], []
-    for mlp in layers:     # layer by layer, so the unpinned copy of one layer at a time is extra
-        w13.append(pin(mlp.w13, total))
-        w2.append(pin(mlp.w2, total))
-        mlp.w13 = mlp.w2 = None
+    w13, w2 = _pin_experts(layers)
     slots = cache_slots(ModelSizes.of(model.config, model.dtype), decision.rate)
-    if blocks:
+    cfg, policy = model.config, None
+    if fp8 and decision.cpu:
+        log.warning("--moe-cpu auto: CPU co-execution computes float experts and GGUF blocks; "
+                    "every miss of these FP8 experts is copied")
+    if fp8:
+        from freetoken.engine.expert_pool import ScaledPool
+        from freetoken.models.forward.scaled_moe import ScaledKernels
+
+        pool = ScaledPool(w13, w2, cfg.moe.top_k, ScaledKernels.for_device(model.device))
+    elif blocks:
         from freetoken.engine.expert_pool import BlockKernels, BlockPool
 
-        cfg = model.config
         pool = BlockPool(w13, w2, [mlp.qtypes for mlp in layers], cfg.hidden_size,
                          cfg.moe.intermediate_size, BlockKernels.for_device(model.device, device))
-        if decision.cpu:
-            log.warning("--moe-cpu auto: CPU co-execution computes float experts only; every "
-                        "miss of these GGUF experts is copied")
-        policy = None
+        policy = _block_co_execution(torch, device, pool) if decision.cpu else None
     else:
         from freetoken.engine.expert_pool import FloatPool
 
@@ -225,6 +231,55 @@ def attach_expert_cache(model, decision: OffloadDecision):
     for index, mlp in enumerate(layers):
         mlp.offload = _LayerHook(cache, index)
     return cache
+
+
+def _host_experts(mlp) -> tuple:
+    """A MoE layer's host experts (w13, w2): stacked tensors, or FP8 ScaledWeights."""
+    return mlp.scaled.weights if mlp.scaled is not None else (mlp.w13, mlp.w2)
+
+
+def _tensors(weight) -> list:
+    """The tensors of a host expert stack: itself, or a ScaledWeight's values and scales."""
+    from freetoken.models.quant.scaled import ScaledWeight
+
+    if not isinstance(weight, ScaledWeight):
+        return [weight]
+    return [t for t in (weight.data, weight.scales, weight.row_scale) if t is not None]
+
+
+def _pinned(weight, total: int):
+    """A pinned copy of a host expert stack (every tensor of a ScaledWeight)."""
+    from freetoken.models.quant.scaled import ScaledWeight
+
+    if not isinstance(weight, ScaledWeight):
+        return pin(weight, total)
+    rows = None if weight.row_scale is None else pin(weight.row_scale, total)
+    return replace(weight, data=pin(weight.data, total), scales=pin(weight.scales, total),
+                   row_scale=rows)
+
+
+def _pin_experts(layers: list) -> tuple[list, list]:
+    """Every MoE layer's host experts pinned (w13 and w2 per layer); the layers drop their
+    unpinned ones, layer by layer, so the unpinned copy of one layer at a time is extra."""
+    total = sum(t.numel() * t.element_size() for mlp in layers
+                for weight in _host_experts(mlp) for t in _tensors(weight))
+    w13, w2 = [], []
+    for mlp in layers:
+        a, b = _host_experts(mlp)
+        w13.append(_pinned(a, total))
+        w2.append(_pinned(b, total))
+        mlp.w13 = mlp.w2 = mlp.scaled = None
+    return w13, w2
+
+
+def in_scaled_format(layers: list) -> bool:
+    """Whether every MoE layer's experts are FP8 the in-format pool takes (one layout)."""
+    from freetoken.engine.expert_pool import ScaledPool
+
+    if not layers or any(mlp.scaled is None for mlp in layers):
+        return False
+    w13, w2 = zip(*(mlp.scaled.weights for mlp in layers))
+    return ScaledPool.takes(list(w13), list(w2))
 
 
 def in_format(model, layers: list) -> bool:
@@ -256,6 +311,19 @@ def _dequantize_experts(layers: list, dtype: str) -> None:
         mlp.qtypes = ()
 
 
+def _dequantize_scaled(layers: list, dtype: str) -> None:
+    """FP8 host experts as floats of `dtype` (the float pool's), layer by layer."""
+    import torch
+
+    from freetoken.models.quant.scaled import dequantize
+
+    item = getattr(torch, dtype)
+    for mlp in layers:
+        if mlp.scaled is not None:
+            mlp.w13, mlp.w2 = (dequantize(w).to(item) for w in mlp.scaled.weights)
+            mlp.scaled = None
+
+
 def _co_execution(torch, device, w13: list, w2: list):
     from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu, \
         measure_h2d
@@ -269,6 +337,21 @@ def _co_execution(torch, device, w13: list, w2: list):
                         * w13[0].element_size(), 6 * h * (two_i // 2))
 
 
+def _block_co_execution(torch, device, pool):
+    """The co-execution policy over GGUF blocks: the CPU's experts kernel timed on the first
+    MoE layer's blocks, the copies at the pinned H2D bandwidth, a mean expert's bytes."""
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu_blocks, \
+        measure_h2d
+
+    cpu_bw, cpu_flops = measure_cpu_blocks(torch, pool.kernels.cpu, pool.host_w13[0],
+                                           pool.host_w2[0], *pool.qtypes[0])
+    throughput = Throughput(measure_h2d(torch, device), cpu_bw, cpu_flops)
+    log.info("co-execution policy over GGUF blocks: %.1f GB/s H2D, CPU %.1f GB/s and "
+             "%.1f GFLOP/s", throughput.h2d_bytes_per_s / 1e9, cpu_bw / 1e9, cpu_flops / 1e9)
+    expert = pool.pinned_bytes // (pool.num_layers * pool.num_experts)
+    return CoExecPolicy(throughput, expert, 6 * pool.hidden * pool.inter)
+
+
 class _LayerHook:
     """MoEMLP.offload for one layer: the cache's run with the layer's index bound."""
 
@@ -278,8 +361,8 @@ class _LayerHook:
     @property
     def fuses_decode(self) -> bool:
         """Whether moe_decode_quant's decode step may hand its routed experts to this hook
-        (an in-format pool runs them with its kernels, accumulating into the residual)."""
-        return self.cache.in_format
+        (a GGUF block pool runs them with its kernels, accumulating into the residual)."""
+        return self.cache.fuses_decode
 
     def __call__(self, out, x, topk_ids, topk_weights, workspace, accumulate=False) -> None:
         if accumulate:

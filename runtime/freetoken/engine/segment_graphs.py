@@ -52,7 +52,11 @@ class SegmentedDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a model whose MoE layers run through `cache` (an ExpertCache)."""
 
     def __init__(self, model, kv: KVCache, max_batch: int, max_blocks: int, cache):
-        super().__init__(model, kv, max_batch, max_blocks)
+        # a decode step wider than the pool's mapped kernels take (FP8: 8 tokens) streams
+        # every layer through the staging buffers, with no routing to cut at: it runs eagerly
+        widest = cache.max_mapped_tokens
+        super().__init__(model, kv, max_batch if widest is None else min(max_batch, widest),
+                         max_blocks)
         self.cache = cache
         self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # per size, per MoE layer: the workspace's top-k ids the segments write (device)

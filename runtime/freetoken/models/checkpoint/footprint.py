@@ -12,8 +12,8 @@ then applies the placement rules of weights.py to each tensor:
   layout, else (the CPU, an odd scale layout, an embedding) at the dtype's bytes;
 - float tensors count at the dtype's bytes;
 - routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
-  in their format only as a whole (``Placement.keeps_experts`` for GGUF, offloaded or not),
-  else become floats.
+  in their format only as a whole (``Placement.keeps_experts`` for GGUF; FP8 on a GPU; either
+  offloaded or not), else become floats.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from freetoken.models.checkpoint.weights import Placement
 from freetoken.models.config import ModelConfig
-from freetoken.models.quant.scaled import FORMATS, NVFP4
+from freetoken.models.quant.scaled import FORMATS, FP8, NVFP4
 from freetoken.models.registry import LAYER_PARTS
 
 FLOAT, GGUF = "float", "gguf"
@@ -57,9 +57,10 @@ class WeightBytes:
     other: every weight but the routed experts. experts: the routed experts of every MoE
     layer where they would stay resident beside the rest (None: the reader could not tell).
     blocks: some layer weight stays in GGUF blocks (a GPU then plans prefill's dequantizing
-    scratch, forward/dequant.py). expert_slot: where every MoE layer's experts stay GGUF
-    blocks, one slot of an expert offload pool (engine/expert_pool.BlockPool: the widest
-    layer's expert, in 256-byte steps); None where offloaded experts are floats."""
+    scratch, forward/dequant.py). expert_slot: where every MoE layer's experts keep their
+    format, one slot of an expert offload pool: GGUF blocks (engine/expert_pool.BlockPool:
+    the widest layer's expert, in 256-byte steps) or FP8 (ScaledPool: an expert's values,
+    scale grids and a float32 row scale per row); None where offloaded experts are floats."""
 
     other: int
     experts: int | None
@@ -96,10 +97,10 @@ def weight_bytes(src, cfg: ModelConfig, where: Placement) -> WeightBytes | None:
 
 def _routed_expert_bytes(stored, cfg: ModelConfig,
                          where: Placement) -> tuple[int | None, int | None]:
-    """(every MoE layer's stacked experts in bytes, the offload pool's block slot or None)."""
+    """(every MoE layer's stacked experts in bytes, the offload pool's slot or None)."""
     if cfg.moe is None:
         return 0, None
-    total, widest, all_blocks = 0, 0, True
+    total, widest, kinds = 0, 0, set()
     for i in range(cfg.num_layers):
         if not cfg.is_sparse(i):
             continue
@@ -108,10 +109,24 @@ def _routed_expert_bytes(stored, cfg: ModelConfig,
             return None, None
         layer = layer_expert_bytes(parts, where)
         total += layer
-        all_blocks &= _expert_kind(parts[:2], where) == _expert_kind(parts[2:], where) == GGUF
+        gate_up, down = _expert_kind(parts[:2], where), _expert_kind(parts[2:], where)
+        kinds.add(gate_up if gate_up == down else FLOAT)
         widest = max(widest, -(-layer // cfg.moe.num_experts))
-    slot = -(-widest // 256) * 256 if all_blocks and widest else None
-    return total, slot
+    return total, _slot_bytes(kinds, widest, cfg)
+
+
+def _slot_bytes(kinds: set[str], widest: int, cfg: ModelConfig) -> int | None:
+    """One slot of the offload pool that keeps the experts' format, for MoE layers of `kinds`
+    whose widest expert takes `widest` bytes; None where offloaded experts become floats."""
+    if not widest or len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind == GGUF:            # BlockPool: one uint8 row a slot, in 256-byte steps
+        return -(-widest // 256) * 256
+    if kind == FP8:             # ScaledPool: beside the values and grids, the row scales the
+        # kernel reads (ones where the checkpoint has none), float32 per gate/up and down row
+        return widest + 4 * (2 * cfg.moe.intermediate_size + cfg.hidden_size)
+    return None
 
 
 def placed_bytes(tensor: StoredTensor, where: Placement, lookup: bool = False) -> int:
@@ -149,12 +164,12 @@ def _block_bytes(tensor: StoredTensor, where: Placement) -> int:
 
 def _expert_kind(parts: list[StoredTensor], where: Placement) -> str:
     """The kind stacked experts keep (mirrors _Reader.stacked): FP8 on a GPU with its kernel's
-    layout (NVFP4 experts are dequantized), GGUF blocks where keeps_experts says so, else
-    floats; offloaded FP8 experts are floats (the expert cache moves GGUF blocks or floats)."""
+    layout, offloaded or not (NVFP4 experts are dequantized), GGUF blocks where keeps_experts
+    says so, else floats."""
     first = parts[0]
     if all(p.kind == first.kind for p in parts) and first.kind in FORMATS and \
             first.kind != NVFP4 and all(p.kernel_ready for p in parts) and \
-            not where.keeps_quantized and where.experts is None:
+            not where.keeps_quantized:
         return first.kind
     if all(p.kind == GGUF for p in parts) and len({p.qtype for p in parts}) == 1 and \
             where.keeps_experts(first.qtype):

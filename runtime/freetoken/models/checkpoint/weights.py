@@ -244,10 +244,11 @@ class _Reader:
             self.servable(name, weight)
         # NVFP4 experts are dequantized: moe_experts_scaled's NVFP4 path failed its GPU test
         if all(isinstance(w, ScaledWeight) and w.format != scaled.NVFP4 and scaled.kernel_ready(w)
-               for w in raw) and not self.where.keeps_quantized and self.where.experts is None:
-            # FP8/NVFP4 experts stay in their format on a GPU when their scales line up
-            # (offloaded FP8 experts become floats: the expert cache moves GGUF blocks or floats)
-            joined = scaled.concat_rows([_place(w, self.where) for w in raw])
+               for w in raw) and not self.where.keeps_quantized:
+            # FP8 experts stay in their format on a GPU when their scales line up; offloaded,
+            # in host memory (the expert cache copies their bytes: engine/expert_pool.ScaledPool)
+            device = self.where.expert_arrays.torch_device
+            joined = scaled.concat_rows([scaled.to_device(w, device) for w in raw])
             if joined is not None:
                 return joined
         quant = [isinstance(w, QuantWeight) for w in raw]

@@ -58,9 +58,12 @@ class MoEMLP:
         w13, w2 = w["experts.gate_up"], w["experts.down"]
         self.scaled = None
         if isinstance(w13, ScaledWeight):     # FP8/NVFP4 experts on a GPU
-            from freetoken.models.forward.scaled_moe import ScaledExperts
+            from freetoken.models.forward.scaled_moe import ScaledExperts, ScaledKernels
 
-            self.scaled = ScaledExperts(w13, w2, moe.top_k)
+            # kernels of the model's device: offloaded FP8 experts sit in host memory until
+            # the expert cache takes them (engine/expert_pool.ScaledPool)
+            self.scaled = ScaledExperts(w13, w2, moe.top_k,
+                                        ScaledKernels.for_device(arrays.device))
             w13 = w2 = None
         self.qtypes = (w13.qtype, w2.qtype) if isinstance(w13, QuantWeight) else ()
         # CPU: GGUF experts repacked 16 rows wide where linear.packs_on_cpu says so (every task

@@ -7,6 +7,8 @@ the routed experts' bytes; larger batches dequantize every slot into the shared 
 
 from __future__ import annotations
 
+from typing import Callable
+
 from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS, scratch
 from freetoken.models.quant.scaled import NVFP4, ScaledWeight
 
@@ -36,19 +38,35 @@ class _Stacked:
                 self.scales.view(-1, self.scales.shape[-1]), self.row_scale.view(-1))
 
 
-class ScaledExperts:
-    """out = the routed SwiGLU experts of x (``ops.moe_experts``'s contract) over scaled
-    w13 [S, 2I, H] and w2 [S, H, I] of one format."""
+class ScaledKernels:
+    """What ScaledExperts launches: moe_experts_scaled (decode steps), scaled_dequantize and
+    moe_experts (wider ones). Bound for a device, or given (tests on the CPU pass
+    kernel/reference.py's functions)."""
 
-    def __init__(self, w13: ScaledWeight, w2: ScaledWeight, top_k: int):
+    def __init__(self, gemv: Callable, dequantize: Callable, experts: Callable):
+        self.gemv, self.dequantize, self.experts = gemv, dequantize, experts
+
+    @classmethod
+    def for_device(cls, device) -> ScaledKernels:
         from freetoken.kernel import ops
 
+        return cls(ops.bind("moe_experts_scaled", device), ops.bind("scaled_dequantize", device),
+                   ops.bind("moe_experts", device))
+
+
+class ScaledExperts:
+    """out = the routed SwiGLU experts of x (``ops.moe_experts``'s contract) over scaled
+    w13 [S, 2I, H] and w2 [S, H, I] of one format. kernels: bound for the weights' device
+    unless given (offloaded experts sit in host memory while the kernels run on the GPU)."""
+
+    def __init__(self, w13: ScaledWeight, w2: ScaledWeight, top_k: int,
+                 kernels: ScaledKernels | None = None):
         if w13.format != w2.format:
             raise ValueError(f"expert formats differ: {w13.format} and {w2.format}")
-        device = w13.data.device
-        self._gemv = ops.bind("moe_experts_scaled", device)
-        self._experts = ops.bind("moe_experts", device)
-        self._dequantize = ops.bind("scaled_dequantize", device)
+        kernels = kernels or ScaledKernels.for_device(w13.data.device)
+        self._gemv, self._experts, self._dequantize = (kernels.gemv, kernels.experts,
+                                                        kernels.dequantize)
+        self.weights = (w13, w2)      # as given: the expert cache copies their bytes
         self.w13, self.w2 = _Stacked(w13), _Stacked(w2)
         self.format = _FORMAT_IDS[w13.format]
         self.top_k = top_k
