@@ -1,12 +1,13 @@
-"""The full 48-layer Qwen3-30B-A3B shape in Q4_K_M on one GPU: FreeToken under a 24 GiB budget
-beside llama.cpp with every layer on the GPU, on the same file.
+"""A full-depth MoE in Q4_K_M on one GPU (the 48-layer Qwen3-30B-A3B, or with --model
+qwen3.6-35b-a3b the 40-layer hybrid Qwen3.6-35B-A3B): FreeToken under GPU memory budgets beside
+llama.cpp (every layer on the GPU, or -ncmoe N experts on the CPU) on the same file.
 
     python benchmarks/gpu_full_depth.py [--work DIR] [--engines freetoken,llama.cpp]
         [--gpu-memory-limit 24GiB[,16GiB,...]] [--context 32768] [--moe-cache-rate auto]
         [--n-cpu-moe 0[,N,...]] [--batches 1[,4]] [--gen 128] [--results FILE] [--drop-file]
 
-The file (~17 GiB) is written directly by benchmarks/write_gguf_moe.py into --work (default
-~/ft-full-depth) and reused by later calls (--drop-file deletes it at the end): its bf16
+The file (~17 GiB; 19.7 GiB for Qwen3.6) is written directly by benchmarks/write_gguf_moe.py
+(write_gguf_hybrid.py) into --work (default ~/ft-full-depth) and reused by later calls (--drop-file deletes it at the end): its bf16
 source would not fit the disk.
 
 FreeToken: load_model + the engine with the engine config's gpu_memory_limit (`ft serve
@@ -47,17 +48,33 @@ from benchmarks import write_gguf_moe  # noqa: E402
 GIB = 1 << 30
 
 
-def ensure_file(work: Path, layers: int) -> Path:
-    """The 48-layer Q4_K_M file in `work`, written unless a finished one is there (a file is
-    renamed into place only once complete)."""
-    shape = dataclasses.replace(write_gguf_moe.QWEN3_30B_A3B, layers=layers)
-    path = work / f"qwen3-30b-a3b-{layers}L-q4km.gguf"
+def models() -> dict:
+    """--model name -> (its writer module, its full shape, its display name)."""
+    from benchmarks import write_gguf_hybrid
+
+    return {"qwen3-30b-a3b": (write_gguf_moe, write_gguf_moe.QWEN3_30B_A3B, "Qwen3-30B-A3B"),
+            "qwen3.6-35b-a3b": (write_gguf_hybrid, write_gguf_hybrid.QWEN36_35B_A3B,
+                                "Qwen3.6-35B-A3B")}
+
+
+def kv_layers(shape) -> int:
+    """The layers that keep K and V (a hybrid's full-attention layers only)."""
+    full = getattr(shape, "is_full_attention", None)
+    return shape.layers if full is None else sum(full(i) for i in range(shape.layers))
+
+
+def ensure_file(work: Path, layers: int, model: str = "qwen3-30b-a3b") -> Path:
+    """The model's Q4_K_M file of `layers` layers in `work`, written unless a finished one is
+    there (a file is renamed into place only once complete)."""
+    writer, full, _ = models()[model]
+    shape = dataclasses.replace(full, layers=layers)
+    path = work / f"{model}-{layers}L-q4km.gguf"
     if path.is_file():
         return path
     work.mkdir(parents=True, exist_ok=True)
     part = path.with_suffix(".part")
     start = time.perf_counter()
-    counts = write_gguf_moe.write_q4_k_m(part, shape, progress=_every_8th_layer())
+    counts = writer.write_q4_k_m(part, shape, progress=_every_8th_layer())
     part.rename(path)
     print(f"wrote {path} ({counts['bytes'] / GIB:.2f} GiB) in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
@@ -216,7 +233,8 @@ def llamacpp(path: Path, n_cpu_moe: list[int]) -> dict:
 
 def report(entry: dict) -> None:
     ceiling = entry["ceiling_tok_s"]
-    print(f"\n== Qwen3-30B-A3B, {entry['layers']} layers, Q4_K_M ({entry['file_gib']:.2f} GiB) ==")
+    print(f"\n== {entry.get('model', 'Qwen3-30B-A3B')}, {entry['layers']} layers, Q4_K_M "
+          f"({entry['file_gib']:.2f} GiB) ==")
     print(f"batch-1 ceiling {ceiling:.0f} tok/s (D2D {entry['bandwidth_Bps'] / 1e12:.2f} TB/s / "
           f"{entry['step_bytes'] / 1e9:.3f} GB: the file's step bytes + KV of the context)")
     rows = {k: v for k, v in entry.items() if k.startswith("freetoken")}
@@ -268,7 +286,10 @@ def report(entry: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path.home() / "ft-full-depth")
-    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b",
+                                                                   "qwen3.6-35b-a3b"))
+    p.add_argument("--layers", type=int, default=None,
+                   help="cut the depth (default: the model's, 48 or 40)")
     p.add_argument("--engines", default="freetoken,llama.cpp")
     p.add_argument("--gpu-memory-limit", default="24GiB",
                    help="FreeToken's budget; several (comma-separated) run one after the other")
@@ -284,6 +305,8 @@ def main() -> None:
     p.add_argument("--drop-file", action="store_true",
                    help="delete the GGUF file at the end (keep it for a later call otherwise)")
     args = p.parse_args()
+    if args.layers is None:
+        args.layers = models()[args.model][1].layers
     engines = {e for e in args.engines.split(",") if e}
     if not engines or engines - {"freetoken", "llama.cpp"}:
         raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
@@ -292,8 +315,9 @@ def main() -> None:
 
     results = json.loads(args.results.read_text()) if args.results and \
         args.results.is_file() else {}
-    path = ensure_file(args.work, args.layers)
-    shape = write_gguf_moe.QWEN3_30B_A3B
+    path = ensure_file(args.work, args.layers, args.model)
+    _, full, label = models()[args.model]
+    shape = dataclasses.replace(full, layers=args.layers)
     bandwidth = d2d_bandwidth()
     # the copy's buffers stay in torch's cache: held by this process, they would count against
     # --gpu-memory-limit (2 GiB on the H100, which pushed the experts out of VRAM)
@@ -301,9 +325,10 @@ def main() -> None:
 
     torch.cuda.empty_cache()
     weights = gguf_weight_bytes(path)
-    kv = 2 * args.layers * shape.kv_heads * shape.head_dim * KV_ITEM * (128 + args.gen // 2)
-    entry = results.setdefault(f"qwen3-30b-a3b-{args.layers}L-q4km", {})
-    entry.update(layers=args.layers, file=str(path), file_gib=path.stat().st_size / GIB,
+    kv = 2 * kv_layers(shape) * shape.kv_heads * shape.head_dim * KV_ITEM * (128 + args.gen // 2)
+    entry = results.setdefault(f"{args.model}-{args.layers}L-q4km", {})
+    entry.update(model=label, layers=args.layers, file=str(path),
+                 file_gib=path.stat().st_size / GIB,
                  bandwidth_Bps=bandwidth, step_bytes=weights["weights"] + kv,
                  weight_bytes_by_type=weights["by_type"],
                  ceiling_tok_s=bandwidth / (weights["weights"] + kv))
