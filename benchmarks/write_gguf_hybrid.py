@@ -40,12 +40,11 @@ llama-cpp-python 0.3.36 sdist (see its docstring).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -294,22 +293,7 @@ def write_q4_k_m(path: Path, shape: HybridShape = QWEN36_35B_A3B, seed: int = 0,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--shape", default="qwen3.6-35b-a3b", choices=sorted(SHAPES))
-    p.add_argument("--layers", type=int, default=None, help="cut the depth (default: the shape's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sigma", type=float, default=0.02, help="std of every quantized weight")
-    p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args()
-    shape = SHAPES[args.shape]
-    if args.layers:
-        shape = replace(shape, layers=args.layers)
-    start = time.perf_counter()
-    counts = write_q4_k_m(args.out, shape, args.seed, args.sigma, args.threads)
-    size = counts.pop("bytes")
-    print(f"wrote {args.out}: {size / 2**30:.2f} GiB, {shape.layers} layers, tensors by type "
-          f"{counts}, in {time.perf_counter() - start:.0f} s")
+    moe.cli(SHAPES, "qwen3.6-35b-a3b", write_q4_k_m)
 
 
 if __name__ == "__main__":

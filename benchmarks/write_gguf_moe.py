@@ -225,23 +225,33 @@ def _free_bytes(folder: Path) -> int | None:
     return stats.f_bavail * stats.f_frsize
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def cli(shapes: dict, default: str, write, argv: list[str] | None = None) -> None:
+    """The command line of a direct GGUF writer: OUT [--shape NAME] [--layers N] [--seed]
+    [--sigma] [--threads]; `write(path, shape, seed, sigma, threads)` writes the file."""
+    p = argparse.ArgumentParser(description=sys.modules[write.__module__].__doc__.split("\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default=default, choices=sorted(shapes))
     p.add_argument("--layers", type=int, default=None, help="cut the depth (default: the shape's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sigma", type=float, default=0.02, help="std of every quantized weight")
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args()
-    shape = SHAPES[args.shape]
-    if args.layers:
+    args = p.parse_args(argv)
+    shape = shapes[args.shape]
+    if args.layers is not None:
+        if not 1 <= args.layers <= shape.layers:
+            p.error(f"--layers must be in 1..{shape.layers} for {args.shape}, got {args.layers}")
         shape = replace(shape, layers=args.layers)
+    if args.sigma <= 0:
+        p.error(f"--sigma must be > 0, got {args.sigma}")
     start = time.perf_counter()
-    counts = write_q4_k_m(args.out, shape, args.seed, args.sigma, args.threads)
+    counts = write(args.out, shape, args.seed, args.sigma, args.threads)
     size = counts.pop("bytes")
     print(f"wrote {args.out}: {size / 2**30:.2f} GiB, {shape.layers} layers, tensors by type "
           f"{counts}, in {time.perf_counter() - start:.0f} s")
+
+
+def main() -> None:
+    cli(SHAPES, "qwen3-30b-a3b", write_q4_k_m)
 
 
 if __name__ == "__main__":

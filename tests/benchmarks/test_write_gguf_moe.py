@@ -140,3 +140,15 @@ def test_load_benchmarks_write_exact_prompts_and_chat_over_the_placeholder_vocab
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "ab12"}],
                                              add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nab12<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("bad", [["--layers", "0"], ["--layers", "99"], ["--sigma", "0"],
+                                 ["--shape", "nope"]])
+def test_the_writers_command_line_refuses_bad_values(tmp_path, bad, capsys):
+    def never(*args):
+        raise AssertionError("nothing is written for a refused command line")
+
+    with pytest.raises(SystemExit) as exc:
+        w.cli(w.SHAPES, "tiny", never, [str(tmp_path / "x.gguf"), "--shape", "tiny", *bad])
+    assert exc.value.code == 2 and "error:" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()

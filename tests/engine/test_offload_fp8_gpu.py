@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import PROMPTS, SHAPE, run_fixed
+from tests.engine.test_offload_gpu import PROMPTS, SHAPE, offloaded_model, run_fixed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,15 +31,6 @@ def fp8_dir(tmp_path_factory):
     tiny_hf_model("qwen3_moe", base / "float", seed=5, **SHAPE)
     directory, _ = write_scaled(base / "float", base / "fp8", "fp8-block")
     return directory
-
-
-def offloaded(directory, rate: float):
-    from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
-    from freetoken.models.loader import load_model
-
-    loaded = load_model(str(directory), device="cuda", plan=lambda cfg, dtype, weights: True)
-    cache = attach_expert_cache(loaded.model, OffloadDecision(rate, 2048, None, None, False))
-    return loaded, cache
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +54,7 @@ def test_offloaded_experts_stay_fp8(fp8_dir):
     from freetoken.models.checkpoint.hf import read_hf_dir
     from tests.models.test_footprint import gpu_placement
 
-    loaded, cache = offloaded(fp8_dir, 0.25)
+    loaded, cache = offloaded_model(fp8_dir, 0.25)
     pool = cache.pool
     assert isinstance(pool, ScaledPool) and cache.in_format and not cache.fuses_decode
     assert pool.parts[0].dtype == torch.float8_e4m3fn and pool.parts[0].is_cuda
@@ -82,7 +73,7 @@ def test_offloaded_experts_stay_fp8(fp8_dir):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 @pytest.mark.parametrize("rate", [0.5, 0.1])
 def test_offloaded_fp8_gives_the_resident_logits_bit_for_bit(fp8_dir, resident, rate, graphs):
-    loaded, cache = offloaded(fp8_dir, rate)
+    loaded, cache = offloaded_model(fp8_dir, rate)
     assert cache.num_slots == int(rate * 128)
     for batch in (1, 4):
         tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
@@ -104,7 +95,7 @@ def test_decode_graphs_stop_at_the_widest_mapped_step(fp8_dir):
     from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS
     from tests.models.helpers import PagedRunner
 
-    loaded, cache = offloaded(fp8_dir, 0.5)
+    loaded, cache = offloaded_model(fp8_dir, 0.5)
     runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
     graphs = capture_decode_graphs(loaded.model, runner.kv, 12, 8, cache)
     assert graphs is not None, "capturing the decode graphs failed (see the log)"

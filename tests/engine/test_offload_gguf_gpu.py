@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import PROMPTS, run_fixed
+from tests.engine.test_offload_gpu import PROMPTS, offloaded_model, run_fixed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,15 +35,6 @@ def gguf_path(tmp_path_factory):
     return path
 
 
-def offloaded(path, rate: float):
-    from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
-    from freetoken.models.loader import load_model
-
-    loaded = load_model(str(path), device="cuda", plan=lambda cfg, dtype, weights: True)
-    cache = attach_expert_cache(loaded.model, OffloadDecision(rate, 2048, None, None, False))
-    return loaded, cache
-
-
 @pytest.fixture(scope="module")
 def resident(gguf_path):
     from freetoken.models.loader import load_model
@@ -54,7 +45,7 @@ def resident(gguf_path):
 
 
 def test_offloaded_experts_keep_their_blocks(gguf_path):
-    loaded, cache = offloaded(gguf_path, 0.25)
+    loaded, cache = offloaded_model(gguf_path, 0.25)
     pool = cache.pool
     assert cache.in_format and pool.pool.dtype == torch.uint8
     mixes = set(pool.qtypes)
@@ -72,7 +63,7 @@ def test_offloaded_experts_keep_their_blocks(gguf_path):
 @pytest.mark.parametrize("rate", [0.5, 0.1, 0.999])
 def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, resident, rate,
                                                                graphs):
-    loaded, cache = offloaded(gguf_path, rate)
+    loaded, cache = offloaded_model(gguf_path, rate)
     assert cache.num_slots == max(4, int(rate * 128))
     for batch in (1, 4):
         tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
