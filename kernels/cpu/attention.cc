@@ -7,6 +7,12 @@
 // When there are few tasks (small-batch decode) the key range is split and the partial results
 // are merged afterwards, so every core gets work. The task body is compiled for AVX2+FMA and
 // for baseline x86-64, with the head dim fixed at 64 or 128 (registers) or left dynamic.
+//
+// A query row's result does not depend on the other rows of the call (batch invariance): keys
+// are walked in chunks and blocks at fixed absolute positions, each block of kSplitKeys keys
+// gets its own online softmax, and blocks are folded left to right by one function, fold_row,
+// whether one task walks them all or each block was a split task of its own. So a token's
+// output is the same bits in a decode step, a prefill chunk or a speculative verify step.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -26,7 +32,7 @@ using attention::Problem;
 // keys of f32 head dim 64 (16 KB) stay in a 32 KB L1 where 64 keys did not (measured ~15% faster).
 constexpr int64_t kChunk = 32;
 constexpr int64_t kTileRows = 32;       // query rows (tokens x heads) per task
-constexpr int64_t kMinSplitKeys = 128;  // a key range is split no finer than this
+constexpr int64_t kSplitKeys = 256;     // keys per block: the unit of splitting and folding
 // Below this many (query row, key) pairs in all (~4 ns each) a call runs on the calling thread:
 // handing a few microseconds of work to the pool costs more than it saves.
 constexpr int64_t kMinPoolWork = 384;
@@ -39,8 +45,28 @@ struct Task {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, k, v;
+  std::vector<float> run_acc, run_m, run_l;  // rows' fold over the blocks walked so far
   std::vector<const float*> k_rows, v_rows;
 };
+
+// (m, l, acc) of a row over the blocks so far ⊕ one more block's (bm, bl, bacc), left to
+// right. The one place blocks are combined: in a task walking several blocks and in
+// merge_partials alike, with no contraction into FMAs, so both give the same bits.
+__attribute__((noinline, optimize("fp-contract=off"))) void fold_row(
+    float& m, float& l, float* acc, float bm, float bl, const float* bacc, int64_t d) {
+  if (bl == 0.f) return;  // the block saw no key of this row
+  if (l == 0.f) {
+    m = bm;
+    l = bl;
+    std::copy(bacc, bacc + d, acc);
+    return;
+  }
+  const float top = std::max(m, bm);
+  const float a = std::exp(m - top), b = std::exp(bm - top);
+  l = l * a + bl * b;
+  for (int64_t i = 0; i < d; ++i) acc[i] = acc[i] * a + bacc[i] * b;
+  m = top;
+}
 
 #define FT_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -152,15 +178,16 @@ __attribute__((target("avx2,f16c"))) void convert_f16_row_f16c(float* dst, const
   for (; i < n; ++i) dst[i] = _cvtsh_ss(h[i]);
 }
 
-// Points k_rows/v_rows at keys [c0, c0 + n) of one sequence and KV head (converted if needed).
+// Points k_rows/v_rows [at, at + n) at keys [c0, c0 + n) of one sequence and KV head
+// (converted if needed).
 template <bool kDirect>
 FT_ALWAYS_INLINE void gather_chunk(const Problem& p, const int32_t* table, int64_t kv_head,
-                                   int64_t c0, int64_t n, Scratch& sc) {
+                                   int64_t c0, int64_t n, int64_t at, Scratch& sc) {
   const int64_t d = p.head_dim, key_stride = p.kv_heads * d;  // between slots, in elements
   const size_t elem = p.cache_type == FloatType::kF32 ? 4 : 2;
   int64_t page = c0 / p.block_size, offset = c0 % p.block_size;
   int64_t row = ((table[page] * p.block_size + offset) * p.kv_heads + kv_head) * d;
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = at; j < at + n; ++j) {
     if constexpr (kDirect) {
       sc.k_rows[j] = static_cast<const float*>(p.k) + row;
       sc.v_rows[j] = static_cast<const float*>(p.v) + row;
@@ -171,7 +198,7 @@ FT_ALWAYS_INLINE void gather_chunk(const Problem& p, const int32_t* table, int64
       sc.v_rows[j] = sc.v.data() + j * d;
     }
     row += key_stride;
-    if (++offset == p.block_size && j + 1 < n) {  // next page: look its block up
+    if (++offset == p.block_size && j + 1 < at + n) {  // next page: look its block up
       offset = 0;
       row = (table[++page] * p.block_size * p.kv_heads + kv_head) * d;
     }
@@ -214,33 +241,49 @@ FT_ALWAYS_INLINE void run_task(const Problem& p, const Task& task, Scratch& sc) 
   const int64_t first_pos = p.seq_lens[task.seq] - (p.query_start[task.seq + 1] - q_start);
   const int32_t* table = p.block_tables + task.seq * p.max_blocks;
   sc.q.resize(rows * d);
-  sc.acc.assign(rows * d, 0.f);
-  sc.m.assign(rows, -INFINITY);
-  sc.l.assign(rows, 0.f);
+  sc.acc.resize(rows * d);
+  sc.m.resize(rows);
+  sc.l.resize(rows);
+  sc.run_acc.resize(rows * d);
+  sc.run_m.assign(rows, -INFINITY);
+  sc.run_l.assign(rows, 0.f);
   for (int64_t r = 0; r < rows; ++r) {  // row r = (token t0 + r / heads, head h0 + r % heads)
     const int64_t at = (q_start + task.t0 + r / heads) * p.q_token_stride + (task.h0 + r % heads) * d;
     FT_DISPATCH_FLOAT(p.q_type, T, load_row<T>(sc.q.data() + r * d, p.q, at, d, p.scale));
   }
-  for (int64_t c0 = task.key_lo; c0 < task.key_hi; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, task.key_hi - c0);
-    gather_chunk<kDirect>(p, table, kv_head, c0, n, sc);
+  // blocks and chunks start at absolute multiples of their size (see the top of the file)
+  for (int64_t b0 = task.key_lo / kSplitKeys * kSplitKeys; b0 < task.key_hi; b0 += kSplitKeys) {
+    std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+    std::fill(sc.m.begin(), sc.m.end(), -INFINITY);
+    std::fill(sc.l.begin(), sc.l.end(), 0.f);
+    const int64_t lo = std::max(b0, task.key_lo), hi = std::min(b0 + kSplitKeys, task.key_hi);
+    for (int64_t c0 = lo / kChunk * kChunk; c0 < hi; c0 += kChunk) {
+      // key c0 + j is row j of the chunk; only keys from lo on are read (a window's earlier
+      // pages may be gone), and no row looks before its own window
+      const int64_t c_lo = std::max(c0, lo), c_hi = std::min(c0 + kChunk, hi);
+      gather_chunk<kDirect>(p, table, kv_head, c_lo, c_hi - c_lo, c_lo - c0, sc);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_pos + task.t0 + r / heads;  // causal: keys 0..pos are visible
+        const int64_t row_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+        const int64_t j0 = std::max(c_lo, row_lo) - c0, j1 = std::min(c_hi, pos + 1) - c0;
+        if (j0 < j1) update_row<kD>(sc.q.data() + r * d, sc.acc.data() + r * d, sc.m[r], sc.l[r], j0, j1, d, sc);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + task.t0 + r / heads;  // causal: keys 0..pos are visible
-      const int64_t row_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
-      const int64_t j0 = std::max(c0, row_lo) - c0, j1 = std::min(c0 + n, pos + 1) - c0;
-      if (j0 < j1) update_row<kD>(sc.q.data() + r * d, sc.acc.data() + r * d, sc.m[r], sc.l[r], j0, j1, d, sc);
+      fold_row(sc.run_m[r], sc.run_l[r], sc.run_acc.data() + r * d, sc.m[r], sc.l[r],
+               sc.acc.data() + r * d, d);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (task.partial >= 0) {
       float* part = p.partials + (task.partial * kTileRows + r) * (d + 2);
-      part[0] = sc.m[r];
-      part[1] = sc.l[r];
-      std::copy(sc.acc.data() + r * d, sc.acc.data() + (r + 1) * d, part + 2);
+      part[0] = sc.run_m[r];
+      part[1] = sc.run_l[r];
+      std::copy(sc.run_acc.data() + r * d, sc.run_acc.data() + (r + 1) * d, part + 2);
       continue;
     }
     const int64_t at = (q_start + task.t0 + r / heads) * p.out_token_stride + (task.h0 + r % heads) * d;
-    FT_DISPATCH_FLOAT(p.out_type, T, store_row<T>(p.out, at, sc.acc.data() + r * d, d, 1.f / sc.l[r]));
+    FT_DISPATCH_FLOAT(p.out_type, T, store_row<T>(p.out, at, sc.run_acc.data() + r * d, d, 1.f / sc.run_l[r]));
   }
 }
 
@@ -311,16 +354,20 @@ void build_tasks(const Problem& p, int64_t threads, std::vector<Task>& tasks,
       const int64_t t1 = std::min(q_len, t0 + tile);
       const int64_t hi = first_pos + t1;  // keys [lo, hi) cover every row of the tile
       const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos + t0 - p.window + 1) : 0;
-      const int64_t splits = std::max<int64_t>(1, std::min(wanted_splits, (hi - lo) / kMinSplitKeys));
+      // a split task walks exactly one block: folded in order by merge_partials, the blocks
+      // give the bits one task walking them all would
+      const int64_t first_block = lo / kSplitKeys, blocks = (hi - 1) / kSplitKeys - first_block + 1;
+      const bool split = wanted_splits > 1 && blocks > 1;
       for (int64_t h = 0; h < p.q_heads; h += p.group) {
-        if (splits == 1) {
+        if (!split) {
           tasks.push_back({b, t0, t1, h, h + p.group, lo, hi, -1});
           continue;
         }
-        merges.push_back({b, t0, t1, h, h + p.group, partial, splits});
-        for (int64_t i = 0; i < splits; ++i) {
-          tasks.push_back({b, t0, t1, h, h + p.group, lo + (hi - lo) * i / splits,
-                           lo + (hi - lo) * (i + 1) / splits, partial++});
+        merges.push_back({b, t0, t1, h, h + p.group, partial, blocks});
+        for (int64_t i = 0; i < blocks; ++i) {
+          const int64_t b0 = (first_block + i) * kSplitKeys;
+          tasks.push_back({b, t0, t1, h, h + p.group, std::max(lo, b0),
+                           std::min(hi, b0 + kSplitKeys), partial++});
         }
       }
     }
@@ -334,7 +381,7 @@ int64_t total_work(const Problem& p, const std::vector<Task>& tasks) {
   return work;
 }
 
-// out = sum_i acc_i e^(m_i - m) / sum_i l_i e^(m_i - m) over the splits of each row.
+// Each row's blocks folded left to right (fold_row), then out = acc / l.
 void merge_partials(const Problem& p, const std::vector<Merge>& merges) {
   const int64_t d = p.head_dim;
   std::vector<float> acc(d);
@@ -343,14 +390,9 @@ void merge_partials(const Problem& p, const std::vector<Merge>& merges) {
     const int64_t q_start = p.query_start[g.seq];
     for (int64_t r = 0; r < rows; ++r) {
       float m = -INFINITY, l = 0.f;
-      for (int64_t i = 0; i < g.count; ++i) m = std::max(m, p.partials[((g.first + i) * kTileRows + r) * (d + 2)]);
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < g.count; ++i) {
         const float* part = p.partials + ((g.first + i) * kTileRows + r) * (d + 2);
-        if (part[1] == 0.f) continue;  // this split saw no key of this row
-        const float w = std::exp(part[0] - m);
-        l += part[1] * w;
-        for (int64_t j = 0; j < d; ++j) acc[j] += part[2 + j] * w;
+        fold_row(m, l, acc.data(), part[0], part[1], part + 2, d);
       }
       const int64_t at = (q_start + g.t0 + r / heads) * p.out_token_stride + (g.h0 + r % heads) * d;
       FT_DISPATCH_FLOAT(p.out_type, T, store_row<T>(p.out, at, acc.data(), d, 1.f / l));

@@ -24,12 +24,20 @@ def next_token(context: list[int], vocab: int) -> int:
     return (sum(context) * 7 + len(context)) % vocab
 
 
+def repeating_token(context: list[int], vocab: int, period: int = 5) -> int:
+    """A rule prompt lookup can draft for: the context repeats with `period`, except that
+    every 11th token follows next_token (a draft crossing it is rejected)."""
+    if len(context) % 11 == 0 or len(context) < period:
+        return next_token(context, vocab)
+    return context[-period]
+
+
 def expected_continuation(prompt: list[int], count: int, vocab: int,
-                          eos: int | None = None) -> list[int]:
+                          eos: int | None = None, rule=next_token) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(count):
-        token = next_token(tokens, vocab)
+        token = rule(tokens, vocab)
         out.append(token)
         tokens.append(token)
         if token == eos:
@@ -38,7 +46,7 @@ def expected_continuation(prompt: list[int], count: int, vocab: int,
 
 
 class FakeModel:
-    def __init__(self, vocab: int = len(ALPHABET), max_position: int = 4096):
+    def __init__(self, vocab: int = len(ALPHABET), max_position: int = 4096, rule=next_token):
         self.config = ModelConfig(
             architecture="llama", vocab_size=vocab, hidden_size=4, intermediate_size=4,
             num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-5,
@@ -51,6 +59,7 @@ class FakeModel:
         self.gate = threading.Event()   # forward waits while it is clear
         self.gate.set()
         self.step_seconds = 0.0         # a floor on each forward's time (a slow model)
+        self.rule = rule                # next token from the context (next_token by default)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         self.batches.append(batch)
@@ -61,14 +70,17 @@ class FakeModel:
             self.fail_next = False
             raise RuntimeError("injected failure")
         kv.k[0][batch.slot_mapping, 0, 0] = batch.input_ids.astype(np.float32)
-        logits = np.zeros((batch.num_seqs, self.config.vocab_size), dtype=np.float32)
+        # a row per logits index: a sequence's last token, or (verify steps) each of its tokens
+        logits = np.zeros((batch.logits_indices.shape[0], self.config.vocab_size),
+                          dtype=np.float32)
         block = kv.block_size
-        for b in range(batch.num_seqs):
-            n = int(batch.seq_lens[b])
+        for i, row in enumerate(batch.logits_indices.tolist()):
+            b = int(np.searchsorted(batch.query_start_loc, row, side="right")) - 1
+            n = int(batch.seq_lens[b]) - (int(batch.query_start_loc[b + 1]) - 1 - row)
             pos = np.arange(n)
             slots = batch.block_tables[b, pos // block].astype(np.int64) * block + pos % block
             context = kv.k[0][slots, 0, 0].astype(np.int64).tolist()
-            logits[b, next_token(context, self.config.vocab_size)] = 10.0
+            logits[i, self.rule(context, self.config.vocab_size)] = 10.0
         return logits
 
 

@@ -21,6 +21,7 @@ from freetoken.engine.engine import Engine
 from freetoken.engine.multimodal import layout_images
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import RequestRejected, SamplingParams
+from freetoken.engine.scheduler import ScheduledChunk
 from freetoken.models.batch import KVCache
 from freetoken.models.loader import load_model
 from tests.models.vision_checkpoint import (ARCHES, IDS, build_vision_model, expand_prompt,
@@ -75,7 +76,7 @@ def prefill_last_logits(loaded, prompt, images, chunk):
     model.reserve(chunk)
     while request.num_computed < len(prompt):
         size = min(chunk, len(prompt) - request.num_computed)
-        plan = [SimpleNamespace(request=request, num_tokens=size)]
+        plan = [ScheduledChunk(request, size)]
         batch = prepare_forward_batch(plan, BLOCK, model.arrays, True, spare)
         if batch.multimodal is not None:
             cache.fill(batch.multimodal)

@@ -266,6 +266,31 @@ def test_paged_attention_split_key_ranges(cache_dtype, window):
     close(out, want, torch.float32, terms=400 + 128, magnitude=vc.float().abs().max())
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("context", [40, 700, 1500])
+def test_paged_attention_rows_do_not_depend_on_the_rest_of_the_call(cache_dtype, window, context):
+    """A token's output is the same bits whether it is decoded alone (few tasks: the key
+    range split over the cores), verified with a few more tokens of its sequence (speculative
+    decoding) or part of a prefill chunk beside other sequences (speculative decoding's
+    greedy output equals plain decoding only so)."""
+    hq, hk, d = 8, 2, 128
+    # the sequence's last 6 tokens as one chunk, beside two other sequences
+    q, kc, vc, bt, sl, qsl = make_attention_case([6, 40, 1], [context, 90, 300], hq, hk, d, 16,
+                                                 torch.float32, cache_dtype, seed=context)
+    scale = d ** -0.5
+    together = torch.empty_like(q)
+    ops.paged_attention(together, q, kc, vc, bt, sl, qsl, 16, scale, window)
+    for i in range(6):   # token i of the chunk alone, and with the chunk's later tokens
+        for count in (1, 2, 6 - i):
+            rows = q[i:i + count].contiguous()
+            alone = torch.empty_like(rows)
+            ops.paged_attention(alone, rows, kc, vc, bt[:1].contiguous(),
+                                torch.tensor([context - 6 + i + count], dtype=torch.int32),
+                                torch.tensor([0, count], dtype=torch.int32), 16, scale, window)
+            assert torch.equal(alone[0], together[i]), (i, count)
+
+
 def test_paged_attention_strided_q_from_fused_projection():
     q, kc, vc, bt, sl, qsl = make_attention_case([3, 1], [3, 20], 4, 2, 64, 16,
                                                  torch.float32, torch.float32, seed=5)

@@ -10,8 +10,8 @@ import threading
 
 import click
 
-from freetoken.engine.config import (DEVICES, KV_DTYPES, QUEUED_PER_SEQ, SAMPLING_DEFAULT_MODES,
-                                     EngineConfig)
+from freetoken.engine.config import (DEVICES, KV_DTYPES, MAX_SPECULATIVE_TOKENS, QUEUED_PER_SEQ,
+                                     SAMPLING_DEFAULT_MODES, SPECULATIVE_METHODS, EngineConfig)
 from freetoken.engine.offload_setup import MOE_CPU_MODES, OffloadConfig
 from freetoken.server.config import ServerConfig
 from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKENS
@@ -91,6 +91,17 @@ from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKE
               type=click.Choice(MOE_CPU_MODES),
               help="With offloaded experts: auto computes a missed expert on the CPU when the "
                    "measured PCIe and CPU speeds say it beats copying it; off always copies.")
+@click.option("--speculative", default=EngineConfig.speculative, show_default=True,
+              type=click.Choice(SPECULATIVE_METHODS),
+              help="Speculative decoding: ngram drafts tokens by prompt lookup (the request's "
+                   "own prompt and output), mtp with the checkpoint's multi-token-prediction "
+                   "block; drafts are verified several per forward and the output is unchanged "
+                   "(greedy: the same tokens; sampled: the same distribution). auto: mtp where "
+                   "the model has the block, else ngram. Off where the model or engine cannot "
+                   "verify drafts (see /v1/stats speculative_off_because).")
+@click.option("--num-speculative-tokens", default=EngineConfig.num_speculative_tokens,
+              show_default=True, type=click.IntRange(1, MAX_SPECULATIVE_TOKENS),
+              help="Most draft tokens per sequence and step.")
 @click.option("--allow-image-urls", is_flag=True, default=ServerConfig.allow_image_urls,
               help="Let image parts name http(s) URLs for the server to fetch (10 s, 20 MB "
                    "limits); off: only inline base64 images, a URL is a 400.")
@@ -109,7 +120,7 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
                   prefix_cache, moe_cache_rate, gpu_memory_limit, moe_cpu, allow_image_urls,
                   max_image_pixels, tensor_parallel_size, gpus, max_queued_requests,
-                  shutdown_timeout_s) -> None:
+                  shutdown_timeout_s, speculative, num_speculative_tokens) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
     /v1/messages, /health, /v1/stats, /metrics, /openapi.json, /docs)."""
     ctx = click.get_current_context()
@@ -126,7 +137,9 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  max_prefill_tokens=max_prefill_tokens,
                                  sampling_defaults=sampling_defaults, device=device,
                                  cuda_graphs=cuda_graphs, overlap=overlap, kv_dtype=kv_dtype,
-                                 prefix_cache=prefix_cache, gpu_memory_limit=gpu_memory_limit)
+                                 prefix_cache=prefix_cache, gpu_memory_limit=gpu_memory_limit,
+                                 speculative=speculative,
+                                 num_speculative_tokens=num_speculative_tokens)
     offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu)
     from freetoken.parallel.options import parallel_engine_config
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass, replace
 SAMPLING_DEFAULT_MODES = ("model", "none")
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# speculative decoding (engine/speculative.py): off, prompt lookup, the model's MTP block, or
+# auto (the MTP block where the model has one, else prompt lookup); drafts per step
+SPECULATIVE_METHODS = ("off", "ngram", "mtp", "auto")
+MAX_SPECULATIVE_TOKENS = 4
 # max_queued_requests "auto": this many waiting requests per running slot. A request then
 # waits behind at most eight turnovers of the batch, and a burst of a few batches is queued
 # rather than refused.
@@ -114,6 +118,10 @@ class EngineConfig:
         (see engine/overlap.py); the CPU computes on the engine thread, so it never overlaps.
     gpu_memory_limit: the most the engine plans to hold on its GPU (None: the whole device);
         see GpuMemoryLimit. Ignored on the CPU.
+    speculative: "off", "ngram" (prompt lookup drafts, verified several tokens per forward;
+        see engine/speculative.py), "mtp" (drafts from the checkpoint's multi-token-prediction
+        block, engine/mtp_drafts.py) or "auto" (mtp where the model has the block, else ngram).
+    num_speculative_tokens: most draft tokens per sequence and step (1..4).
     """
 
     num_tokens: int = 0
@@ -128,6 +136,8 @@ class EngineConfig:
     prefix_cache: bool = True
     overlap: bool = True
     gpu_memory_limit: GpuMemoryLimit | None = None
+    speculative: str = "off"
+    num_speculative_tokens: int = 2
 
     def __post_init__(self) -> None:
         checks = (
@@ -143,6 +153,10 @@ class EngineConfig:
             (self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}"),
             (self.gpu_memory_limit is None or isinstance(self.gpu_memory_limit, GpuMemoryLimit),
              "gpu_memory_limit must be None or a GpuMemoryLimit (see parse_gpu_memory_limit)"),
+            (self.speculative in SPECULATIVE_METHODS,
+             f"speculative must be one of {SPECULATIVE_METHODS}"),
+            (1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}"),
         )
         for ok, message in checks:
             if not ok:

@@ -14,21 +14,25 @@ from typing import TYPE_CHECKING, Any
 
 from freetoken import env
 from freetoken.engine.admission import AdmissionGate, check_request
-from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
+from freetoken.engine.config import (EngineConfig, EngineConfigError, resolve_engine_config,
+                                     resolve_kv_dtype)
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.faults import RequestFault, has_fault_marker, raise_injected_faults
 from freetoken.engine.guide import Guide, apply_guides
 from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.live_resize import ResizeBusy, apply_resize
 from freetoken.engine.logprobs import log_softmax_rows, token_logprob
+from freetoken.engine.mtp_drafts import BlockRows, MTPDrafts
 from freetoken.engine.overlap_steps import OverlapSteps
 from freetoken.engine.penalties import apply_penalties
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.request import (FINISH_REASONS, Request, RequestOutput, RequestRejected,
                                       SamplingParams, Usage)
-from freetoken.engine.sampling import create_generator, sample_tokens
+from freetoken.engine.sampling import create_generator, greedy_tokens, sample_tokens
 from freetoken.engine.scheduler import ScheduledChunk, Scheduler
+from freetoken.engine.speculative import Drafter, accept_greedy, speculation_blocker, verify
 from freetoken.engine.state_pool import StateSlots
+from freetoken.engine.state_rollback import MAX_DRAFTING_HYBRID, SavedStates
 from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT, StateSnapshots
 from freetoken.engine.stats import settings_stats
 from freetoken.engine.stream import RequestStream, batched_delivery
@@ -107,10 +111,34 @@ class Engine(OverlapSteps):
             from freetoken.engine.offload_setup import attach_expert_cache
 
             self.expert_cache = attach_expert_cache(model, offload)
+        # Speculative decoding (engine/speculative.py), where this model and engine allow it.
+        self.drafter, self.speculation_off_because, self.mtp = None, None, None
+        if self.config.speculative != "off":
+            has_mtp = getattr(model, "mtp", None) is not None
+            if self.config.speculative == "mtp" and not has_mtp:
+                raise EngineConfigError(
+                    "--speculative mtp: this model has no multi-token-prediction block (no "
+                    "mtp.* tensors in the checkpoint); use --speculative ngram or auto")
+            self.speculation_off_because = speculation_blocker(self)
+            if self.speculation_off_because is None:
+                method = "mtp" if has_mtp and self.config.speculative != "ngram" else "ngram"
+                self.drafter = Drafter(self.config.num_speculative_tokens, method)
+                self.scheduler.drafter = self.drafter.draft
+                if method == "mtp":
+                    self.mtp = MTPDrafts(model, self.kv.num_blocks, self.kv.block_size,
+                                         self.kv_dtype, self.config.num_speculative_tokens)
+                if self.states is not None:   # each drafting sequence's states are copied
+                    self.scheduler.max_drafting = MAX_DRAFTING_HYBRID
+            elif self.config.speculative == "ngram":
+                logger.warning("speculative decoding is off: %s", self.speculation_off_because)
+        self._linear_layers = [i for i in range(model.config.num_layers)
+                               if model.config.is_linear(i)]
         # An offloaded model learns each MoE layer's routing on the host mid-step: its decode
         # graphs are segments replayed around that (engine/segment_graphs.py).
         self.graphs = None
-        if not self.arrays.device.is_cpu and self.config.cuda_graphs:
+        # (the MTP block reads the target's hidden states, which a replayed graph leaves
+        # in the graph's own buffers: MTP drafting runs eagerly)
+        if not self.arrays.device.is_cpu and self.config.cuda_graphs and self.mtp is None:
             self.graphs = self.recapture_graphs()
         # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
         # An offloaded model learns expert misses on the host mid-step, so it keeps
@@ -118,8 +146,9 @@ class Engine(OverlapSteps):
         # is launched: see Scheduler.schedule_decodes). Tests set it on the CPU, where it runs
         # the same logic synchronously. Tensor parallelism neither: the other ranks never see
         # the ids rank 0 samples on its GPU.
+        # Speculation neither: a step's drafts follow from the step before's tokens.
         self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
-                        and self.expert_cache is None
+                        and self.expert_cache is None and self.drafter is None
                         and vision is None
                         and getattr(model, "tensor_parallel_size", 1) == 1)
         self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps
@@ -332,6 +361,7 @@ class Engine(OverlapSteps):
                 **(self.encoder_cache.stats() if self.encoder_cache else {}),
                 **self._counters,
                 **self.admission.stats(),
+                **(self.drafter.stats.as_dict() if self.drafter else {}),
             }
         stats.update(settings_stats(self))
         return stats
@@ -400,6 +430,7 @@ class Engine(OverlapSteps):
                     raise_injected_faults(plan)
                 if batch.multimodal is not None:   # image embeddings for this step's chunks
                     self.encoder_cache.fill(batch.multimodal)
+                saved = self._save_drafting_states(plan)
                 with self.arrays.no_grad():
                     if (self.graphs is not None and batch.multimodal is None
                             and self.graphs.can_run(batch)):
@@ -407,7 +438,7 @@ class Engine(OverlapSteps):
                     else:
                         logits = self.model.forward(batch, self.kv)
                 with self._cond:
-                    self._process(plan, logits)
+                    self._process(plan, logits, saved)
             except RequestFault as exc:   # only its requests end; the rest run again
                 logger.error("engine step failed: %s", exc)
                 self._fail([c for c in plan if c.request in exc.requests],
@@ -419,31 +450,131 @@ class Engine(OverlapSteps):
             if not self.scheduler.has_work:
                 self.pool.check_integrity(self.scheduler.owned_pages())
 
-    def _process(self, plan: list[ScheduledChunk], logits: Any) -> None:
+    def _save_drafting_states(self, plan: list[ScheduledChunk]) -> SavedStates | None:
+        """A hybrid model's states of the sequences verifying drafts this step (rolled back
+        where a draft is rejected); None when no sequence drafts or the model has none."""
+        if self.states is None or not any(chunk.draft for chunk in plan):
+            return None
+        return SavedStates(self.kv, self._linear_layers,
+                           [c.request.state_slot for c in plan if c.draft], self.arrays)
+
+    def _process(self, plan: list[ScheduledChunk], logits: Any,
+                 saved: SavedStates | None = None) -> None:
         self._counters["steps"] += 1
-        to_sample = [i for i, chunk in enumerate(plan)
-                     if chunk.completes_sequence and not chunk.request.is_finished]
+        first_rows, row = [], 0   # each chunk's first row of logits: a verify step has 1 + K
         for chunk in plan:
-            if not chunk.request.is_finished:
-                chunk.request.num_computed += chunk.num_tokens
-                self.scheduler.publish(chunk.request)
-        if to_sample:
-            requests = [plan[i].request for i in to_sample]
-            if len(to_sample) < logits.shape[0]:
-                logits = logits[to_sample]
-            asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+            first_rows.append(row)
+            row += 1 + len(chunk.draft)
+        live = [i for i, chunk in enumerate(plan) if not chunk.request.is_finished]
+        to_sample = [i for i in live if plan[i].completes_sequence and not plan[i].draft]
+        for i in live:
+            if not plan[i].draft:
+                plan[i].request.num_computed += plan[i].num_tokens
+                self.scheduler.publish(plan[i].request)
+        verifying = [i for i in live if plan[i].draft]
+        replay, accepted = [], {}
+        if verifying:
+            replay, accepted = self._verify([plan[i] for i in verifying], logits,
+                                            [first_rows[i] for i in verifying])
+        self._sample(plan, logits, to_sample, first_rows)
+        block = self._block_rows(plan, accepted) if self.mtp is not None else []
+        hidden = self.mtp.hidden_rows(block) if block else None
+        if replay:
+            self._replay(replay, saved)
+        for i in verifying:
+            if not plan[i].request.is_finished:
+                self.scheduler.publish(plan[i].request)
+                self.scheduler.trim_pages(plan[i].request)
+        if block:
+            ready = [part.request for part in block if part.request.num_pending == 1
+                     and part.request.draft_state is not None]
             with self.arrays.no_grad():
-                log_probs = log_softmax_rows(logits, asking) if asking else None
-                apply_penalties(logits, requests)
-                if any(r.guide is not None for r in requests):
-                    apply_guides(logits, [r.guide for r in requests])
-                tokens = sample_tokens(logits, [r.params for r in requests],
-                                       [r.generator for r in requests])
-            entries: list = [None] * len(requests)
-            for slot, i in enumerate(asking):
-                entries[i] = token_logprob(log_probs[slot], tokens[i], requests[i].params.logprobs)
-            for request, token, entry in zip(requests, tokens, entries):
-                self._append_token(request, token, entry)
+                self.mtp.step(block, hidden, self.pool, ready)
+
+    def _block_rows(self, plan: list[ScheduledChunk], accepted: dict) -> list[BlockRows]:
+        """What the MTP block runs over after this step (engine/mtp_drafts.py): per live
+        sequence the positions it computed whose next token is known now (a verify step's
+        accepted ones), with their rows of the target's hidden states."""
+        parts, row = [], 0
+        for chunk in plan:
+            request, first = chunk.request, row
+            row += chunk.num_tokens
+            if request.is_finished or request.mm is not None:
+                continue
+            count = 1 + accepted[id(chunk)] if chunk.draft else chunk.num_tokens
+            start = request.num_computed - count
+            if len(request.token_ids) > request.num_computed:   # its next token is known
+                parts.append(BlockRows(request, start, count, range(first, first + count)))
+        return parts
+
+    def _sample(self, plan: list[ScheduledChunk], logits: Any, to_sample: list[int],
+                first_rows: list[int]) -> None:
+        """Sample the next token of every chunk in `to_sample` (no drafts) and append it."""
+        if not to_sample:
+            return
+        requests = [plan[i].request for i in to_sample]
+        if len(to_sample) < logits.shape[0]:
+            logits = logits[[first_rows[i] for i in to_sample]]
+        asking = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        with self.arrays.no_grad():
+            log_probs = log_softmax_rows(logits, asking) if asking else None
+            apply_penalties(logits, requests)
+            if any(r.guide is not None for r in requests):
+                apply_guides(logits, [r.guide for r in requests])
+            tokens = sample_tokens(logits, [r.params for r in requests],
+                                   [r.generator for r in requests])
+        entries: list = [None] * len(requests)
+        for slot, i in enumerate(asking):
+            entries[i] = token_logprob(log_probs[slot], tokens[i], requests[i].params.logprobs)
+        for request, token, entry in zip(requests, tokens, entries):
+            self._append_token(request, token, entry)
+
+    def _verify(self, chunks: list[ScheduledChunk], logits: Any,
+                first_rows: list[int]) -> tuple[list[ScheduledChunk], dict[int, int]]:
+        """Keep each chunk's accepted drafts and the target's next token (engine/
+        speculative.py). Returns the chunks of a hybrid model whose states must be rolled back
+        to the accepted tokens (engine/state_rollback.py) and the accepted count per chunk
+        (by id). Greedy rows are read back as argmax ids (one transfer); sampled rows as
+        logits, sampled on the host."""
+        index = [r for chunk, first in zip(chunks, first_rows)
+                 for r in range(first, first + 1 + len(chunk.draft))]
+        rows = logits[index] if len(index) < logits.shape[0] else logits
+        with self.arrays.no_grad():
+            targets = greedy_tokens(rows)
+            host = None
+            if any(chunk.request.params.temperature > 0 for chunk in chunks):
+                host = rows.float().cpu().numpy() if hasattr(rows, "cpu") else rows
+        at, replay, accepted_by_chunk = 0, [], {}
+        for chunk in chunks:
+            request, n = chunk.request, 1 + len(chunk.draft)
+            params = request.params
+            tokens = (verify(host[at:at + n], chunk.draft, params, request.generator)
+                      if params.temperature > 0 else accept_greedy(targets[at:at + n], chunk.draft))
+            at += n
+            accepted = accepted_by_chunk[id(chunk)] = len(tokens) - 1
+            self.drafter.record(request, len(chunk.draft), accepted)
+            request.num_computed += 1 + accepted
+            for token in tokens:
+                if request.is_finished:
+                    break
+                self._append_token(request, token)
+            if self.states is not None and accepted < len(chunk.draft) \
+                    and not request.is_finished:
+                replay.append(ScheduledChunk(request, 1 + accepted))
+        return replay, accepted_by_chunk
+
+    def _replay(self, chunks: list[ScheduledChunk], saved: SavedStates) -> None:
+        """Restore the states saved before the verify step and run each sequence's accepted
+        tokens again (its last token and accepted drafts), so the states stand after them."""
+        saved.restore([chunk.request.state_slot for chunk in chunks])
+        for chunk in chunks:
+            chunk.request.num_computed -= chunk.num_tokens
+        batch = prepare_forward_batch(chunks, self.pool.block_size, self.arrays, True)
+        with self.arrays.no_grad():
+            self.model.forward(batch, self.kv)
+        for chunk in chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        self.drafter.stats.replays += len(chunks)
 
     def _append_token(self, request: Request, token: int, entry=None,
                       index: int | None = None) -> None:

@@ -199,5 +199,8 @@ def _resize_states(engine, num_slots: int) -> None:
 
 def _swap_kv(engine, new) -> None:
     engine.kv = new
+    mtp = getattr(engine, "mtp", None)
+    if mtp is not None and mtp.kv.num_blocks != new.num_blocks:
+        mtp.resize(new.num_blocks, engine.kv_dtype)   # its drafts rebuild as sequences run
     if engine.scheduler.snapshots is not None:   # copies to and from the live state arrays
         engine.scheduler.snapshots.kv = new

@@ -42,7 +42,8 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
         request = chunk.request
         begin, end = request.num_computed, request.num_computed + chunk.num_tokens
         pages = request.pages
-        input_ids += request.token_ids[begin:end]
+        input_ids += request.token_ids[begin:end - len(chunk.draft)]
+        input_ids += chunk.draft
         if request.mm is None:
             positions += range(begin, end)
         else:
@@ -59,8 +60,12 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
     narrow[table_end:table_end + 2 * num_seqs + 1] = seq_lens + starts
     if with_states:
         narrow[table_end + 2 * num_seqs + 1:] = [chunk.request.state_slot for chunk in plan]
-    wide = arrays.index(np.array(input_ids + positions + slots + [s - 1 for s in starts[1:]],
-                                 dtype=np.int64))
+    # logits of each sequence's last token; of every token of a chunk with drafts
+    rows = [s - 1 for s in starts[1:]]
+    if any(chunk.draft for chunk in plan):
+        rows = [r for b, chunk in enumerate(plan)
+                for r in (range(starts[b], starts[b + 1]) if chunk.draft else (rows[b],))]
+    wide = arrays.index(np.array(input_ids + positions + slots + rows, dtype=np.int64))
     narrow = arrays.index(narrow)
     return ForwardBatch(
         input_ids=wide[:num_tokens],

@@ -186,6 +186,7 @@ class Request:
     page_rows: tuple | None = field(default=None, repr=False)
     mm: Any = None   # engine/multimodal.py's MultimodalPrompt when the prompt has images
     inject_fault: bool = False   # tests (engine/faults.py): its step raises before the forward
+    draft_state: Any = None   # engine/speculative.py's DraftState once it has drafted
 
     @property
     def key_ids(self):

@@ -82,11 +82,17 @@ def greedy_tokens(logits) -> list[int]:
 
 def sample_row(logits: np.ndarray, p: SamplingParams, uniform: float) -> int:
     """One token from one row of float32 logits."""
+    return draw_candidates(*row_candidates(logits, p), uniform)
+
+
+def row_candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, unnormalised weights) of the tokens one row of float32 logits may give under
+    temperature, top-k and top-p: the distribution sample_row draws from."""
     scaled = logits.astype(np.float64) / p.temperature
     vocab = scaled.shape[0]
     k = p.top_k if 0 < p.top_k < vocab else vocab
     if k == vocab and p.top_p >= 1.0:       # plain temperature: no order needed
-        return _draw(np.arange(vocab), np.exp(scaled - scaled.max()), uniform)
+        return np.arange(vocab), np.exp(scaled - scaled.max())
     ids = _top(scaled, k if p.top_p >= 1.0 else min(k, NUCLEUS_CANDIDATES))
     weights = np.exp(scaled[ids] - scaled[ids[0]])
     if p.top_p < 1.0:
@@ -97,7 +103,7 @@ def sample_row(logits: np.ndarray, p: SamplingParams, uniform: float) -> int:
             weights = np.exp(scaled[ids] - scaled[ids[0]])
         mass_before = (np.cumsum(weights) - weights) / total
         weights = np.where(mass_before < p.top_p, weights, 0.0)   # the top token always stays
-    return _draw(ids, weights, uniform)
+    return ids, weights
 
 
 def _top(scaled: np.ndarray, n: int) -> np.ndarray:
@@ -113,7 +119,8 @@ def _top_mass(scaled: np.ndarray, k: int, peak: float) -> float:
     return float(np.exp(top - peak).sum())
 
 
-def _draw(ids: np.ndarray, weights: np.ndarray, uniform: float) -> int:
+def draw_candidates(ids: np.ndarray, weights: np.ndarray, uniform: float) -> int:
+    """The token at `uniform` (in [0, 1)) of the weights' cumulative distribution."""
     cdf = np.cumsum(weights)
     pick = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     return int(ids[min(pick, len(ids) - 1)])

@@ -6,6 +6,7 @@ and prefills only the rest."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from freetoken.engine.config import EngineConfig
@@ -18,15 +19,19 @@ from freetoken.engine.state_snapshots import StateSnapshots
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at its num_computed, run in this step."""
+    """`num_tokens` tokens of `request`, starting at its num_computed, run in this step. A
+    decode with `draft` tokens (engine/speculative.py) runs its last token and the drafts:
+    num_tokens = 1 + len(draft), and every one of them gives logits."""
 
     request: Request
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the last known token, so its logits are sampled."""
-        return self.request.num_computed + self.num_tokens == len(self.request.token_ids)
+        return (self.request.num_computed + self.num_tokens
+                == len(self.request.token_ids) + len(self.draft))
 
 
 class Scheduler:
@@ -47,6 +52,9 @@ class Scheduler:
         # from cached KV pages alone, only from a state snapshot (else: recompute from start)
         self.states = states
         self.snapshots: StateSnapshots | None = None   # set by the engine with the prefix cache
+        # speculative decoding: (request, most tokens) -> draft tokens (engine/speculative.py)
+        self.drafter: Callable[[Request, int], tuple[int, ...]] | None = None
+        self.max_drafting: int | None = None   # most sequences drafting in one step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -77,15 +85,21 @@ class Scheduler:
         """The work for one step (possibly empty)."""
         plan: list[ScheduledChunk] = []
         budget = self.config.max_prefill_tokens
+        drafting = 0
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             want = request.num_pending
-            size = 1 if want == 1 else self._clip(request, min(want, budget))
+            draft = ()
+            if want == 1 and self.drafter and (self.max_drafting is None
+                                               or drafting < self.max_drafting):
+                draft = self.drafter(request, budget)
+                drafting += bool(draft)
+            size = 1 + len(draft) if want == 1 else self._clip(request, min(want, budget))
             if size == 0 or not self._reserve(request, request.num_computed + size):
                 continue
-            plan.append(ScheduledChunk(request, size))
-            budget -= 0 if want == 1 else size
+            plan.append(ScheduledChunk(request, size, draft))
+            budget -= len(draft) if want == 1 else size
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0 \
                 and (self.states is None or self.states.num_free):
             request = self.waiting[0]
@@ -182,6 +196,13 @@ class Scheduler:
         if request.num_computed < point < request.num_computed + size:
             return point - request.num_computed
         return size
+
+    def trim_pages(self, request: Request) -> None:
+        """Free the pages past the request's known tokens (those held only rejected drafts)."""
+        keep = pages_for(len(request.token_ids), self.pool.block_size)
+        if len(request.pages) > keep:
+            self.pool.free(reversed(request.pages[keep:]))
+            del request.pages[keep:]
 
     def owned_pages(self) -> list[list[int]]:
         return [r.pages for r in self.running]

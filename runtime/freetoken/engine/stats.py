@@ -25,6 +25,11 @@ def settings_stats(engine: Engine) -> dict[str, Any]:
         max_request_tokens=engine.max_request_tokens,
         device=str(engine.model.device),
         kv_dtype=engine.kv_dtype,
+        # the drafting in use ("off" when this model or engine cannot verify drafts: see
+        # speculative_off_because)
+        speculative=engine.drafter.method if engine.drafter is not None else "off",
+        num_speculative_tokens=engine.drafter.num_tokens if engine.drafter is not None else 0,
+        speculative_off_because=engine.speculation_off_because,
         **model_stats(engine.model.config),
         cuda_graph_capture_s=engine.graphs.capture_seconds if engine.graphs else None,
         **pool_stats(engine))

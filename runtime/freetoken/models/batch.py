@@ -25,7 +25,7 @@ class ForwardBatch:
     block_tables: Array     # int32 [B, max_blocks]
     seq_lens: Array         # int32 [B]
     query_start_loc: Array  # int32 [B+1]
-    logits_indices: Array   # int64 [B]  rows of T whose logits are returned (last tokens)
+    logits_indices: Array   # int64 [R]  rows of T whose logits are returned (R = B: last tokens)
     max_query_len: int = 1         # host-side hint: 1 means a pure decode step
     state_slots: Array | None = None   # int32 [B] hybrid models: recurrent-state slot per seq
     multimodal: MultimodalBatch | None = None   # host side: the step's image tokens, if any

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -105,6 +105,8 @@ class ModelConfig:
     linear_layers: tuple[bool, ...] = ()   # per layer: True = GDN, False (or empty) = attention
     attn_output_gate: bool = False     # q_proj doubled: attention output * sigmoid(gate)
     norm_offset: bool = False          # RMSNorms scale by (1 + w) (folded in at load)
+    mtp_num_hidden_layers: int = 0     # decoder layers of the checkpoint's multi-token-
+                                       # prediction block (0: none declared; forward/mtp.py)
 
     def is_linear(self, layer: int) -> bool:
         """True when `layer` is a Gated DeltaNet layer (no KV cache, a recurrent state)."""
@@ -164,6 +166,15 @@ class ModelConfig:
             return 3 * h * self.intermediate_size
         shared = 3 * h * moe.shared_intermediate_size + (h if moe.shared_intermediate_size else 0)
         return h * moe.num_experts + moe.num_experts * moe.expert_params(h) + shared
+
+    def mtp_block(self, sparse: bool = True) -> ModelConfig:
+        """The shape of the MTP block's decoder layers as a config of their own: its
+        (at least one) full-attention layers over the target's attention and MLP shapes, no
+        GDN layers, routed experts where `sparse`. Its kv_layers are the MTP's KV pool."""
+        layers = max(self.mtp_num_hidden_layers, 1)
+        moe = None if self.moe is None else replace(self.moe, sparse_layers=(sparse,) * layers)
+        return replace(self, num_layers=layers, linear=None, linear_layers=(), moe=moe,
+                       sliding_layers=(), local_rope_theta=None)
 
     @property
     def q_size(self) -> int:

@@ -134,7 +134,12 @@ def _build_model(tensors, config: ModelConfig, placement: Placement, plan=None,
         if offload and not placement.arrays.device.is_cpu:
             placement = replace(placement, experts=TorchArrays(parse_device("cpu")))
     weights = build_decoder_weights(tensors, config, placement)
-    return Decoder(config, weights, placement.arrays, placement.dtype)
+    model = Decoder(config, weights, placement.arrays, placement.dtype)
+    if shard is None:   # TODO: the MTP block under tensor parallelism (each rank whole?)
+        from freetoken.models.forward.mtp import build_mtp
+
+        model.mtp = build_mtp(tensors, config, placement, model)
+    return model
 
 
 def _load_hf(path: Path, placement: Placement, plan=None, shard=None):

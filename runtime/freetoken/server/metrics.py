@@ -67,6 +67,9 @@ class Metrics:
         from freetoken.server.admission_metrics import AdmissionCollector
 
         registry.register(AdmissionCollector(engine_stats))
+        from freetoken.server.speculative_metrics import SpeculativeCollector
+
+        registry.register(SpeculativeCollector(engine_stats))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -29,7 +29,13 @@ COUNTERS = (
 )
 
 
-class OffloadCollector:
+class StatsCollector:
+    """Gauges and counters read from engine.stats() keys at scrape time: (metric name, stats
+    key, help) rows in `gauges` and `counters` (a missing key reads as 0)."""
+
+    gauges: tuple = ()
+    counters: tuple = ()
+
     def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
         self._engine_stats = engine_stats
 
@@ -37,10 +43,14 @@ class OffloadCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         stats = self._engine_stats()
-        for name, key, doc in GAUGES:
+        for name, key, doc in self.gauges:
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key) or 0))
-        for name, key, doc in COUNTERS:
+        for name, key, doc in self.counters:
             yield CounterMetricFamily(name, doc, value=float(stats.get(key) or 0))
 
     def describe(self):
         return []  # NOTE: no describe-time scrape; families are produced in collect()
+
+
+class OffloadCollector(StatsCollector):
+    gauges, counters = GAUGES, COUNTERS

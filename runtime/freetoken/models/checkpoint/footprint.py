@@ -14,6 +14,9 @@ then applies the placement rules of weights.py to each tensor:
 - routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
   in their format only as a whole (``Placement.keeps_experts`` for GGUF; FP8 on a GPU; either
   offloaded or not), else become floats.
+
+A checkpoint's multi-token-prediction block (a source's ``mtp()`` view, forward/mtp.py) counts
+with the weights that are always resident, its routed experts included (never offloaded).
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ from dataclasses import dataclass
 from freetoken.models.checkpoint.weights import Placement
 from freetoken.models.config import ModelConfig
 from freetoken.models.quant.scaled import FORMATS, FP8, NVFP4
-from freetoken.models.registry import LAYER_PARTS
+from freetoken.models.registry import ATTENTION_PARTS, DENSE_MLP_PARTS, LAYER_PARTS, MOE_PARTS
 
 FLOAT, GGUF = "float", "gguf"
 _ITEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 _EXPERT_PARTS = ("experts.gate", "experts.up", "experts.down")
 # rope_freqs stays in host memory (the rope tables are built from it once)
 _GLOBALS = ("embed", "lm_head", "final_norm")
+_MTP_GLOBALS = ("mtp.fc", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm")
+_MTP_LAYER_PARTS = tuple(p for p in ATTENTION_PARTS + DENSE_MLP_PARTS + MOE_PARTS
+                         if not p.startswith("experts."))
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,37 @@ def weight_bytes(src, cfg: ModelConfig, where: Placement) -> WeightBytes | None:
         other += placed_bytes(tensor, where, lookup=name == "embed")
         blocks |= (name.startswith("layers.") and tensor.kind == GGUF
                    and where.keeps(tensor.qtype))
+    other += mtp_bytes(src, cfg, where)
     experts, slot = _routed_expert_bytes(stored, cfg, where)
     blocks |= cfg.moe is not None and any(
         t is not None and t.kind == GGUF and where.keeps_experts(t.qtype)
         for t in (stored(f"layers.{i}.experts.gate") for i in range(cfg.num_layers)))
     return WeightBytes(other, experts, blocks, slot)
+
+
+def mtp_bytes(src, cfg: ModelConfig, where: Placement) -> int:
+    """The MTP block's weights as forward/mtp.py places them (0 without one): every tensor
+    of its view, its routed experts resident whatever `where` says of the target's."""
+    view = getattr(src, "mtp", None)
+    view = view() if view is not None else None
+    if view is None:
+        return 0
+    layers = max(cfg.mtp_num_hidden_layers, 1)
+    names = list(_MTP_GLOBALS) + [f"layers.{k}.{part}" for k in range(layers)
+                                  for part in _MTP_LAYER_PARTS]
+    seen: set[str] = set()
+    total = 0
+    for name in names:
+        tensor = view.stored(name)
+        if tensor is None or view.file_name(name) in seen:
+            continue
+        seen.add(view.file_name(name))
+        total += placed_bytes(tensor, where)
+    for k in range(layers):
+        parts = [view.stored(f"layers.{k}.{part}") for part in _EXPERT_PARTS]
+        if None not in parts:
+            total += layer_expert_bytes(parts, where)
+    return total
 
 
 def _routed_expert_bytes(stored, cfg: ModelConfig,

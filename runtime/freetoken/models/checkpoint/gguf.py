@@ -72,7 +72,13 @@ class GGUFTensors:
         if name.startswith("layers."):
             _, index, part = name.split(".", 2)
             return f"blk.{index}.{self._layer_names[part]}"
+        if name.startswith("mtp."):
+            return gguf_hybrid.mtp_file_name(name, self._config.num_layers)
         return GGUF_GLOBAL[name]
+
+    def mtp(self) -> gguf_hybrid.MTPBlocks | None:
+        """The MTP block's tensors (gguf_hybrid.MTPBlocks), or None when the file has none."""
+        return gguf_hybrid.mtp_view(self, self._config.num_layers)
 
     def get(self, name: str) -> Weight | None:
         tensor = self._by_name.get(self.file_name(name))

@@ -98,7 +98,8 @@ def _hybrid_from_gguf(meta: dict[str, Any], spec: ArchSpec, arch: str, layers: i
         raise ModelFormatError(f"{source}: {arch}.attention.recurrent_layers lists "
                                f"{len(recurrent)} layers, the model has {layers}")
     return {"linear": linear, "linear_layers": tuple(bool(r) for r in recurrent[:layers]),
-            "attn_output_gate": True, "norm_offset": False}
+            "attn_output_gate": True, "norm_offset": False,
+            "mtp_num_hidden_layers": int(meta.get(f"{arch}.nextn_predict_layers") or 0)}
 
 
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, source: str,

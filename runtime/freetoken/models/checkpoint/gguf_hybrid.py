@@ -65,3 +65,54 @@ def canonical(part: str, weight, lin: LinearAttentionConfig, file_name: str, sou
     if isinstance(weight, QuantWeight):
         return QuantWeight(weight.qtype, weight.data[index], weight.shape)
     return weight[index]
+
+
+# The MTP block as llama.cpp's converter writes it (_Qwen35MtpMixin in conversion/qwen.py):
+# block_count grows by {arch}.nextn_predict_layers, MTP decoder layer k becomes block
+# num_layers + k (named as any layer: attn_q holds the gated q, post_attention_norm, ffn_*),
+# and the block's own tensors sit in block num_layers under nextn.*. Norms hold 1 + w there too.
+MTP_NAMES = {"mtp.fc": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding": "nextn.enorm.weight",
+             "mtp.pre_fc_norm_hidden": "nextn.hnorm.weight",
+             "mtp.norm": "nextn.shared_head_norm.weight"}
+
+
+def mtp_file_name(name: str, num_layers: int) -> str:
+    """The GGUF name of one of the MTP block's own tensors (``mtp.fc``, ...)."""
+    if name not in MTP_NAMES:
+        raise KeyError(name)
+    return f"blk.{num_layers}.{MTP_NAMES[name]}"
+
+
+class MTPBlocks:
+    """The MTP block of a GGUF file under the names forward/mtp.py reads (see HFTensors.mtp):
+    ``mtp.*`` as they are, decoder layer k (``layers.{k}.*``) from block num_layers + k."""
+
+    def __init__(self, src, num_layers: int):
+        self.src, self.first = src, num_layers
+        self.source = src.source
+
+    def _name(self, name: str) -> str:
+        if not name.startswith("layers."):
+            return name
+        _, index, part = name.split(".", 2)
+        return f"layers.{self.first + int(index)}.{part}"
+
+    def get(self, name: str):
+        return self.src.get(self._name(name))
+
+    def file_name(self, name: str) -> str:
+        return self.src.file_name(self._name(name))
+
+    def stored(self, name: str):
+        return self.src.stored(self._name(name))
+
+    def release(self, name: str) -> None:
+        self.src.release(self._name(name))
+
+
+def mtp_view(src, num_layers: int) -> MTPBlocks | None:
+    """The MTP block of GGUF tensor source `src` (a model of `num_layers` layers), or None
+    when the file has none (no nextn.eh_proj in block num_layers)."""
+    if src.stored("mtp.fc") is None:
+        return None
+    return MTPBlocks(src, num_layers)

@@ -7,6 +7,7 @@ and handed on stacked: ``experts.gate``/``experts.up`` [E, I, H], ``experts.down
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from freetoken.models.quant import scaled
 from freetoken.models.registry import (HF_EXPERTS_FUSED, HF_EXPERTS_PER_EXPERT,
                                        HF_EXPERTS_STACKED, HF_GLOBAL, HF_LAYER,
                                        HF_TEXT_PREFIXES, ArchSpec, spec_for_hf)
+
+
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 class HFTensors:
@@ -51,6 +55,9 @@ class HFTensors:
         # a multimodal checkpoint keeps the text model under its own prefix
         self._prefix = next((p for p in HF_TEXT_PREFIXES
                              if f"{p}embed_tokens.weight" in self._file_of), "model.")
+        # the multi-token-prediction block (Qwen3-Next, Qwen3.5/3.6): mtp.*, or model.mtp.*
+        self._mtp_prefix = next((p for p in _MTP_PREFIXES if f"{p}fc.weight" in self._file_of),
+                                None)
         gemma = spec.gemma
         self._layer_names = {**HF_LAYER, **dict(gemma.hf_layer_names if gemma else ())}
         # Gemma's RMSNorm multiplies by (1 + w): the 1 is added once here, so every norm kernel
@@ -84,7 +91,20 @@ class HFTensors:
     def _layer_name(self, index: str, part: str) -> str:
         return f"{self._prefix}layers.{index}." + self._layer_names[part].format(moe=self._moe)
 
+    def mtp(self) -> HFTensors | None:
+        """The MTP block's tensors under the names forward/mtp.py reads: ``mtp.fc``,
+        ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.norm``, and its
+        decoder layer k as ``layers.{k}.*`` (mtp.layers.{k}.* in the file, named and laid out
+        as the text model's layers); None when the checkpoint has no MTP block."""
+        if self._mtp_prefix is None:
+            return None
+        view = copy.copy(self)
+        view._prefix = self._mtp_prefix
+        return view
+
     def file_name(self, name: str) -> str:
+        if name.startswith("mtp."):
+            return f"{self._mtp_prefix or _MTP_PREFIXES[0]}{name[4:]}.weight"
         if not name.startswith("layers."):
             hf_name = HF_GLOBAL.get(name, name)
             if hf_name.startswith("model."):

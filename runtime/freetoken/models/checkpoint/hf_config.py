@@ -203,6 +203,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         moe=moe,
+        mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
         **_hybrid_from_hf(cfg, spec.hybrid, layers, source),
         **gemma,
     )

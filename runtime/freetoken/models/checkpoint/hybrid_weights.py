@@ -21,7 +21,8 @@ from freetoken.arrays import is_torch
 from freetoken.models.config import ModelConfig, QuantWeight
 
 if TYPE_CHECKING:
-    from freetoken.models.checkpoint.weights import Array, LayerWeights, Weight, _Reader
+    from freetoken.models.checkpoint.weights import (Array, LayerWeights, Placement, Weight,
+                                                     _Reader)
 
 
 def plus_one(weight: Array) -> Array:
@@ -132,4 +133,20 @@ def hybrid_layer(read: _Reader, cfg: ModelConfig, i: int) -> LayerWeights:
         w.update(_moe_mlp(read, cfg, p))
     else:
         w.update(_dense_mlp(read, p, h, cfg.intermediate_size))
+    return w
+
+
+def mtp_weights(view, cfg: ModelConfig, block: ModelConfig, where: Placement) -> LayerWeights:
+    """Every weight of the multi-token-prediction block from an MTP view (HFTensors.mtp,
+    gguf_hybrid.MTPBlocks), checked and placed per `where`: ``fc`` [H, 2H] over
+    [embedding | hidden], the three norms, and ``layers``: its decoder layers, shaped by
+    `block` (ModelConfig.mtp_block), each a gated full-attention layer with the target's MLP
+    kind, read as the target's layers are."""
+    from freetoken.models.checkpoint.weights import _Reader
+
+    read, h = _Reader(view, where, cfg.architecture), cfg.hidden_size
+    w = {"fc": read.required("mtp.fc", (h, 2 * h))}
+    for part in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        w[part] = _norm(read, "mtp." + part, h, cfg.norm_offset)
+    w["layers"] = [hybrid_layer(read, block, k) for k in range(block.num_layers)]
     return w

@@ -86,7 +86,12 @@ class Decoder:
     """A decoder-only transformer (dense or MoE) over the paged KV cache.
 
     Attributes: ``config``, ``arrays`` (how its buffers are made), ``device``, ``dtype``
-    (activations and KV cache: float32, bfloat16 or float16).
+    (activations and KV cache: float32, bfloat16 or float16); ``mtp``: the checkpoint's
+    multi-token-prediction block (forward/mtp.py's MTPBlock, set by the loader) or None.
+    After each ``forward``, ``last_hidden`` holds the final-normed hidden states of every token
+    of the step [T, hidden] (the rows the LM head reads; what the MTP block takes) and
+    ``last_residual`` the residual stream before that norm [T, hidden]: views of work buffers
+    (kernel arguments; ``arrays.array_view`` gives the array), valid until the next forward.
     """
 
     def __init__(self, config: ModelConfig, weights: DecoderWeights,
@@ -119,6 +124,8 @@ class Decoder:
         self._lm_head = make_linear(weights.lm_head)
         self._head_is_f32 = isinstance(weights.lm_head, QuantWeight) or dtype == "float32"
         self._workspace = Workspace(config, dtype, arrays)
+        self.mtp = None
+        self.last_hidden = self.last_residual = None
         self._dequant = None
         where = str(getattr(arrays, "torch_device", "cpu"))
         if where.startswith("cuda") and _has_blocks(weights):
@@ -210,6 +217,34 @@ class Decoder:
         if self._dequant is not None and max_tokens > dequant.MIN_TOKENS:
             self._dequant.allocate()
 
+    @property
+    def kernels(self) -> Kernels:
+        """The ops bound for this model's device (the MTP block runs its layer with them)."""
+        return self._k
+
+    @property
+    def rope(self) -> Array:
+        """The rotary cos/sin table the attention layers read (a kernel argument)."""
+        return self._rope
+
+    def embed_into(self, out: Array, ids: Array) -> None:
+        """out[T, hidden] = the embedding rows of token ids [T] (kernel arguments)."""
+        self._embed_into(out, ids)
+
+    def logits(self, rows: Array) -> Array:
+        """float32 logits [R, vocab] of final-normed hidden rows [R, hidden] (a kernel
+        argument) through this model's LM head and soft cap, as ``forward`` computes them."""
+        logits = self.arrays.empty((rows.shape[0], self.config.vocab_size), "float32")
+        if self._head_is_f32:
+            self._lm_head(self._k.arg(logits), rows)
+        else:
+            low = self.arrays.empty(logits.shape, self.dtype)
+            self._lm_head(low, rows)
+            logits[...] = low
+        if self.config.final_logit_softcap > 0:
+            _soft_cap(logits, self.config.final_logit_softcap)
+        return logits
+
     def _embed_into(self, out, ids) -> None:
         if isinstance(self._embed, QuantWeight):
             self._k.embed(out, ids, self._embed_arg, self._embed.qtype)
@@ -224,7 +259,8 @@ class Decoder:
         return self._kv_args[1], self._kv_args[2]
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> Array:
-        """float32 logits [B, vocab] for the rows batch.logits_indices of this step."""
+        """float32 logits [R, vocab] for the R rows batch.logits_indices of this step (R = B:
+        each sequence's last token, unless a verify step asks for every draft's)."""
         arg = self._k.arg
         batch = dataclasses.replace(batch, **{f.name: arg(getattr(batch, f.name))
                                               for f in dataclasses.fields(batch)
@@ -234,19 +270,12 @@ class Decoder:
             self._write_rope_rows(batch.multimodal.rope_positions)
         w = self._workspace.views(batch.num_tokens)
         x = rows = self._layers_into(w, batch, kv)
-        if batch.num_tokens != batch.num_seqs:  # else every token is its sequence's last
-            rows = arg(self.arrays.empty((batch.num_seqs, self.config.hidden_size), self.dtype))
+        self.last_hidden, self.last_residual = x, w.residual
+        num_rows = batch.logits_indices.shape[0]
+        if batch.num_tokens != num_rows:  # else every token's logits, in order
+            rows = arg(self.arrays.empty((num_rows, self.config.hidden_size), self.dtype))
             self._k.gather_rows(rows, batch.logits_indices, x)
-        logits = self.arrays.empty((batch.num_seqs, self.config.vocab_size), "float32")
-        if self._head_is_f32:
-            self._lm_head(arg(logits), rows)
-        else:
-            low = self.arrays.empty(logits.shape, self.dtype)
-            self._lm_head(low, rows)
-            logits[...] = low
-        if self.config.final_logit_softcap > 0:
-            _soft_cap(logits, self.config.final_logit_softcap)
-        return logits
+        return self.logits(rows)
 
 
 def _soft_cap(logits, cap: float) -> None:

@@ -1,0 +1,137 @@
+"""Drafting with the model's own multi-token-prediction block (models/forward/mtp.py).
+
+The block predicts the token after next from the target's hidden state h_t and the next token
+x_{t+1}, attending over its own K/V of earlier positions (a pool beside the target's: same
+pages, same slot for a position). It lags the target by one token. After every step each
+sequence of the step runs through the block over the positions whose next token is known now
+(a prefill chunk's, a decode's one, a verify step's accepted ones), so the block's pool stays
+filled; a sequence ready to decode then takes the argmax of its last row as its first draft
+token, and K-1 more steps of the block over its own output give the rest. Drafts are argmax
+tokens: verification keeps sampled requests' distribution all the same (engine/speculative.py).
+
+On a GPU the target's steps run eagerly while the block drafts (a replayed decode graph would
+not leave the hidden states the block reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from freetoken.arrays import array_view
+from freetoken.engine.kv_pool import PagePool
+from freetoken.engine.prepare import page_rows
+from freetoken.engine.request import Request
+from freetoken.models.batch import ForwardBatch
+
+
+@dataclass
+class BlockRows:
+    """One sequence's part of a block step: positions start..start+count-1, whose hidden
+    states are rows `rows` of the target's step and whose next tokens are in token_ids."""
+
+    request: Request
+    start: int
+    count: int
+    rows: range
+
+
+class MTPDrafts:
+    """The block's K/V pool and its step after each target step."""
+
+    def __init__(self, model: Any, num_blocks: int, block_size: int, kv_dtype: str,
+                 num_tokens: int):
+        self.model, self.block = model, model.mtp
+        self.kv = self.block.create_kv_cache(num_blocks, block_size, kv_dtype)
+        self.block_size, self.arrays = block_size, model.arrays
+        self.num_tokens = num_tokens
+
+    def resize(self, num_blocks: int, kv_dtype: str) -> None:
+        """A new pool for a resized target pool (its contents are gone, as the target's)."""
+        self.kv = self.block.create_kv_cache(num_blocks, self.block_size, kv_dtype)
+
+    def hidden_rows(self, parts: list[BlockRows]) -> Any:
+        """A copy of the target's hidden states for `parts` (taken before anything else runs
+        the target again: a hybrid model's replay would overwrite them)."""
+        index = np.fromiter((r for part in parts for r in part.rows), dtype=np.int64)
+        return array_view(self.model.last_hidden)[self.arrays.index(index)]
+
+    def step(self, parts: list[BlockRows], hidden: Any, pool: PagePool,
+             drafting: list[Request]) -> None:
+        """Run the block over `parts`, then draft for the requests in `drafting` (each one of
+        the parts, ready to decode): their `draft_state.mtp_draft` is set."""
+        logits, out = self.block.forward(self._batch(parts), hidden, self.kv)
+        want = {id(r) for r in drafting}
+        rows = [i for i, part in enumerate(parts) if id(part.request) in want]
+        if not rows:
+            return
+        drafts = {i: [t] for i, t in zip(rows, _argmax(logits[self._index(rows)]))}
+        hidden_rows = array_view(out)[self._index(rows)]
+        for depth in range(1, self.num_tokens):
+            # position N + depth - 1 (N: the tokens the target has computed) takes the last
+            # draft; its page may not exist yet
+            going = [i for i in rows if pool.extend(parts[i].request.pages,
+                                                    parts[i].request.num_computed + depth)]
+            if not going:
+                break
+            keep = [rows.index(i) for i in going]
+            batch = self._draft_batch([parts[i].request for i in going],
+                                      [drafts[i][-1] for i in going], depth)
+            hidden_in = hidden_rows[self.arrays.index(np.asarray(keep, dtype=np.int64))]
+            logits, out = self.block.forward(batch, hidden_in, self.kv, step=depth)
+            for i, token in zip(going, _argmax(logits)):
+                drafts[i].append(token)
+            rows, hidden_rows = going, array_view(out)
+        for i, tokens in drafts.items():
+            parts[i].request.draft_state.mtp_draft = tuple(tokens)
+
+    def _index(self, rows: list[int]):
+        return self.arrays.index(np.asarray(rows, dtype=np.int64))
+
+    def _batch(self, parts: list[BlockRows]) -> ForwardBatch:
+        """The block's step: each part's positions, its next tokens, the target's slots."""
+        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        for part in parts:
+            request, end = part.request, part.start + part.count
+            ids += request.token_ids[part.start + 1:end + 1]
+            positions += range(part.start, end)
+            slots += [self._slot(request, p) for p in range(part.start, end)]
+            seq_lens.append(end)
+            starts.append(starts[-1] + part.count)
+        return self._forward_batch([p.request for p in parts], ids, positions, slots,
+                                   seq_lens, starts)
+
+    def _draft_batch(self, requests: list[Request], tokens: list[int],
+                     depth: int) -> ForwardBatch:
+        """One token per drafting request at position N + depth - 1, holding its last draft."""
+        positions = [r.num_computed + depth - 1 for r in requests]
+        slots = [self._slot(r, p) for r, p in zip(requests, positions)]
+        return self._forward_batch(requests, tokens, positions, slots,
+                                   [p + 1 for p in positions], list(range(len(requests) + 1)))
+
+    def _slot(self, request: Request, position: int) -> int:
+        page = request.pages[position // self.block_size]
+        return page * self.block_size + position % self.block_size
+
+    def _forward_batch(self, requests, ids, positions, slots, seq_lens, starts) -> ForwardBatch:
+        widest = max(len(r.pages) for r in requests)
+        tables = np.zeros((len(requests), widest), dtype=np.int32)
+        for b, request in enumerate(requests):
+            tables[b, :len(request.pages)] = page_rows(request)
+        wide = self.arrays.index(np.asarray(ids + positions + slots + [s - 1 for s in starts[1:]],
+                                            dtype=np.int64))
+        t, b = len(ids), len(requests)
+        narrow = self.arrays.index(np.concatenate([tables.reshape(-1), np.asarray(
+            seq_lens + starts, dtype=np.int32)]))
+        return ForwardBatch(
+            input_ids=wide[:t], positions=wide[t:2 * t], slot_mapping=wide[2 * t:3 * t],
+            block_tables=narrow[:b * widest].reshape(b, widest),
+            seq_lens=narrow[b * widest:b * widest + b],
+            query_start_loc=narrow[b * widest + b:], logits_indices=wide[3 * t:],
+            max_query_len=max(s1 - s0 for s0, s1 in zip(starts, starts[1:])))
+
+
+def _argmax(logits) -> list[int]:
+    return [int(t) for t in logits.argmax(-1).tolist()]

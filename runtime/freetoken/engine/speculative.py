@@ -1,0 +1,202 @@
+"""Speculative decoding: draft up to K tokens for a decoding sequence, run its last token and
+the drafts in one forward of K+1 tokens, keep the drafts the target agrees with and one token
+more (the target's own choice after the last accepted draft).
+
+Drafts come from prompt lookup: the longest recent n-gram of the request's own prompt and
+output that ends like the sequence does now, followed by the tokens that came after it there
+(coding agents rewrite what they just read, so the next tokens are often already in the
+prompt). Verification keeps the output distribution exactly: a greedy request accepts a draft
+token only when it is the target's argmax, so its output is the same token for token; a
+sampled request accepts draft d with probability p(d) under the target's processed
+distribution p (temperature, top-k, top-p, as sampling.sample_row draws) and otherwise draws
+from p with d removed. That is rejection sampling for a draft that puts all its mass on d, so
+each emitted token is distributed as p.
+
+Drafting is off for requests whose sampling needs host work per token (penalties, logprobs,
+a grammar) and for prompts with images. A hybrid model's recurrent states are rolled back past
+rejected drafts (engine/state_rollback.py). A request whose drafts keep failing pauses drafting
+and probes again later (DraftControl), so a failed draft costs little over time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from freetoken.engine.config import MAX_SPECULATIVE_TOKENS
+from freetoken.engine.request import Request, SamplingParams
+from freetoken.engine.sampling import draw_candidates, row_candidates, sample_row
+
+# prompt lookup matches the last NGRAM_MAX..NGRAM_MIN tokens, longest first: a 1-token match
+# predicts too little to pay for its verification
+NGRAM_MIN, NGRAM_MAX = 2, 4
+# DraftControl: drafting pauses when the recent share of accepted draft tokens falls below this
+MIN_ACCEPTANCE = 0.3
+MAX_PAUSE_STEPS = 64
+
+
+class NgramIndex:
+    """For n in NGRAM_MIN..NGRAM_MAX, where each n-gram of a growing token list last ended,
+    indexed incrementally (each token is indexed once, however long the prompt)."""
+
+    def __init__(self) -> None:
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
+        self._indexed = 0   # n-grams ending before this position are in _ends
+
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        of `ids` that occurred before; [] when none did."""
+        length = len(ids)
+        for end in range(max(self._indexed, NGRAM_MIN), length):   # the suffix itself: not yet
+            for n, ends in self._ends.items():
+                if end >= n:
+                    ends[tuple(ids[end - n:end])] = end
+        self._indexed = max(self._indexed, length)
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if length < n:
+                continue
+            end = self._ends[n].get(tuple(ids[length - n:]))
+            if end is not None and end < length:
+                return list(ids[end:end + k])
+        return []
+
+
+@dataclass
+class DraftControl:
+    """Per request: after a draft step, the share of its draft tokens accepted feeds a moving
+    average; below MIN_ACCEPTANCE drafting pauses for `pause` steps, doubling (up to
+    MAX_PAUSE_STEPS) each time it fails again, and a good step resets the pause."""
+
+    acceptance: float = 1.0
+    pause: int = 1
+    skip: int = 0
+
+    def allows(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.acceptance = 0.6 * self.acceptance + 0.4 * accepted / drafted
+        if self.acceptance < MIN_ACCEPTANCE:
+            self.skip = self.pause
+            self.pause = min(2 * self.pause, MAX_PAUSE_STEPS)
+            self.acceptance = MIN_ACCEPTANCE    # the probe after the pause decides afresh
+        elif accepted:
+            self.pause = 1
+
+
+@dataclass
+class DraftState:
+    """A request's drafting state (Request.draft_state)."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    control: DraftControl = field(default_factory=DraftControl)
+    mtp_draft: tuple[int, ...] = ()   # the MTP block's drafts for the next step
+
+
+@dataclass
+class SpeculativeStats:
+    """Totals for /v1/stats and /metrics."""
+
+    steps: int = 0           # sequences verified with at least one draft token
+    drafted: int = 0         # draft tokens verified
+    accepted: int = 0        # of which accepted
+    replays: int = 0         # hybrid models: sequences whose states were rolled back
+
+    def as_dict(self) -> dict:
+        return {"spec_verify_steps": self.steps, "spec_draft_tokens": self.drafted,
+                "spec_accepted_tokens": self.accepted, "spec_replays": self.replays,
+                "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                # tokens a verify step emits: its accepted drafts and the target's next token
+                "spec_mean_accepted_length": (1 + self.accepted / self.steps) if self.steps
+                else 0.0}
+
+
+def speculation_blocker(engine) -> str | None:
+    """Why this engine cannot verify drafts (None when it can): the cases whose state would
+    need rolling back past rejected tokens, or whose steps are not one local forward."""
+    if engine.expert_cache is not None:
+        return "the MoE experts are offloaded (a verify step would stream whole expert layers)"
+    if getattr(engine.model, "tensor_parallel_size", 1) > 1:
+        return "tensor parallelism"
+    return None
+
+
+class Drafter:
+    """Proposes each step's drafts (Scheduler.drafter): by prompt lookup ("ngram"), or the
+    drafts the model's MTP block made after the last step ("mtp", engine/mtp_drafts.py); keeps
+    the totals."""
+
+    def __init__(self, num_tokens: int, method: str = "ngram"):
+        if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                             f"got {num_tokens}")
+        self.num_tokens, self.method = num_tokens, method
+        self.stats = SpeculativeStats()
+
+    def draft(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Up to num_tokens draft tokens for a decoding request (none past its max_tokens or
+        the step's token `budget`)."""
+        room = min(self.num_tokens, budget, request.params.max_tokens - request.num_output - 1)
+        if room <= 0 or not can_draft(request):
+            return ()
+        state = request.draft_state
+        if state is None:
+            state = request.draft_state = DraftState()
+        if self.method == "mtp":
+            draft, state.mtp_draft = state.mtp_draft, ()
+            return draft[:room] if state.control.allows() else ()
+        if not state.control.allows():
+            return ()
+        return tuple(state.index.propose(request.token_ids, room))
+
+    def record(self, request: Request, drafted: int, accepted: int) -> None:
+        self.stats.steps += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        request.draft_state.control.record(drafted, accepted)
+
+
+def can_draft(request: Request) -> bool:
+    """Whether a request's tokens can be verified several at a time: sampling without host
+    work between tokens (penalties, logprobs, a grammar), a text-only prompt."""
+    params = request.params
+    return (not params.has_penalties and params.logprobs is None and request.guide is None
+            and request.mm is None)
+
+
+def verify(rows, draft: Sequence[int], params: SamplingParams,
+           generator: np.random.Generator) -> list[int]:
+    """The tokens a verify step emits for one sequence: the accepted prefix of `draft`, then
+    one token from the target. `rows` are the target's float32 logits [len(draft) + 1, vocab]
+    (numpy) at the sequence's last token and at each draft token."""
+    if params.temperature <= 0:
+        return accept_greedy(rows.argmax(-1).tolist(), draft)
+    out: list[int] = []
+    for i, token in enumerate(draft):
+        ids, weights = row_candidates(rows[i], params)
+        here = ids == token
+        if generator.random() * weights.sum() < weights[here].sum():
+            out.append(int(token))
+            continue
+        out.append(draw_candidates(ids, np.where(here, 0.0, weights), generator.random()))
+        return out
+    out.append(sample_row(rows[len(draft)], params, generator.random()))
+    return out
+
+
+def accept_greedy(targets: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """Greedy verification given the target's argmax after each of the K+1 tokens: drafts up
+    to the first disagreement, then the target's token there (or after the last draft)."""
+    out: list[int] = []
+    for token, target in zip(draft, targets):
+        out.append(int(target))
+        if target != token:
+            return out
+    out.append(int(targets[len(draft)]))
+    return out

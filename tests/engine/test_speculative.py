@@ -1,0 +1,318 @@
+"""Speculative decoding (engine/speculative.py): prompt-lookup drafts against a brute-force
+search, greedy verification token-identical to plain decoding through the engine (paging,
+preemption, stop conditions, freed pages), rejection sampling that keeps the target's
+distribution (chi-square over 10^5 draws on a tiny model's logits), stats and settings."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.engine.config import EngineConfig, EngineConfigError
+from freetoken.engine.engine import Engine
+from freetoken.engine.request import SamplingParams
+from freetoken.engine.speculative import (NGRAM_MAX, NGRAM_MIN, DraftControl, NgramIndex,
+                                          accept_greedy, speculation_blocker, verify)
+from tests.engine.fakes import CharTokenizer, FakeModel, expected_continuation, repeating_token
+
+TOK = CharTokenizer()
+
+
+def brute_force_lookup(ids: list[int], k: int) -> list[int]:
+    """The tokens after the latest earlier occurrence of the longest suffix (n from NGRAM_MAX
+    down to NGRAM_MIN) of `ids`, searched directly."""
+    for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+        if len(ids) < n:
+            continue
+        suffix = ids[-n:]
+        for end in range(len(ids) - 1, n - 1, -1):
+            if ids[end - n:end] == suffix:
+                return ids[end:end + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [3, 6])
+def test_ngram_index_proposes_what_a_direct_search_finds(vocab):
+    rng = np.random.default_rng(vocab)
+    ids = rng.integers(0, vocab, 8).tolist()
+    index = NgramIndex()
+    for _ in range(300):
+        k = int(rng.integers(1, 5))
+        assert index.propose(ids, k) == brute_force_lookup(ids, k), ids
+        ids.append(int(rng.integers(0, vocab)))
+
+
+def test_ngram_index_takes_a_long_prompt_at_once_then_token_by_token():
+    ids = list(range(50)) * 3 + [7, 8, 9]
+    index = NgramIndex()
+    assert index.propose(ids, 3) == [10, 11, 12]
+    assert index.propose(ids + [10], 2) == [11, 12]
+    assert NgramIndex().propose([1, 2, 3, 4], 2) == []
+
+
+def test_accept_greedy_keeps_the_agreeing_prefix_and_the_targets_next_token():
+    assert accept_greedy([5, 6, 7], [5, 6]) == [5, 6, 7]       # all accepted, bonus 7
+    assert accept_greedy([5, 9, 7], [5, 6]) == [5, 9]          # second rejected: target's 9
+    assert accept_greedy([4, 6, 7], [5, 6]) == [4]             # first rejected
+    assert accept_greedy([3, 1], [3]) == [3, 1]
+
+
+def test_draft_control_pauses_after_failures_and_resumes_after_a_probe():
+    control = DraftControl()
+    for failures in range(1, 4):   # a fresh request gets a few chances
+        control.record(4, 0)
+        if control.skip:
+            break
+    assert control.skip and failures > 1
+    skips = []
+    for _ in range(4):   # each further failure doubles the pause
+        while not control.allows():
+            pass
+        control.record(4, 0)
+        skips.append(control.skip)
+    assert skips == [2, 4, 8, 16]
+    while not control.allows():
+        pass
+    control.record(4, 4)
+    control.record(4, 4)
+    assert control.allows() and control.pause == 1
+
+
+# ---- the engine, with a model whose next token is known ----------------------------------
+
+
+def spec_engine(speculative="ngram", k=3, num_tokens=512, seqs=8, chunk=32, eos=(),
+                rule=repeating_token, prefix_cache=False):
+    engine = Engine(FakeModel(rule=rule), TOK, EngineConfig(
+        num_tokens=num_tokens, block_size=8, max_num_seqs=seqs, max_prefill_tokens=chunk,
+        device="cpu", speculative=speculative, num_speculative_tokens=k,
+        prefix_cache=prefix_cache), None, eos)
+    return engine.start()
+
+
+async def collect(engine, prompt, **params):
+    outs = [o async for o in engine.generate(prompt, SamplingParams(**params))]
+    return outs, [t for o in outs for t in o.token_ids], "".join(o.text for o in outs)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_speculation_gives_the_plain_tokens_under_preemption(k):
+    engine = spec_engine(k=k, num_tokens=192, seqs=6, chunk=16)   # too few pages for all
+    prompts = [TOK.encode(f"abcde request {i} " * (1 + i % 3)) for i in range(8)]
+    lengths = [40 + 7 * i for i in range(8)]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, max_tokens=n, temperature=0.0)
+                                      for p, n in zip(prompts, lengths)))
+
+    try:
+        results = asyncio.run(main())
+        vocab = engine.model.config.vocab_size
+        for prompt, n, (outs, ids, text) in zip(prompts, lengths, results):
+            assert ids == expected_continuation(prompt, n, vocab, rule=repeating_token)
+            assert text == TOK.decode(ids)
+            assert outs[-1].finish_reason == "length"
+            assert outs[-1].usage.completion_tokens == n     # never past max_tokens
+        stats = engine.stats()
+        assert stats["preemptions"] >= 1
+        assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+        # the rule repeats with period 5 but breaks every 11th token: drafts are mostly
+        # accepted, some rejected
+        assert stats["speculative"] == "ngram" and stats["num_speculative_tokens"] == k
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+        assert stats["spec_acceptance_rate"] > 0.5
+        assert stats["tokens_generated"] == sum(lengths)
+        # a verify step ran fewer forwards than tokens
+        assert stats["steps"] < sum(lengths)
+        # every verify step's input: the last token and its drafts, logits for each
+        verify_steps = [b for b in engine.model.batches if b.logits_indices.shape[0] > b.num_seqs]
+        assert verify_steps
+    finally:
+        engine.shutdown()
+
+
+def test_greedy_speculation_stops_at_eos_and_stop_strings_inside_accepted_drafts():
+    vocab = len(TOK.encode("a"))   # noqa: F841 - the alphabet's size is the fake's vocab
+    prompt = TOK.encode("xyzab xyzab xyzab")
+    plain = expected_continuation(prompt, 60, FakeModel().config.vocab_size, rule=repeating_token)
+    eos = plain[23]                 # a token the drafts predict, deep into the output
+    engine = spec_engine(eos=(eos,))
+    try:
+        outs, ids, _ = asyncio.run(collect(engine, prompt, max_tokens=60, temperature=0.0))
+        assert ids == plain[:plain.index(eos) + 1] and outs[-1].finish_reason == "stop"
+        stop = TOK.decode(plain[30:32])
+        outs, ids, text = asyncio.run(collect(engine, prompt, max_tokens=60, temperature=0.0,
+                                              ignore_eos=True, stop=(stop,)))
+        want = TOK.decode(plain)
+        assert text == want[:want.index(stop)] and outs[-1].finish_reason == "stop"
+        assert engine.stats()["kv_pages_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_requests_that_need_per_token_host_work_decode_one_token_at_a_time():
+    engine = spec_engine()
+    prompt = TOK.encode("abcde abcde abcde")
+    try:
+        for extra in (dict(logprobs=2), dict(presence_penalty=0.5)):
+            before = engine.stats()["spec_draft_tokens"]
+            outs, ids, _ = asyncio.run(collect(engine, prompt, max_tokens=20,
+                                               temperature=0.0, **extra))
+            assert len(ids) == 20
+            assert engine.stats()["spec_draft_tokens"] == before
+    finally:
+        engine.shutdown()
+
+
+def test_sampled_speculation_completes_seeded_requests_with_freed_pages():
+    engine = spec_engine(prefix_cache=True)
+    prompt = TOK.encode("abcde abcde abcde")
+    try:
+        async def main():
+            return await asyncio.gather(*(collect(engine, prompt, max_tokens=50,
+                                                  temperature=0.7, top_p=0.9, seed=s)
+                                          for s in range(4)))
+        runs = asyncio.run(main())
+        again = asyncio.run(collect(engine, prompt, max_tokens=50, temperature=0.7,
+                                    top_p=0.9, seed=0))
+        # the fake's logits put 10 on one token: at temperature 0.7 it has p > 0.999
+        for outs, ids, _ in runs:
+            assert len(ids) == 50 and outs[-1].finish_reason == "length"
+        assert again[1] == runs[0][1]          # seeded: the same tokens again
+        stats = engine.stats()
+        assert stats["spec_accepted_tokens"] > 0 and stats["running"] == 0
+        engine.pool.check_integrity([])
+    finally:
+        engine.shutdown()
+
+
+def test_off_and_blocked_engines_report_why():
+    engine = spec_engine(speculative="off")
+    try:
+        stats = engine.stats()
+        assert stats["speculative"] == "off" and "spec_draft_tokens" not in stats
+    finally:
+        engine.shutdown()
+    fake = SimpleNamespace(states=object(), expert_cache=None, model=SimpleNamespace())
+    assert speculation_blocker(fake) is None     # hybrid states are rolled back
+    fake = SimpleNamespace(states=None, expert_cache=None,
+                           model=SimpleNamespace(tensor_parallel_size=2))
+    assert "tensor parallelism" in speculation_blocker(fake)
+    fake = SimpleNamespace(states=None, expert_cache=object(), model=SimpleNamespace())
+    assert "offloaded" in speculation_blocker(fake)
+
+
+@pytest.mark.parametrize("settings", [dict(speculative="eagle"), dict(num_speculative_tokens=0),
+                                      dict(num_speculative_tokens=5)])
+def test_bad_speculative_settings_are_refused_by_name(settings):
+    name = next(iter(settings))
+    with pytest.raises(EngineConfigError, match=name):
+        EngineConfig(**settings)
+
+
+def test_serve_refuses_bad_speculative_flags():
+    from click.testing import CliRunner
+
+    from freetoken.cli.main import main as cli
+
+    for args in (["--speculative", "eagle"], ["--num-speculative-tokens", "9"]):
+        result = CliRunner().invoke(cli, ["serve", "x.gguf", *args])
+        assert result.exit_code == 2 and args[0] in result.output
+
+
+def test_metrics_carry_the_speculative_totals():
+    from freetoken.server.speculative_metrics import SpeculativeCollector
+
+    stats = {"spec_draft_tokens": 10, "spec_accepted_tokens": 7, "spec_verify_steps": 4,
+             "spec_acceptance_rate": 0.7, "spec_mean_accepted_length": 2.75}
+    families = {f.name: f.samples[0].value for f in SpeculativeCollector(lambda: stats).collect()}
+    assert families["freetoken_spec_draft_tokens"] == 10
+    assert families["freetoken_spec_accepted_tokens"] == 7
+    assert families["freetoken_spec_mean_accepted_length"] == 2.75
+
+
+# ---- rejection sampling keeps the target's distribution ------------------------------------
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int,
+                    top_p: float) -> torch.Tensor:
+    """The distribution a plain step samples from, written directly: softmax at the
+    temperature over the top_k logits, then the most likely tokens while the mass before
+    each is below top_p, renormalised."""
+    scaled = logits.double() / temperature
+    keep = torch.zeros_like(scaled, dtype=torch.bool)
+    order = torch.argsort(scaled, descending=True, stable=True)
+    keep[order[:top_k]] = True
+    probs = torch.where(keep, torch.softmax(scaled.masked_fill(~keep, -math.inf), -1), 0.0)
+    sorted_probs = probs[order]
+    before = torch.cumsum(sorted_probs, 0) - sorted_probs
+    nucleus = torch.zeros_like(keep)
+    nucleus[order[before < top_p]] = True
+    probs = torch.where(nucleus & keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, total: int) -> tuple[float, float]:
+    """(statistic, critical value at p = 1e-6) with cells of expected count < 5 pooled."""
+    expected = probs * total
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 4.753   # upper 1e-6 quantile of the standard normal (Wilson-Hilferty)
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+@pytest.fixture(scope="module")
+def tiny_rows(tmp_path_factory):
+    """A tiny random llama's float32 logits after each of 3 consecutive tokens."""
+    from tests.models.helpers import tiny_hf_model
+
+    model = tiny_hf_model("llama", tmp_path_factory.mktemp("spec-llama"), seed=3)
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 17, 9, 40, 3]])).logits[0, -3:]
+    return (logits * 4.0).float()   # sharper than random weights give: drafts get accepted
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tiny_rows):
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, max_tokens=8).resolve(
+        None, 8)
+    probs = [reference_probs(row, 0.8, 40, 0.95).numpy() for row in tiny_rows]
+    # drafts: the second most likely token at step 0 (accepted about p0(d0) of the time), the
+    # most likely at step 1
+    d0 = int(np.argsort(-probs[0])[1])
+    d1 = int(np.argmax(probs[1]))
+    draft = (d0, d1)
+    rows = tiny_rows.numpy()
+    rng = np.random.default_rng(0)
+    vocab = rows.shape[1]
+    first = np.zeros(vocab)
+    second = np.zeros(vocab)
+    third = np.zeros(vocab)
+    total = 100_000
+    for _ in range(total):
+        out = verify(rows, draft, params, rng)
+        first[out[0]] += 1
+        if out[0] == d0:
+            second[out[1]] += 1
+            if len(out) == 3:
+                third[out[2]] += 1
+        assert len(out) == 3 or out[-1] != draft[len(out) - 1]
+    # every emitted token is distributed as the target's: the first as p0; the second, given
+    # the first was the draft, as p1 (emitted whether d1 was accepted or replaced); the
+    # bonus token after both drafts as p2
+    for counts, p in ((first, probs[0]), (second, probs[1]), (third, probs[2])):
+        n = int(counts.sum())
+        assert n > 2000
+        stat, crit = chi_square_ok(counts, p, n)
+        assert stat < crit, (stat, crit)
+    assert first[d0] / total == pytest.approx(probs[0][d0], abs=5 * math.sqrt(
+        probs[0][d0] / total))
