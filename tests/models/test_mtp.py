@@ -400,19 +400,24 @@ def test_gguf_without_mtp_block(mtp_checkpoint, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gpu_mtp_matches_reference(arch, mtp_checkpoint, moe_ops):
+def test_gpu_mtp_matches_reference(arch, tmp_path, moe_ops):
     """bf16 on the GPU against the float64 reference: logits within a few bf16 roundings of the
     handful of products on the way (relative to their norm)."""
-    directory, hf, tensors = mtp_checkpoint(arch)
+    # the GPU kernels take head dims of 64, 128 or 256 (the CPU tests' shape has 16)
+    directory = tmp_path
+    hf = build_hybrid(arch, directory, seed=2, head_dim=64, linear_key_head_dim=64,
+                      linear_value_head_dim=64)
+    tensors = mtp_tensors(hf.config, "fused" if arch == "qwen3_5_moe" else "per_expert")
+    add_mtp(directory, tensors)
     loaded = load_model(str(directory), device="cuda")
     mtp, cfg = loaded.model.mtp, loaded.config
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(3, cfg.vocab_size, (12,), generator=gen).tolist()
     hidden = torch.randn(12, cfg.hidden_size, generator=gen)
     positions = list(range(12))
-    batch = Pages(arrays=loaded.model.arrays).batch([(0, tokens, positions)])
+    batch = Pages(block_size=16, arrays=loaded.model.arrays).batch([(0, tokens, positions)])
     logits, _ = mtp.forward(batch, hidden.to("cuda", torch.bfloat16),
-                            mtp.create_kv_cache(16, 4))
+                            mtp.create_kv_cache(16, 16))
     ref, _ = mtp_reference(tensors, hf, tokens, hidden.bfloat16().double(), positions,
                            cfg.moe.renormalize)
     ours = torch.as_tensor(logits).double().cpu()[0]
