@@ -57,7 +57,7 @@ def source_file(lines: int = 300) -> str:
         out += ["", f"def check_{item}_{n}(stock, daily_use):",
                 f'    """Whether {item} stock (batch {n}) needs a reorder."""',
                 f"    level = restock_level(daily_use, {3 + i % 5})",
-                f"    if stock < level:",
+                "    if stock < level:",
                 f"        return {{'item': '{item}', 'order': level - stock}}",
                 "    return None", ""]
         i += 1

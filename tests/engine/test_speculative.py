@@ -137,7 +137,6 @@ def test_greedy_speculation_gives_the_plain_tokens_under_preemption(k):
 
 
 def test_greedy_speculation_stops_at_eos_and_stop_strings_inside_accepted_drafts():
-    vocab = len(TOK.encode("a"))   # noqa: F841 - the alphabet's size is the fake's vocab
     prompt = TOK.encode("xyzab xyzab xyzab")
     plain = expected_continuation(prompt, 60, FakeModel().config.vocab_size, rule=repeating_token)
     eos = plain[23]                 # a token the drafts predict, deep into the output
