@@ -22,7 +22,7 @@ import numpy as np
 
 from freetoken.arrays import array_view
 from freetoken.engine.kv_pool import PagePool
-from freetoken.engine.prepare import page_rows
+from freetoken.engine.prepare import pack_batch
 from freetoken.engine.request import Request
 from freetoken.models.batch import ForwardBatch
 
@@ -100,37 +100,20 @@ class MTPDrafts:
             slots += [self._slot(request, p) for p in range(part.start, end)]
             seq_lens.append(end)
             starts.append(starts[-1] + part.count)
-        return self._forward_batch([p.request for p in parts], ids, positions, slots,
-                                   seq_lens, starts)
+        return pack_batch([p.request for p in parts], ids, positions, slots, seq_lens, starts,
+                          [s - 1 for s in starts[1:]], self.arrays)
 
     def _draft_batch(self, requests: list[Request], tokens: list[int],
                      depth: int) -> ForwardBatch:
         """One token per drafting request at position N + depth - 1, holding its last draft."""
         positions = [r.num_computed + depth - 1 for r in requests]
         slots = [self._slot(r, p) for r, p in zip(requests, positions)]
-        return self._forward_batch(requests, tokens, positions, slots,
-                                   [p + 1 for p in positions], list(range(len(requests) + 1)))
+        return pack_batch(requests, tokens, positions, slots, [p + 1 for p in positions],
+                          list(range(len(requests) + 1)), list(range(len(requests))), self.arrays)
 
     def _slot(self, request: Request, position: int) -> int:
         page = request.pages[position // self.block_size]
         return page * self.block_size + position % self.block_size
-
-    def _forward_batch(self, requests, ids, positions, slots, seq_lens, starts) -> ForwardBatch:
-        widest = max(len(r.pages) for r in requests)
-        tables = np.zeros((len(requests), widest), dtype=np.int32)
-        for b, request in enumerate(requests):
-            tables[b, :len(request.pages)] = page_rows(request)
-        wide = self.arrays.index(np.asarray(ids + positions + slots + [s - 1 for s in starts[1:]],
-                                            dtype=np.int64))
-        t, b = len(ids), len(requests)
-        narrow = self.arrays.index(np.concatenate([tables.reshape(-1), np.asarray(
-            seq_lens + starts, dtype=np.int32)]))
-        return ForwardBatch(
-            input_ids=wide[:t], positions=wide[t:2 * t], slot_mapping=wide[2 * t:3 * t],
-            block_tables=narrow[:b * widest].reshape(b, widest),
-            seq_lens=narrow[b * widest:b * widest + b],
-            query_start_loc=narrow[b * widest + b:], logits_indices=wide[3 * t:],
-            max_query_len=max(s1 - s0 for s0, s1 in zip(starts, starts[1:])))
 
 
 def _argmax(logits) -> list[int]:

@@ -22,10 +22,6 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
     rotary positions from its layout (engine/multimodal.py); its image tokens point at the
     rotary table's spare rows from `rope_spare` on.
     """
-    # Two host arrays (int64 and int32 fields) and at most two copies to the device; every
-    # field is a view of one of them. The block table is filled from each request's int32
-    # copy of its pages (page_rows), extended as pages are added: converting every page id
-    # from Python on every step would cost ~40 ns each (8k ids at batch 32, 4k tokens).
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -33,12 +29,7 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
     starts = [0]
     mm_rows: list = []      # (t, h, w) of the step's image tokens
     mm_pieces: list = []
-    num_seqs = len(plan)
-    max_blocks = max(len(chunk.request.pages) for chunk in plan)
-    narrow = np.zeros(num_seqs * max_blocks + 2 * num_seqs + 1 + (num_seqs if with_states else 0),
-                      dtype=np.int32)
-    tables = narrow[:num_seqs * max_blocks].reshape(num_seqs, max_blocks)
-    for b, chunk in enumerate(plan):
+    for chunk in plan:
         request = chunk.request
         begin, end = request.num_computed, request.num_computed + chunk.num_tokens
         pages = request.pages
@@ -54,17 +45,40 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
         slots += [pages[p // block_size] * block_size + p % block_size for p in range(begin, end)]
         seq_lens.append(end)
         starts.append(starts[-1] + chunk.num_tokens)
-        tables[b, :len(pages)] = page_rows(request)
-    num_tokens = len(input_ids)
-    table_end = num_seqs * max_blocks
-    narrow[table_end:table_end + 2 * num_seqs + 1] = seq_lens + starts
-    if with_states:
-        narrow[table_end + 2 * num_seqs + 1:] = [chunk.request.state_slot for chunk in plan]
     # logits of each sequence's last token; of every token of a chunk with drafts
     rows = [s - 1 for s in starts[1:]]
     if any(chunk.draft for chunk in plan):
         rows = [r for b, chunk in enumerate(plan)
                 for r in (range(starts[b], starts[b + 1]) if chunk.draft else (rows[b],))]
+    return pack_batch([chunk.request for chunk in plan], input_ids, positions, slots, seq_lens,
+                      starts, rows, arrays,
+                      [chunk.request.state_slot for chunk in plan] if with_states else None,
+                      None if not mm_pieces else MultimodalBatch(
+                          np.array(mm_rows, dtype=np.int64).reshape(-1, 3), mm_pieces))
+
+
+def pack_batch(requests: Sequence[Request], input_ids: list[int], positions: list[int],
+               slots: list[int], seq_lens: list[int], starts: list[int], rows: list[int],
+               arrays: HostArrays | TorchArrays, state_slots: list[int] | None = None,
+               multimodal: MultimodalBatch | None = None) -> ForwardBatch:
+    """A ForwardBatch from its host lists: sequence b (its pages those of requests[b]) owns
+    tokens starts[b]:starts[b+1]; `rows` are the token rows whose logits are returned.
+
+    Two host arrays (int64 and int32 fields) and at most two copies to the device; every
+    field is a view of one of them. The block table is filled from each request's int32
+    copy of its pages (page_rows), extended as pages are added: converting every page id
+    from Python on every step would cost ~40 ns each (8k ids at batch 32, 4k tokens)."""
+    num_seqs, num_tokens = len(requests), len(input_ids)
+    max_blocks = max(len(request.pages) for request in requests)
+    table_end = num_seqs * max_blocks
+    narrow = np.zeros(table_end + 2 * num_seqs + 1 + (num_seqs if state_slots else 0),
+                      dtype=np.int32)
+    tables = narrow[:table_end].reshape(num_seqs, max_blocks)
+    for b, request in enumerate(requests):
+        tables[b, :len(request.pages)] = page_rows(request)
+    narrow[table_end:table_end + 2 * num_seqs + 1] = seq_lens + starts
+    if state_slots:
+        narrow[table_end + 2 * num_seqs + 1:] = state_slots
     wide = arrays.index(np.array(input_ids + positions + slots + rows, dtype=np.int64))
     narrow = arrays.index(narrow)
     return ForwardBatch(
@@ -75,11 +89,9 @@ def prepare_forward_batch(plan: Sequence[ScheduledChunk], block_size: int,
         seq_lens=narrow[table_end:table_end + num_seqs],
         query_start_loc=narrow[table_end + num_seqs:table_end + 2 * num_seqs + 1],
         logits_indices=wide[3 * num_tokens:],
-        max_query_len=max(chunk.num_tokens for chunk in plan),
-        state_slots=narrow[table_end + 2 * num_seqs + 1:] if with_states else None,
-        multimodal=None if not mm_pieces else MultimodalBatch(
-            np.array(mm_rows, dtype=np.int64).reshape(-1, 3), mm_pieces),
-    )
+        max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+        state_slots=narrow[table_end + 2 * num_seqs + 1:] if state_slots else None,
+        multimodal=multimodal)
 
 
 def page_rows(request: Request) -> np.ndarray:
