@@ -137,6 +137,20 @@ def test_hybrid_sizes_count_attention_kv_and_the_state_slot():
     assert ModelSizes.of(SIZES_CONFIG(), "bfloat16").state_bytes_per_slot == 0
 
 
+def test_mtp_drafting_counts_the_blocks_kv_pool():
+    import dataclasses
+
+    from freetoken.models.forward.mtp import MTPBlock
+
+    cfg = dataclasses.replace(qwen36_config(), mtp_num_hidden_layers=1)
+    plain = ModelSizes.of(cfg, "bfloat16").kv_bytes_per_token
+    drafting = ModelSizes.of(cfg, "bfloat16", mtp_kv=True).kv_bytes_per_token
+    # one more attention layer's K and V: what MTPBlock.create_kv_cache allocates per token
+    assert drafting - plain == 2 * 2 * 256 * 2 == MTPBlock.kv_bytes_per_token(
+        type("Block", (), {"config": cfg.mtp_block(), "dtype": "bfloat16"})())
+    assert ModelSizes.of(qwen36_config(), "bfloat16", mtp_kv=True).kv_bytes_per_token == plain
+
+
 def SIZES_CONFIG():
     from freetoken.models.config import ModelConfig
 

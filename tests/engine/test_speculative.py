@@ -197,13 +197,18 @@ def test_off_and_blocked_engines_report_why():
         assert stats["speculative"] == "off" and "spec_draft_tokens" not in stats
     finally:
         engine.shutdown()
-    fake = SimpleNamespace(states=object(), expert_cache=None, model=SimpleNamespace())
+    auto, ngram = (SimpleNamespace(speculative=m) for m in ("auto", "ngram"))
+    fake = SimpleNamespace(states=object(), expert_cache=None, model=SimpleNamespace(),
+                           config=auto)
     assert speculation_blocker(fake) is None     # hybrid states are rolled back
-    fake = SimpleNamespace(states=None, expert_cache=None,
+    fake = SimpleNamespace(states=None, expert_cache=None, config=ngram,
                            model=SimpleNamespace(tensor_parallel_size=2))
     assert "tensor parallelism" in speculation_blocker(fake)
-    fake = SimpleNamespace(states=None, expert_cache=object(), model=SimpleNamespace())
+    # offloaded experts: auto leaves drafting off, an explicit method drafts
+    fake = SimpleNamespace(states=None, expert_cache=object(), model=SimpleNamespace(),
+                           config=auto)
     assert "offloaded" in speculation_blocker(fake)
+    assert speculation_blocker(SimpleNamespace(**{**vars(fake), "config": ngram})) is None
 
 
 @pytest.mark.parametrize("settings", [dict(speculative="eagle"), dict(num_speculative_tokens=0),
@@ -315,3 +320,29 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_rows):
         assert stat < crit, (stat, crit)
     assert first[d0] / total == pytest.approx(probs[0][d0], abs=5 * math.sqrt(
         probs[0][d0] / total))
+
+
+def test_steps_wider_than_max_drafting_draft_nothing():
+    """Scheduler.max_drafting: a step with more decoding sequences than that drafts for none
+    of them (a GPU verifies at most VERIFY_MAX_BATCH sequences in its graphs); narrower steps
+    draft for every one."""
+    engine = spec_engine(k=2, seqs=4)
+    engine.scheduler.max_drafting = 2
+    prompts = [TOK.encode(f"abcde abcde {i}") for i in range(3)]
+
+    async def run(batch):
+        return await asyncio.gather(*(collect(engine, p, max_tokens=30, temperature=0.0)
+                                      for p in batch))
+
+    try:
+        engine.model.batches.clear()
+        asyncio.run(run(prompts))       # three decode together: no step of all three drafts
+        wide = [b for b in engine.model.batches if b.num_seqs == 3]
+        assert wide and all(b.logits_indices.shape[0] == 3 for b in wide)
+        engine.model.batches.clear()
+        asyncio.run(run(prompts[:2]))   # two: both draft
+        assert any(b.num_seqs == 2 and b.logits_indices.shape[0] > 2
+                   for b in engine.model.batches)
+        assert engine.stats()["kv_pages_used"] == 0
+    finally:
+        engine.shutdown()

@@ -1,7 +1,7 @@
-"""Speculative decoding on a GPU (eager verify steps beside decode CUDA graphs): drafts that
-are plain decoding's own tokens are accepted (the verify rows line up with their positions),
-a hybrid model's states roll back, an MTP block drafts, and every page and slot is freed.
-Skipped without a GPU.
+"""Speculative decoding on a GPU (verify steps in CUDA graphs, one per K, and eagerly): drafts
+that are plain decoding's own tokens are accepted (the verify rows line up with their
+positions, padded or not), a hybrid model's states roll back, an MTP block drafts from a
+replayed graph's hidden states, and every page and slot is freed. Skipped without a GPU.
 
 Token-for-token equality with plain decoding is not asserted here: on a GPU the multi-token
 kernels of a verify step round differently from the decode kernels (docs/speculative-decoding.md)."""
@@ -24,10 +24,10 @@ TOKENS = 24
 GPU_SHAPE = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
-def engines(loaded, speculative, k=3):
+def engines(loaded, speculative, k=3, cuda_graphs=True):
     return Engine.from_loaded(loaded, EngineConfig(
         num_tokens=1024, block_size=16, max_num_seqs=4, max_prefill_tokens=64, device="cuda",
-        speculative=speculative, num_speculative_tokens=k)).start()
+        speculative=speculative, num_speculative_tokens=k, cuda_graphs=cuda_graphs)).start()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_moe"])
@@ -48,16 +48,22 @@ def test_oracle_drafts_are_accepted_on_the_gpu(arch, tmp_path):
         expected = generate(plain, prompts, max_tokens=TOKENS)
     finally:
         plain.shutdown()
-    spec = engines(loaded, "ngram")
-    try:
-        got = generate(spec, prompts, oracle=expected, max_tokens=TOKENS)
-        stats = spec.stats()
-    finally:
-        spec.shutdown()
-    assert [len(g) for g in got] == [TOKENS] * len(prompts)
-    # the oracle spoils one draft token in three steps: the rest are plain decoding's tokens
-    assert stats["spec_acceptance_rate"] > 0.6, stats
-    assert stats["kv_pages_used"] == 0 and stats.get("state_slots_used", 0) == 0
+    for graphs in (True, False):
+        spec = engines(loaded, "ngram", cuda_graphs=graphs)
+        try:
+            got = generate(spec, prompts, oracle=expected, max_tokens=TOKENS)
+            stats = spec.stats()
+            replays = spec.graphs.verify_replays if graphs else 0
+        finally:
+            spec.shutdown()
+        assert [len(g) for g in got] == [TOKENS] * len(prompts)
+        # the oracle spoils one draft token in three steps: the rest are plain decoding's
+        # tokens, so the output is too
+        assert stats["spec_acceptance_rate"] > 0.6, stats
+        assert got == expected
+        assert stats["kv_pages_used"] == 0 and stats.get("state_slots_used", 0) == 0
+        if graphs:   # verify steps replayed their graph (the last ones draft fewer: padded)
+            assert replays > 0
 
 
 def test_mtp_drafts_on_the_gpu(tmp_path):
@@ -65,12 +71,87 @@ def test_mtp_drafts_on_the_gpu(tmp_path):
     add_mtp(tmp_path, mtp_tensors(hf.config, "fused"))
     loaded = load_model(str(tmp_path), device="cuda")
     assert loaded.model.mtp is not None
-    spec = engines(loaded, "mtp", k=2)
+    for graphs in (True, False):
+        spec = engines(loaded, "mtp", k=2, cuda_graphs=graphs)
+        try:
+            got = generate(spec, [[5, 9, 11, 4, 7, 3]] * 2, max_tokens=TOKENS)
+            stats = spec.stats()
+            if graphs:   # the block drafted from a replayed graph's hidden states
+                assert spec.graphs.verify_replays > 0
+        finally:
+            spec.shutdown()
+        assert [len(g) for g in got] == [TOKENS] * 2
+        assert stats["speculative"] == "mtp" and stats["spec_draft_tokens"] > 0
+        assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
+
+
+def test_verify_graphs_match_eager_forwards(tmp_path):
+    """Every verify step replayed from a graph (padded where a sequence drafted fewer than K)
+    gives the logits and hidden rows an eager forward of the same batch gives."""
+    from tests.models.helpers import tiny_hf_model
+
+    tiny_hf_model("llama", tmp_path, seed=4, head_dim=64)
+    loaded = load_model(str(tmp_path), device="cuda", dtype="float32")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (9, 40, 3)]
+    plain = engines(loaded, "off")
     try:
-        got = generate(spec, [[5, 9, 11, 4, 7, 3]] * 2, max_tokens=TOKENS)
+        expected = generate(plain, prompts, max_tokens=TOKENS)
+    finally:
+        plain.shutdown()
+    spec = engines(loaded, "ngram", k=3)
+    graphs, model, checked = spec.graphs, spec.model, []
+    replay = graphs.run_verify
+
+    def run_verify(draft_lengths, batch):
+        logits = replay(draft_lengths, batch).clone()
+        hidden = model.last_hidden.clone()
+        eager = model.forward(batch, spec.kv)   # stores the same K/V again: no change
+        scale = eager.abs().max()
+        torch.testing.assert_close(logits, eager, rtol=0, atol=1e-4 * scale)
+        torch.testing.assert_close(hidden, model.last_hidden, rtol=0,
+                                   atol=1e-4 * model.last_hidden.abs().max())
+        checked.append(tuple(draft_lengths))
+        return logits
+
+    graphs.run_verify = run_verify
+    try:
+        generate(spec, prompts, oracle=expected, max_tokens=TOKENS)
+    finally:
+        spec.shutdown()
+    assert checked and any(len(set(d)) > 1 or d[0] < 3 for d in checked), checked
+
+
+def test_speculation_with_offloaded_experts(tmp_path):
+    """--speculative ngram with experts in host memory: verify steps go through the expert
+    cache (eagerly) and give plain resident decoding's tokens."""
+    from freetoken.engine.offload_setup import OffloadDecision
+    from tests.models.helpers import tiny_hf_model
+
+    tiny_hf_model("qwen3_moe", tmp_path, seed=7, head_dim=64)
+    gen = torch.Generator().manual_seed(8)
+    resident = load_model(str(tmp_path), device="cuda", dtype="float32")
+    prompts = [torch.randint(3, resident.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (6, 21)]
+    plain = engines(resident, "off")
+    try:
+        expected = generate(plain, prompts, max_tokens=TOKENS)
+    finally:
+        plain.shutdown()
+    del resident, plain
+    offloaded = load_model(str(tmp_path), device="cuda", dtype="float32",
+                           plan=lambda cfg, dtype, weights: True)
+    spec = Engine.from_loaded(offloaded, EngineConfig(
+        num_tokens=1024, block_size=16, max_num_seqs=4, max_prefill_tokens=64, device="cuda",
+        speculative="ngram", num_speculative_tokens=3),
+        offload=OffloadDecision(0.5, 1024, None, None, False)).start()
+    try:
+        assert spec.expert_cache is not None and spec.drafter is not None
+        got = generate(spec, prompts, oracle=expected, max_tokens=TOKENS)
         stats = spec.stats()
     finally:
         spec.shutdown()
-    assert [len(g) for g in got] == [TOKENS] * 2
-    assert stats["speculative"] == "mtp" and stats["spec_draft_tokens"] > 0
-    assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
+    assert got == expected
+    assert stats["spec_acceptance_rate"] > 0.6, stats
+    assert stats["kv_pages_used"] == 0

@@ -113,9 +113,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
         # An offloaded model learns each MoE layer's routing on the host mid-step: its decode
         # graphs are segments replayed around that (engine/segment_graphs.py).
         self.graphs = None
-        # (the MTP block reads the target's hidden states, which a replayed graph leaves
-        # in the graph's own buffers: MTP drafting runs eagerly)
-        if not self.arrays.device.is_cpu and self.config.cuda_graphs and self.mtp is None:
+        if not self.arrays.device.is_cpu and self.config.cuda_graphs:
             self.graphs = self.recapture_graphs()
         # Overlap scheduling (engine/overlap.py): only where the forward runs asynchronously.
         # An offloaded model learns expert misses on the host mid-step, so it keeps
@@ -160,7 +158,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
         if hasattr(self.model, "decode_graphs"):   # tensor parallelism: every rank captures
             return self.model.decode_graphs(self.kv, self.config.max_num_seqs, max_blocks)
         return capture_decode_graphs(self.model, self.kv, self.config.max_num_seqs, max_blocks,
-                                     self.expert_cache)
+                                     self.expert_cache, self._verify_graph_shape())
 
     def resize_pools(self, kv_tokens: int | None = None, moe_rate: float | None = None,
                      wait: float = 0.0, states: int | None = None) -> dict[str, Any]:
@@ -400,7 +398,8 @@ class Engine(OverlapSteps, SpeculativeSteps):
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
         if self.expert_cache is not None:   # prompt chunks stream whole expert layers
-            self.expert_cache.prefill = batch.max_query_len > 1
+            # (a verify step's drafts go through the cache as decode tokens do)
+            self.expert_cache.prefill = any(c.num_tokens != 1 + len(c.draft) for c in plan)
         with batched_delivery():  # the step's outputs reach each event loop in one wake-up
             try:
                 if self.fault_marker:
@@ -409,11 +408,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
                     self.encoder_cache.fill(batch.multimodal)
                 saved = self._save_drafting_states(plan)
                 with self.arrays.no_grad():
-                    if (self.graphs is not None and batch.multimodal is None
-                            and self.graphs.can_run(batch)):
-                        logits = self.graphs.run(batch)
-                    else:
-                        logits = self.model.forward(batch, self.kv)
+                    logits = self._forward(plan, batch)
                 with self._cond:
                     self._process(plan, logits, saved)
             except RequestFault as exc:   # only its requests end; the rest run again
@@ -426,6 +421,21 @@ class Engine(OverlapSteps, SpeculativeSteps):
         with self._cond:
             if not self.scheduler.has_work:
                 self.pool.check_integrity(self.scheduler.owned_pages())
+
+    def _forward(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> Any:
+        """The step's logits: from a decode or verify CUDA graph where one takes the step,
+        else from an eager forward."""
+        graphs = self.graphs
+        if graphs is not None and batch.multimodal is None:
+            if graphs.can_run(batch):
+                return graphs.run(batch)
+            if batch.max_query_len > 1 and graphs.verify_sizes \
+                    and all(c.num_tokens == 1 + len(c.draft) for c in plan):
+                drafts = [len(c.draft) for c in plan]
+                longest = max(c.request.num_computed + c.num_tokens for c in plan)
+                if graphs.can_verify(drafts, longest, batch):
+                    return graphs.run_verify(drafts, batch)
+        return self.model.forward(batch, self.kv)
 
     def _process(self, plan: list[ScheduledChunk], logits: Any,
                  saved: SavedStates | None = None) -> None:

@@ -97,7 +97,9 @@ def apply_resize(engine, kv_tokens: int | None, moe_rate: float | None,
                              "--moe-cache-rate below 1 to resize the expert cache live")
         if cache is not None:
             new_slots = cache_slots(ModelSizes.of(cfg, engine.model.dtype), moe_rate)
-    kv_per_token = ModelSizes.of(cfg, engine.model.dtype, engine.kv_dtype).kv_bytes_per_token
+    kv_per_token = ModelSizes.of(cfg, engine.model.dtype, engine.kv_dtype,
+                                 mtp_kv=getattr(engine, "mtp", None) is not None
+                                 ).kv_bytes_per_token
     pools = {}
     if new_pages != pool.num_pages:
         pools["kv"] = new_pages * bs * kv_per_token

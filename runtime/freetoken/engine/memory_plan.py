@@ -49,7 +49,7 @@ class ModelSizes:
     moe_layers: int
     top_k: int
     other_weight_bytes: int  # everything that is not a routed expert (always on the device)
-    kv_bytes_per_token: int  # K and V of every attention layer
+    kv_bytes_per_token: int  # K and V of every attention layer (and the MTP block's, drafting)
     state_bytes_per_slot: int = 0   # hybrid models: one sequence's GDN states, every layer
     # One slot of the offloaded experts' GPU pool, and one expert's pinned host copy: GGUF
     # blocks (the widest layer's expert) or FP8 values and scales where every MoE layer keeps
@@ -66,17 +66,21 @@ class ModelSizes:
 
     @classmethod
     def of(cls, cfg, dtype: str, kv_dtype: str | None = None,
-           weights: WeightBytes | None = None) -> ModelSizes:
+           weights: WeightBytes | None = None, mtp_kv: bool = False) -> ModelSizes:
         """The sizes of a model config in activation dtype `dtype`. `weights` (the checkpoint's
         tensors in the bytes they keep on the device, models/checkpoint/footprint.py) replaces
         the weights' dtype arithmetic where the reader could tell; without it every parameter
-        counts at the dtype's bytes."""
+        counts at the dtype's bytes. `mtp_kv`: the MTP block drafts, its K/V pool (one
+        attention layer per MTP layer, engine/mtp_drafts.py) beside the model's."""
         item, kv_item = _ITEM[dtype], _ITEM[kv_dtype or dtype]
         moe = cfg.moe
         expert_params = 3 * cfg.hidden_size * moe.intermediate_size if moe else 0
         layers = sum(moe.sparse_layers) if moe else 0
         experts = moe.num_experts if moe else 0
-        kv = 2 * len(cfg.kv_layers) * cfg.kv_size * kv_item   # GDN layers keep no K/V
+        kv_layers = len(cfg.kv_layers)   # GDN layers keep no K/V
+        if mtp_kv and getattr(cfg, "mtp_num_hidden_layers", 0):
+            kv_layers += cfg.mtp_num_hidden_layers
+        kv = 2 * kv_layers * cfg.kv_size * kv_item
         other = (cfg.num_params - expert_params * experts * layers) * item
         resident = slot = expert_params * item
         if weights is not None:

@@ -124,7 +124,8 @@ class OffloadPlanner:
             return False
         import torch
 
-        sizes = ModelSizes.of(cfg, dtype, weights=weights)
+        sizes = ModelSizes.of(cfg, dtype, weights=weights,
+                              mtp_kv=c.speculative in ("mtp", "auto"))
         room = measure_gpu_room(torch.device(str(self.device)), c.gpu_memory_limit)
         rate = self.offload.cache_rate if cfg.moe is not None else 1.0
         tokens = c.num_tokens or "auto"
@@ -151,7 +152,8 @@ class OffloadPlanner:
         if c.gpu_memory_limit is not None:
             log.warning("--gpu-memory-limit %s is ignored: the model runs on the CPU",
                         c.gpu_memory_limit)
-        sizes = ModelSizes.of(cfg, dtype, "float16", weights)
+        sizes = ModelSizes.of(cfg, dtype, "float16", weights,
+                              mtp_kv=c.speculative in ("mtp", "auto"))
         if weights is None:
             # NOTE: GGUF weights stay quantized on the CPU (down to ~0.56 bytes a parameter for
             # Q4_0); unknown formats count at that floor: the check refuses only what cannot fit.

@@ -54,7 +54,8 @@ class Scheduler:
         self.snapshots: StateSnapshots | None = None   # set by the engine with the prefix cache
         # speculative decoding: (request, most tokens) -> draft tokens (engine/speculative.py)
         self.drafter: Callable[[Request, int], tuple[int, ...]] | None = None
-        self.max_drafting: int | None = None   # most sequences drafting in one step
+        # drafts only in steps of at most this many decoding sequences (None: any number)
+        self.max_drafting: int | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -85,16 +86,17 @@ class Scheduler:
         """The work for one step (possibly empty)."""
         plan: list[ScheduledChunk] = []
         budget = self.config.max_prefill_tokens
-        drafting = 0
+        drafter = self.drafter
+        if drafter is not None and self.max_drafting is not None and sum(
+                r.num_pending == 1 for r in self.running) > self.max_drafting:
+            drafter = None
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             want = request.num_pending
             draft = ()
-            if want == 1 and self.drafter and (self.max_drafting is None
-                                               or drafting < self.max_drafting):
-                draft = self.drafter(request, budget)
-                drafting += bool(draft)
+            if want == 1 and drafter is not None:
+                draft = drafter(request, budget)
             size = 1 + len(draft) if want == 1 else self._clip(request, min(want, budget))
             if size == 0 or not self._reserve(request, request.num_computed + size):
                 continue

@@ -135,12 +135,13 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         return self.outputs[size][:b]
 
 
-def capture_decode_graphs(model, kv: KVCache, max_batch: int, max_blocks: int, cache=None
-                          ) -> DecodeGraphs | None:
-    """Whole-step decode graphs, or with an expert cache the segmented ones; None (eager
-    decode) when an offloaded model's capture fails."""
+def capture_decode_graphs(model, kv: KVCache, max_batch: int, max_blocks: int, cache=None,
+                          verify: tuple[int, int] = (0, 0)) -> DecodeGraphs | None:
+    """Whole-step decode graphs (and verify graphs for `verify` = (K, the most tokens a step
+    may take); K = 0: none), or with an expert cache the segmented ones; None (eager decode)
+    when an offloaded model's capture fails."""
     if cache is None:
-        return DecodeGraphs(model, kv, max_batch, max_blocks).capture()
+        return DecodeGraphs(model, kv, max_batch, max_blocks, *verify).capture()
     try:
         return SegmentedDecodeGraphs(model, kv, max_batch, max_blocks, cache).capture()
     except RuntimeError as exc:     # torch reports capture failures as RuntimeError

@@ -35,6 +35,9 @@ NGRAM_MIN, NGRAM_MAX = 2, 4
 # DraftControl: drafting pauses when the recent share of accepted draft tokens falls below this
 MIN_ACCEPTANCE = 0.3
 MAX_PAUSE_STEPS = 64
+# GPU verify steps run in CUDA graphs up to this many sequences (engine/cuda_graph.py); wider
+# steps draft nothing (Scheduler.max_drafting): such a batch keeps the GPU busy on its own
+VERIFY_MAX_BATCH = 16
 
 
 class NgramIndex:
@@ -118,12 +121,16 @@ class SpeculativeStats:
 
 
 def speculation_blocker(engine) -> str | None:
-    """Why this engine cannot verify drafts (None when it can): the cases whose state would
-    need rolling back past rejected tokens, or whose steps are not one local forward."""
-    if engine.expert_cache is not None:
-        return "the MoE experts are offloaded (a verify step would stream whole expert layers)"
+    """Why this engine does not verify drafts (None when it does): tensor parallelism (a
+    step is not one local forward); with offloaded experts, `auto` (a verify step's K + 1
+    tokens route to more experts than one token, so it misses more: docs/speculative-decoding.md
+    has the measurement); an explicit method runs there, verify steps taking the expert
+    cache's decode path eagerly."""
     if getattr(engine.model, "tensor_parallel_size", 1) > 1:
         return "tensor parallelism"
+    if engine.expert_cache is not None and engine.config.speculative == "auto":
+        return ("the MoE experts are offloaded: a verify step's tokens miss more experts "
+                "(--speculative ngram or mtp drafts all the same)")
     return None
 
 

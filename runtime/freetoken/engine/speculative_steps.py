@@ -12,7 +12,8 @@ from freetoken.engine.mtp_drafts import BlockRows, MTPDrafts
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.sampling import greedy_tokens
 from freetoken.engine.scheduler import ScheduledChunk
-from freetoken.engine.speculative import Drafter, accept_greedy, speculation_blocker, verify
+from freetoken.engine.speculative import (VERIFY_MAX_BATCH, Drafter, accept_greedy,
+                                          speculation_blocker, verify)
 from freetoken.engine.state_rollback import MAX_DRAFTING_HYBRID, SavedStates
 
 logger = logging.getLogger("freetoken.engine")
@@ -49,6 +50,18 @@ class SpeculativeSteps:
                                  self.config.num_speculative_tokens)
         if self.states is not None:   # each drafting sequence's states are copied
             self.scheduler.max_drafting = MAX_DRAFTING_HYBRID
+        if not self.arrays.device.is_cpu and self.config.cuda_graphs:
+            # wider steps would verify eagerly, slower than plain decoding's graphs
+            self.scheduler.max_drafting = min(self.scheduler.max_drafting or VERIFY_MAX_BATCH,
+                                              VERIFY_MAX_BATCH)
+
+    def _verify_graph_shape(self) -> tuple[int, int]:
+        """(K, the most tokens a step may take) for the verify CUDA graphs; (0, 0) without
+        drafting."""
+        if self.drafter is None:
+            return 0, 0
+        return (self.config.num_speculative_tokens,
+                self.config.max_prefill_tokens + self.config.max_num_seqs)
 
     def _save_drafting_states(self, plan: list[ScheduledChunk]) -> SavedStates | None:
         """A hybrid model's states of the sequences verifying drafts this step (rolled back

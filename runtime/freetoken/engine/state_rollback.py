@@ -6,7 +6,8 @@ draft is rejected the states must stand after the accepted tokens only: the stat
 drafting sequences are copied before the step (`save`), and a rejected sequence gets its copy
 back (`restore`) and runs its accepted tokens again in one small forward (the engine's replay),
 which also rewrites their KV with the same values. The copies are transient (a sequence's
-states are 2-60 MB), so the engine drafts for at most MAX_DRAFTING_HYBRID sequences per step.
+states are 2-60 MB), so the engine drafts only in steps of at most MAX_DRAFTING_HYBRID decoding
+sequences.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-# most sequences per step of a hybrid model that draft (each needs a transient state copy)
-MAX_DRAFTING_HYBRID = 4
+# most decoding sequences of a hybrid model's step that drafts (each needs a transient copy)
+MAX_DRAFTING_HYBRID = 8
 
 
 class SavedStates:

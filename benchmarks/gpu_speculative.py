@@ -1,0 +1,236 @@
+"""Speculative decoding on a GPU: the Qwen3.6-35B-A3B shape with its multi-token-prediction
+block, decode with drafting off and with the block's drafts, beside the step's bandwidth
+ceiling measured in the same run.
+
+    python benchmarks/gpu_speculative.py [--layers 8] [--gen 128] [--batch-sizes 1,8]
+        [--k 1,2,3] [--moe-cache-rate 1.0] [--routing model|uniform]
+
+Random bf16 weights of the real text config (benchmarks/gpu_hybrid.py's QWEN36_35B_A3B, cut to
+`--layers`) and a random MTP block of the checkpoint's layout (mtp.fc, its norms and one
+full-attention MoE layer: 256 experts, 8 per token, a shared expert). Rows per batch size:
+
+  off      plain decoding (CUDA graphs)
+  agree    --speculative mtp, every draft counted accepted: the block drafts and the target
+           verifies K + 1 tokens per sequence as always, then the drafts are kept whatever the
+           target chose, so each step emits K + 1 tokens. This is what a block that agrees
+           with the target gives (acceptance 1.0, the speed of light of MTP drafting); the
+           emitted tokens are not the model's.
+  random   --speculative mtp as the random block drafts (acceptance ~0, drafting backs off):
+           what failing drafts cost.
+
+Ceiling of a row: tokens per step over the bytes its step moves at the measured D2D bandwidth.
+A verify step reads every non-expert weight once, the distinct routed experts of its
+B * (K + 1) tokens per MoE layer (expected count under uniform routing: E * (1 - (1 - k/E)^n)),
+the KV and GDN states; the block then runs K times (once over the K + 1 accepted positions,
+K - 1 times over one draft token), each reading its layer, its experts and the LM head.
+
+With `--moe-cache-rate` below 1 the experts live in host memory behind an expert cache of that
+rate; verify steps run eagerly through it. The rows then say whether drafting pays at that rate
+(engine/speculative.py leaves `auto` off with offloaded experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.gpu_decode import d2d_bandwidth  # noqa: E402
+from benchmarks.gpu_hybrid import QWEN36_35B_A3B, build  # noqa: E402
+from benchmarks.gpu_offload import decode, measure, set_trace  # noqa: E402
+
+
+def add_mtp_block(directory: Path, cfg, seed: int = 5) -> None:
+    """Write random mtp.* tensors (bf16) beside the saved model and declare one MTP layer."""
+    from safetensors.torch import save_file
+
+    from tests.models.test_mtp import mtp_tensors
+
+    tensors = {k: v.to(torch.bfloat16).contiguous()
+               for k, v in mtp_tensors(cfg, "fused", seed).items()}
+    save_file(tensors, str(directory / "mtp.safetensors"), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "mtp.safetensors" for name in tensors})
+        index.write_text(json.dumps(data))
+    config = json.loads((directory / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def distinct_experts(tokens: int, cfg) -> float:
+    """Expected distinct experts that `tokens` tokens route to under uniform routing."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def step_bytes(cfg, batch: int, k: int, context: int) -> tuple[float, float]:
+    """(bytes a step moves, tokens it emits) at acceptance 1.0: the verify step of
+    batch * (k + 1) tokens and the MTP block's k steps; k = 0 is plain decoding."""
+    item = 2
+    h = cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attention = (h * (2 * q + 2 * kv) + q * h) * item
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv = 2 * key + value
+    gdn = (h * (conv + value + 2 * cfg.linear_num_value_heads) + value * h) * item
+    state = 2 * (4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                 * cfg.linear_value_head_dim + item * conv * (cfg.linear_conv_kernel_dim - 1))
+    expert = 3 * h * cfg.moe_intermediate_size * item
+    dense_moe = (cfg.num_experts * h + 3 * h * cfg.shared_expert_intermediate_size) * item
+    head = cfg.vocab_size * h * item
+    tokens = batch * (k + 1)
+    total = head
+    for kind in cfg.layer_types:
+        mixer = attention + 2 * kv * item * context * batch if kind == "full_attention" \
+            else gdn + state * batch
+        total += mixer + dense_moe + distinct_experts(tokens, cfg) * expert
+    for depth in range(k):     # the block: its first step over k + 1 positions per sequence
+        rows = tokens if depth == 0 else batch
+        total += (2 * h * h * item + attention + 2 * kv * item * context * batch + dense_moe
+                  + distinct_experts(rows, cfg) * expert + head)
+    return total, tokens
+
+
+def force_acceptance() -> None:
+    """Every greedy draft counts accepted (the 'agree' rows)."""
+    from freetoken.engine import speculative_steps
+
+    speculative_steps.accept_greedy = lambda targets, draft: \
+        [int(t) for t in draft] + [int(targets[len(draft)])]
+
+
+def restore_acceptance() -> None:
+    from freetoken.engine import speculative, speculative_steps
+
+    speculative_steps.accept_greedy = speculative.accept_greedy
+
+
+def run(folder: str, args, sizes: list[int], ks: list[int], bandwidth: float) -> list[dict]:
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.offload_policy import measure_h2d
+    from freetoken.engine.offload_setup import OffloadDecision
+    from freetoken.models.loader import load_model
+
+    offload = args.moe_cache_rate < 1.0
+    h2d = measure_h2d(torch, torch.device("cuda"), 1 << 30, repeats=5) if offload else 0.0
+    loaded = load_model(folder, device="cuda",
+                        plan=(lambda cfg, dtype, weights: True) if offload else None)
+    assert loaded.model.mtp is not None, "the MTP block did not load"
+    hf_cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = argparse.Namespace(**{**QWEN36_35B_A3B, "layer_types": hf_cfg["layer_types"]})
+    rows = []
+    for mode, k in [("off", 0)] + [(m, k) for k in ks for m in ("agree", "random")]:
+        config = EngineConfig(num_tokens=16384, max_num_seqs=max(sizes), device="cuda",
+                              prefix_cache=False, speculative="off" if k == 0 else "mtp",
+                              num_speculative_tokens=max(k, 1))
+        decision = OffloadDecision(args.moe_cache_rate, 16384, None, None, cpu=False) \
+            if offload else None
+        engine = Engine.from_loaded(loaded, config, decision).start()
+        if mode == "agree":
+            force_acceptance()
+        try:
+            if offload:
+                set_trace(engine, args.routing)
+            decode(engine, 1, args.prompt, 8)          # warm-up
+            for batch in sizes:
+                before = engine.stats()
+                row = measure(engine, batch, args, h2d or 1.0)
+                after = engine.stats()
+                drafted = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
+                accepted = after.get("spec_accepted_tokens", 0) - before.get(
+                    "spec_accepted_tokens", 0)
+                moved, emitted = step_bytes(cfg, batch, k if mode == "agree" else 0,
+                                            args.prompt + args.gen // 2)
+                row.update(mode=mode, k=k, acceptance=round(accepted / drafted, 3)
+                           if drafted else None,
+                           verify_graph_replays=getattr(engine.graphs, "verify_replays", 0),
+                           ceiling_tok_s=round(emitted * bandwidth / moved, 1)
+                           if not offload else None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            restore_acceptance()
+            engine.shutdown()
+        if offload:     # a fresh cache per engine: reload
+            del engine
+            loaded = load_model(folder, device="cuda", plan=lambda cfg, dtype, weights: True)
+    return rows
+
+
+def report(rows: list[dict], args, bandwidth: float) -> None:
+    where = (f"experts offloaded at rate {args.moe_cache_rate}, {args.routing} routing"
+             if args.moe_cache_rate < 1.0 else "resident")
+    print(f"\n== Qwen3.6-35B-A3B shape + MTP block, {args.layers} layers, bf16, {where}; "
+          f"D2D {bandwidth / 1e12:.2f} TB/s ==")
+    print(f"{'batch':>5} {'mode':>7} {'K':>2} {'tok/s':>9} {'vs off':>7} {'accept':>7} "
+          f"{'ceiling':>9} {'share':>6}")
+    off = {r["batch"]: r["decode_tok_s"] for r in rows if r["mode"] == "off"}
+    for r in sorted(rows, key=lambda r: (r["batch"], r["k"], r["mode"])):
+        ceiling = r.get("ceiling_tok_s")
+        share = f"{100 * r['decode_tok_s'] / ceiling:5.0f}%" if ceiling else f"{'-':>6}"
+        accept = f"{r['acceptance']:7.2f}" if r["acceptance"] is not None else f"{'-':>7}"
+        print(f"{r['batch']:5d} {r['mode']:>7} {r['k']:2d} {r['decode_tok_s']:9.1f} "
+              f"{r['decode_tok_s'] / off[r['batch']]:6.2f}x {accept} "
+              f"{ceiling or 0:9.1f} {share}")
+    full = argparse.Namespace(**{**QWEN36_35B_A3B,
+                                 "layer_types": ["linear_attention"] * 3 * 10
+                                 + ["full_attention"] * 10})
+    for batch in sorted(off):
+        base = step_bytes(full, batch, 0, args.prompt)
+        ratios = []
+        for k in sorted({r["k"] for r in rows if r["k"]}):
+            moved, emitted = step_bytes(full, batch, k, args.prompt)
+            ratios.append(f"K={k} {emitted / moved * base[0] / base[1]:.2f}x")
+        print(f"40 layers, batch {batch}: the speed of light over plain decoding's ceiling "
+              f"(bytes per emitted token): {', '.join(ratios)}")
+    print("goal (issue 34): agree K=2 >= 1.8x off at batch 1; random never slower than off")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--k", default="1,2,3", help="draft tokens per step, comma-separated")
+    p.add_argument("--moe-cache-rate", type=float, default=1.0)
+    p.add_argument("--routing", choices=("uniform", "skewed", "model"), default="model")
+    p.add_argument("--results", type=Path, default=None)
+    args = p.parse_args()
+    if args.layers % 4:
+        raise SystemExit("--layers must be a multiple of 4 (three GDN layers per full one)")
+    if not 0.0 < args.moe_cache_rate <= 1.0:
+        raise SystemExit("--moe-cache-rate must be in (0, 1]")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    ks = [int(k) for k in args.k.split(",")]
+    if any(not 1 <= k <= 4 for k in ks):
+        raise SystemExit("--k values must be in 1..4")
+    bandwidth = d2d_bandwidth()
+    print(f"D2D bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(Path(tmp), args.layers)
+        cfg = model.config
+        del model
+        torch.cuda.empty_cache()
+        add_mtp_block(Path(tmp), cfg)
+        rows = run(tmp, args, sizes, ks, bandwidth)
+    report(rows, args, bandwidth)
+    if args.results:
+        args.results.write_text(json.dumps({"bandwidth_Bps": bandwidth, "rows": rows,
+                                            "args": {k: str(v) for k, v in vars(args).items()}},
+                                           indent=1))
+
+
+if __name__ == "__main__":
+    main()
