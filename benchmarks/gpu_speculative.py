@@ -17,6 +17,8 @@ full-attention MoE layer: 256 experts, 8 per token, a shared expert). Rows per b
            emitted tokens are not the model's.
   random   --speculative mtp as the random block drafts (acceptance ~0, drafting backs off):
            what failing drafts cost.
+  auto     --speculative auto with the random block: drafting stays on only where the engine
+           measures it faster than plain decoding (engine/speculative.py's Governor).
 
 Ceiling of a row: tokens per step over the bytes its step moves at the measured D2D bandwidth.
 A verify step reads every non-expert weight once, the distinct routed experts of its
@@ -24,14 +26,16 @@ B * (K + 1) tokens per MoE layer (expected count under uniform routing: E * (1 -
 the KV and GDN states; the block then runs K times (once over the K + 1 accepted positions,
 K - 1 times over one draft token), each reading its layer, its experts and the LM head.
 
-With `--moe-cache-rate` below 1 the experts live in host memory behind an expert cache of that
-rate; verify steps run eagerly through it. The rows then say whether drafting pays at that rate
-(engine/speculative.py leaves `auto` off with offloaded experts).
+With a `--moe-cache-rate` below 1 (a comma-separated list runs each on the same folder) the
+experts live in host memory behind an expert cache of that rate; verify steps run eagerly
+through it (the largest `--k` only). The rows then say whether drafting pays at that rate (engine/speculative.py leaves
+`auto` off with offloaded experts, so there are no auto rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -115,14 +119,15 @@ def restore_acceptance() -> None:
     speculative_steps.accept_greedy = speculative.accept_greedy
 
 
-def run(folder: str, args, sizes: list[int], ks: list[int], bandwidth: float) -> list[dict]:
+def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
+        bandwidth: float) -> list[dict]:
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import Engine
     from freetoken.engine.offload_policy import measure_h2d
     from freetoken.engine.offload_setup import OffloadDecision
     from freetoken.models.loader import load_model
 
-    offload = args.moe_cache_rate < 1.0
+    offload = rate < 1.0
     h2d = measure_h2d(torch, torch.device("cuda"), 1 << 30, repeats=5) if offload else 0.0
     loaded = load_model(folder, device="cuda",
                         plan=(lambda cfg, dtype, weights: True) if offload else None)
@@ -130,12 +135,15 @@ def run(folder: str, args, sizes: list[int], ks: list[int], bandwidth: float) ->
     hf_cfg = json.loads((Path(folder) / "config.json").read_text())
     cfg = argparse.Namespace(**{**QWEN36_35B_A3B, "layer_types": hf_cfg["layer_types"]})
     rows = []
-    for mode, k in [("off", 0)] + [(m, k) for k in ks for m in ("agree", "random")]:
+    modes = ("agree", "random") if offload else ("agree", "random", "auto")
+    if offload:     # each engine pins every expert afresh: the largest K only
+        ks = ks[-1:]
+    for mode, k in [("off", 0)] + [(m, k) for k in ks for m in modes]:
+        method = {"off": "off", "auto": "auto"}.get(mode, "mtp")
         config = EngineConfig(num_tokens=16384, max_num_seqs=max(sizes), device="cuda",
-                              prefix_cache=False, speculative="off" if k == 0 else "mtp",
+                              prefix_cache=False, speculative=method,
                               num_speculative_tokens=max(k, 1))
-        decision = OffloadDecision(args.moe_cache_rate, 16384, None, None, cpu=False) \
-            if offload else None
+        decision = OffloadDecision(rate, 16384, None, None, cpu=False) if offload else None
         engine = Engine.from_loaded(loaded, config, decision).start()
         if mode == "agree":
             force_acceptance()
@@ -152,8 +160,10 @@ def run(folder: str, args, sizes: list[int], ks: list[int], bandwidth: float) ->
                     "spec_accepted_tokens", 0)
                 moved, emitted = step_bytes(cfg, batch, k if mode == "agree" else 0,
                                             args.prompt + args.gen // 2)
-                row.update(mode=mode, k=k, acceptance=round(accepted / drafted, 3)
+                row.update(mode=mode, k=k, rate=rate, acceptance=round(accepted / drafted, 3)
                            if drafted else None,
+                           auto=engine.scheduler.governor.as_dict()
+                           if engine.scheduler.governor else None,
                            verify_graph_replays=getattr(engine.graphs, "verify_replays", 0),
                            ceiling_tok_s=round(emitted * bandwidth / moved, 1)
                            if not offload else None)
@@ -168,9 +178,9 @@ def run(folder: str, args, sizes: list[int], ks: list[int], bandwidth: float) ->
     return rows
 
 
-def report(rows: list[dict], args, bandwidth: float) -> None:
-    where = (f"experts offloaded at rate {args.moe_cache_rate}, {args.routing} routing"
-             if args.moe_cache_rate < 1.0 else "resident")
+def report(rows: list[dict], args, rate: float, bandwidth: float) -> None:
+    where = (f"experts offloaded at rate {rate}, {args.routing} routing"
+             if rate < 1.0 else "resident")
     print(f"\n== Qwen3.6-35B-A3B shape + MTP block, {args.layers} layers, bf16, {where}; "
           f"D2D {bandwidth / 1e12:.2f} TB/s ==")
     print(f"{'batch':>5} {'mode':>7} {'K':>2} {'tok/s':>9} {'vs off':>7} {'accept':>7} "
@@ -186,7 +196,7 @@ def report(rows: list[dict], args, bandwidth: float) -> None:
     full = argparse.Namespace(**{**QWEN36_35B_A3B,
                                  "layer_types": ["linear_attention"] * 3 * 10
                                  + ["full_attention"] * 10})
-    for batch in sorted(off):
+    for batch in sorted(off) if rate == 1.0 else ():
         base = step_bytes(full, batch, 0, args.prompt)
         ratios = []
         for k in sorted({r["k"] for r in rows if r["k"]}):
@@ -204,14 +214,16 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--k", default="1,2,3", help="draft tokens per step, comma-separated")
-    p.add_argument("--moe-cache-rate", type=float, default=1.0)
+    p.add_argument("--moe-cache-rate", default="1",
+                   help="expert cache rates, comma-separated (below 1: experts offloaded)")
     p.add_argument("--routing", choices=("uniform", "skewed", "model"), default="model")
     p.add_argument("--results", type=Path, default=None)
     args = p.parse_args()
     if args.layers % 4:
         raise SystemExit("--layers must be a multiple of 4 (three GDN layers per full one)")
-    if not 0.0 < args.moe_cache_rate <= 1.0:
-        raise SystemExit("--moe-cache-rate must be in (0, 1]")
+    rates = [float(r) for r in args.moe_cache_rate.split(",")]
+    if any(not 0.0 < r <= 1.0 for r in rates):
+        raise SystemExit("--moe-cache-rate: rates in (0, 1]")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.k.split(",")]
     if any(not 1 <= k <= 4 for k in ks):
@@ -224,8 +236,13 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
         add_mtp_block(Path(tmp), cfg)
-        rows = run(tmp, args, sizes, ks, bandwidth)
-    report(rows, args, bandwidth)
+        rows = []
+        for rate in rates:
+            rows += run(tmp, args, rate, sizes, ks, bandwidth)
+            gc.collect()
+            torch.cuda.empty_cache()
+    for rate in rates:
+        report([r for r in rows if r["rate"] == rate], args, rate, bandwidth)
     if args.results:
         args.results.write_text(json.dumps({"bandwidth_Bps": bandwidth, "rows": rows,
                                             "args": {k: str(v) for k, v in vars(args).items()}},

@@ -59,13 +59,15 @@ class FakeModel:
         self.gate = threading.Event()   # forward waits while it is clear
         self.gate.set()
         self.step_seconds = 0.0         # a floor on each forward's time (a slow model)
+        self.draft_row_seconds = 0.0    # and per draft token verified (a costly verify step)
         self.rule = rule                # next token from the context (next_token by default)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> np.ndarray:
         self.batches.append(batch)
         self.gate.wait()
-        if self.step_seconds:
-            time.sleep(self.step_seconds)
+        if self.step_seconds or self.draft_row_seconds:
+            drafts = batch.logits_indices.shape[0] - batch.num_seqs
+            time.sleep(self.step_seconds + self.draft_row_seconds * max(drafts, 0))
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")

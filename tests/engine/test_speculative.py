@@ -17,7 +17,7 @@ from freetoken.engine.config import EngineConfig, EngineConfigError
 from freetoken.engine.engine import Engine
 from freetoken.engine.request import SamplingParams
 from freetoken.engine.speculative import (NGRAM_MAX, NGRAM_MIN, DraftControl, NgramIndex,
-                                          accept_greedy, speculation_blocker, verify)
+                                          Governor, accept_greedy, speculation_blocker, verify)
 from tests.engine.fakes import CharTokenizer, FakeModel, expected_continuation, repeating_token
 
 TOK = CharTokenizer()
@@ -344,5 +344,44 @@ def test_steps_wider_than_max_drafting_draft_nothing():
         assert any(b.num_seqs == 2 and b.logits_indices.shape[0] > 2
                    for b in engine.model.batches)
         assert engine.stats()["kv_pages_used"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_governor_keeps_the_faster_mode_per_batch_size_and_probes_again():
+    governor = Governor()
+    n = Governor.PROBE_STEPS
+    # each batch size measures drafting first, then plain decoding
+    assert [governor.allows(1) for _ in range(1)] == [True]
+    for _ in range(n):
+        governor.record(1, True, tokens=3, seconds=0.01)      # 300 tok/s with drafts
+    assert governor.allows(1) is False
+    for _ in range(n):
+        governor.record(1, False, tokens=1, seconds=0.005)    # 200 tok/s without
+    assert governor.allows(1) is True and governor.allows(4) is True   # batch 4: unmeasured
+    assert governor.as_dict() == {"spec_auto_speedup_batch_1": 1.5}
+    # the slower mode is measured again after REPROBE_STEPS decisions
+    decisions = [governor.allows(1) for _ in range(Governor.REPROBE_STEPS + 1)]
+    assert decisions[-1] is False and all(decisions[:-2])
+
+
+@pytest.mark.parametrize("draft_row_seconds, drafts_win", [(0.01, False), (0.0, True)])
+def test_auto_turns_drafting_off_where_it_measures_slower(draft_row_seconds, drafts_win):
+    """A model whose verify steps cost 5x a plain step per draft token makes drafting ~5x
+    slower however many drafts are accepted: auto stops drafting; a model whose steps cost the
+    same at any width (drafts ~3x faster here) keeps it."""
+    engine = spec_engine(speculative="auto", k=3)
+    engine.model.step_seconds, engine.model.draft_row_seconds = 0.002, draft_row_seconds
+    prompt = TOK.encode("abcde abcde abcde")
+    try:
+        _, ids, _ = asyncio.run(collect(engine, prompt, max_tokens=120, temperature=0.0))
+        assert ids == expected_continuation(prompt, 120, engine.model.config.vocab_size,
+                                            rule=repeating_token)
+        stats = engine.stats()
+        speedup = stats["spec_auto_speedup_batch_1"]
+        assert (speedup > 1.0) == drafts_win, stats
+        # after both probes, the steps draft only if drafting won
+        late = engine.model.batches[-20:]
+        assert any(b.num_tokens > b.num_seqs for b in late) == drafts_win
     finally:
         engine.shutdown()

@@ -120,7 +120,9 @@ def test_verify_graphs_match_eager_forwards(tmp_path):
         generate(spec, prompts, oracle=expected, max_tokens=TOKENS)
     finally:
         spec.shutdown()
-    assert checked and any(len(set(d)) > 1 or d[0] < 3 for d in checked), checked
+    # padded steps among them: three sequences replay the graph of four, or fewer drafts
+    assert checked and any(len(d) not in graphs.verify_sizes or min(d) < 3
+                           for d in checked), checked
 
 
 def test_speculation_with_offloaded_experts(tmp_path):

@@ -97,8 +97,9 @@ from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKE
                    "own prompt and output), mtp with the checkpoint's multi-token-prediction "
                    "block; drafts are verified several per forward and the output is unchanged "
                    "(greedy: the same tokens; sampled: the same distribution). auto: mtp where "
-                   "the model has the block, else ngram. Off where the model or engine cannot "
-                   "verify drafts (see /v1/stats speculative_off_because).")
+                   "the model has the block, else ngram, drafting only at batch sizes where it "
+                   "measures faster, and off with offloaded experts. Off where the model or "
+                   "engine cannot verify drafts (see /v1/stats speculative_off_because).")
 @click.option("--num-speculative-tokens", default=EngineConfig.num_speculative_tokens,
               show_default=True, type=click.IntRange(1, MAX_SPECULATIVE_TOKENS),
               help="Most draft tokens per sequence and step.")

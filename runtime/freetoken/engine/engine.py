@@ -337,6 +337,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
                 **self._counters,
                 **self.admission.stats(),
                 **(self.drafter.stats.as_dict() if self.drafter else {}),
+                **(self.scheduler.governor.as_dict() if self.scheduler.governor else {}),
             }
         stats.update(settings_stats(self))
         return stats
@@ -397,6 +398,8 @@ class Engine(OverlapSteps, SpeculativeSteps):
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
+        started = time.perf_counter()
+        emitted_before = sum(len(c.request.token_ids) for c in plan)
         if self.expert_cache is not None:   # prompt chunks stream whole expert layers
             # (a verify step's drafts go through the cache as decode tokens do)
             self.expert_cache.prefill = any(c.num_tokens != 1 + len(c.draft) for c in plan)
@@ -411,6 +414,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
                     logits = self._forward(plan, batch)
                 with self._cond:
                     self._process(plan, logits, saved)
+                self._record_speed(plan, emitted_before, started)
             except RequestFault as exc:   # only its requests end; the rest run again
                 logger.error("engine step failed: %s", exc)
                 self._fail([c for c in plan if c.request in exc.requests],
@@ -456,7 +460,9 @@ class Engine(OverlapSteps, SpeculativeSteps):
             replay, accepted = self._verify([plan[i] for i in verifying], logits,
                                             [first_rows[i] for i in verifying])
         self._sample(plan, logits, to_sample, first_rows)
-        block = self._block_rows(plan, accepted) if self.mtp is not None else []
+        # the MTP block runs only while its drafts are wanted (the auto governor's call)
+        block = (self._block_rows(plan, accepted)
+                 if self.mtp is not None and self.scheduler.drafting else [])
         hidden = self.mtp.hidden_rows(block) if block else None
         if replay:
             self._replay(replay, saved)

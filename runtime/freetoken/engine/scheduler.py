@@ -56,6 +56,9 @@ class Scheduler:
         self.drafter: Callable[[Request, int], tuple[int, ...]] | None = None
         # drafts only in steps of at most this many decoding sequences (None: any number)
         self.max_drafting: int | None = None
+        # --speculative auto: whether a step drafts, from measured speed (speculative.Governor)
+        self.governor = None
+        self.drafting = False   # whether the last schedule() let its decodes draft
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -87,9 +90,12 @@ class Scheduler:
         plan: list[ScheduledChunk] = []
         budget = self.config.max_prefill_tokens
         drafter = self.drafter
-        if drafter is not None and self.max_drafting is not None and sum(
-                r.num_pending == 1 for r in self.running) > self.max_drafting:
-            drafter = None
+        if drafter is not None:
+            decoding = sum(r.num_pending == 1 for r in self.running)
+            if (self.max_drafting is not None and decoding > self.max_drafting) or (
+                    self.governor is not None and not self.governor.allows(decoding)):
+                drafter = None
+        self.drafting = drafter is not None
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop

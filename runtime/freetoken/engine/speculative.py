@@ -93,6 +93,54 @@ class DraftControl:
             self.pause = 1
 
 
+class Governor:
+    """`--speculative auto`: drafting stays on only at batch sizes where it measures faster.
+
+    Per batch size (decoding sequences in a step) it keeps a moving average of the tokens a
+    decode step emits per second with drafting allowed and without (allowed: the MTP block
+    runs, and a request drafts unless its DraftControl pauses it). Each mode is first measured for
+    PROBE_STEPS steps; then the faster one runs, and every REPROBE_STEPS steps the slower one
+    is measured again (acceptance and step costs change with the requests). Drafting turned
+    off stops the MTP block's steps too (its drafts are what costs there); the block's K/V
+    misses those positions, which only lowers its acceptance until they leave the window."""
+
+    PROBE_STEPS = 8
+    REPROBE_STEPS = 512
+
+    def __init__(self) -> None:
+        self._rate: dict[tuple[int, bool], float] = {}
+        self._samples: dict[tuple[int, bool], int] = {}
+        self._since_probe: dict[int, int] = {}
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` decoding sequences drafts."""
+        for mode in (True, False):
+            if self._samples.get((batch, mode), 0) < self.PROBE_STEPS:
+                return mode
+        faster = self._rate[batch, True] >= self._rate[batch, False]
+        since = self._since_probe.get(batch, 0) + 1
+        self._since_probe[batch] = since
+        if since >= self.REPROBE_STEPS:     # measure the slower mode afresh
+            self._since_probe[batch] = 0
+            self._samples[batch, not faster] = 0
+        return faster
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` sequences, with drafts or not, emitted `tokens`."""
+        if seconds <= 0:
+            return
+        key, rate = (batch, drafted), tokens / seconds
+        n = self._samples.get(key, 0)
+        old = self._rate.get(key, rate)
+        self._rate[key] = rate if n == 0 else 0.75 * old + 0.25 * rate
+        self._samples[key] = n + 1
+
+    def as_dict(self) -> dict:
+        """Per batch size measured both ways: drafting's share of plain decoding's speed."""
+        return {f"spec_auto_speedup_batch_{b}": round(self._rate[b, True] / self._rate[b, False], 3)
+                for b, mode in self._rate if mode and (b, False) in self._rate}
+
+
 @dataclass
 class DraftState:
     """A request's drafting state (Request.draft_state)."""

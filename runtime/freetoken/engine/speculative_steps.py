@@ -5,6 +5,7 @@ and the MTP block's step after each target step (engine/mtp_drafts.py)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from freetoken.engine.config import EngineConfigError
@@ -12,8 +13,8 @@ from freetoken.engine.mtp_drafts import BlockRows, MTPDrafts
 from freetoken.engine.prepare import prepare_forward_batch
 from freetoken.engine.sampling import greedy_tokens
 from freetoken.engine.scheduler import ScheduledChunk
-from freetoken.engine.speculative import (VERIFY_MAX_BATCH, Drafter, accept_greedy,
-                                          speculation_blocker, verify)
+from freetoken.engine.speculative import (VERIFY_MAX_BATCH, Drafter, Governor,
+                                          accept_greedy, speculation_blocker, verify)
 from freetoken.engine.state_rollback import MAX_DRAFTING_HYBRID, SavedStates
 
 logger = logging.getLogger("freetoken.engine")
@@ -45,6 +46,8 @@ class SpeculativeSteps:
         method = "mtp" if has_mtp and self.config.speculative != "ngram" else "ngram"
         self.drafter = Drafter(self.config.num_speculative_tokens, method)
         self.scheduler.drafter = self.drafter.draft
+        if self.config.speculative == "auto":   # drafting only where it measures faster
+            self.scheduler.governor = Governor()
         if method == "mtp":
             self.mtp = MTPDrafts(model, self.kv.num_blocks, self.kv.block_size, self.kv_dtype,
                                  self.config.num_speculative_tokens)
@@ -70,6 +73,18 @@ class SpeculativeSteps:
             return None
         return SavedStates(self.kv, self._linear_layers,
                            [c.request.state_slot for c in plan if c.draft], self.arrays)
+
+    def _record_speed(self, plan: list[ScheduledChunk], emitted_before: int,
+                      started: float) -> None:
+        """--speculative auto: a decode step's tokens and seconds, for the governor."""
+        governor = self.scheduler.governor
+        if governor is None or any(c.num_tokens != 1 + len(c.draft) for c in plan):
+            return
+        emitted = sum(len(c.request.token_ids) for c in plan) - emitted_before
+        # under the mode the step ran in (drafting allowed: the MTP block ran, requests whose
+        # drafting is paused decoded one token), whether or not a request drafted
+        governor.record(len(plan), self.scheduler.drafting, emitted,
+                        time.perf_counter() - started)
 
     def _block_rows(self, plan: list[ScheduledChunk], accepted: dict) -> list[BlockRows]:
         """What the MTP block runs over after this step (engine/mtp_drafts.py): per live
