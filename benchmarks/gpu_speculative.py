@@ -20,6 +20,9 @@ full-attention MoE layer: 256 experts, 8 per token, a shared expert). Rows per b
   auto     --speculative auto with the random block: drafting stays on only where the engine
            measures it faster than plain decoding (engine/speculative.py's Governor).
 
+Each row also gives the MTP block's wall time per call of its step (synchronised before and
+after: the block over the step's new positions, then its K - 1 draft steps).
+
 Ceiling of a row: tokens per step over the bytes its step moves at the measured D2D bandwidth.
 A verify step reads every non-expert weight once, the distinct routed experts of its
 B * (K + 1) tokens per MoE layer (expected count under uniform routing: E * (1 - (1 - k/E)^n)),
@@ -39,6 +42,7 @@ import gc
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -82,18 +86,20 @@ def step_bytes(cfg, batch: int, k: int, context: int) -> tuple[float, float]:
     item = 2
     h = cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attention = (h * (2 * q + 2 * kv) + q * h) * item
+    attention = (h * (2 * q + 2 * kv) + q * h + 2 * cfg.head_dim) * item   # + q/k norms
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     conv = 2 * key + value
-    gdn = (h * (conv + value + 2 * cfg.linear_num_value_heads) + value * h) * item
+    gdn = (h * (conv + value + 2 * cfg.linear_num_value_heads) + value * h
+           + conv * cfg.linear_conv_kernel_dim + cfg.linear_value_head_dim) * item
     state = 2 * (4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim
                  * cfg.linear_value_head_dim + item * conv * (cfg.linear_conv_kernel_dim - 1))
     expert = 3 * h * cfg.moe_intermediate_size * item
-    dense_moe = (cfg.num_experts * h + 3 * h * cfg.shared_expert_intermediate_size) * item
+    # router, shared expert and its gate, the layer's two norms
+    dense_moe = (cfg.num_experts * h + 3 * h * cfg.shared_expert_intermediate_size + 3 * h) * item
     head = cfg.vocab_size * h * item
     tokens = batch * (k + 1)
-    total = head
+    total = head + 2 * h * item     # + the final norm and the embedding row
     for kind in cfg.layer_types:
         mixer = attention + 2 * kv * item * context * batch if kind == "full_attention" \
             else gdn + state * batch
@@ -117,6 +123,26 @@ def restore_acceptance() -> None:
     from freetoken.engine import speculative, speculative_steps
 
     speculative_steps.accept_greedy = speculative.accept_greedy
+
+
+def time_block_steps(engine) -> dict:
+    """Wrap the engine's MTP block step (engine/mtp_drafts.py: the block over the step's new
+    positions, then K - 1 draft steps) to add up its GPU-synchronised wall time and calls."""
+    totals: dict = {}
+    if engine.mtp is None:
+        return totals
+    step = engine.mtp.step
+
+    def timed(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step(*args, **kwargs)
+        torch.cuda.synchronize()
+        totals["seconds"] = totals.get("seconds", 0.0) + time.perf_counter() - t
+        totals["calls"] = totals.get("calls", 0) + 1
+
+    engine.mtp.step = timed
+    return totals
 
 
 def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
@@ -147,11 +173,13 @@ def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
         engine = Engine.from_loaded(loaded, config, decision).start()
         if mode == "agree":
             force_acceptance()
+        block_time = time_block_steps(engine)
         try:
             if offload:
                 set_trace(engine, args.routing)
             decode(engine, 1, args.prompt, 8)          # warm-up
             for batch in sizes:
+                block_time.clear()
                 before = engine.stats()
                 row = measure(engine, batch, args, h2d or 1.0)
                 after = engine.stats()
@@ -165,6 +193,9 @@ def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
                            auto=engine.scheduler.governor.as_dict()
                            if engine.scheduler.governor else None,
                            verify_graph_replays=getattr(engine.graphs, "verify_replays", 0),
+                           block_ms_per_call=round(1e3 * block_time["seconds"]
+                                                   / block_time["calls"], 3)
+                           if block_time.get("calls") else None,
                            ceiling_tok_s=round(emitted * bandwidth / moved, 1)
                            if not offload else None)
                 rows.append(row)
