@@ -238,6 +238,15 @@ def report(rows: list[dict], args, rate: float, bandwidth: float) -> None:
     print("goal (issue 34): agree K=2 >= 1.8x off at batch 1; random never slower than off")
 
 
+def numbers(text: str, kind, flag: str) -> list:
+    """A comma-separated list of `kind` values, or exit naming the flag."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated {kind.__name__} values, got {text!r}") from None
+    return values
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -252,11 +261,13 @@ def main() -> None:
     args = p.parse_args()
     if args.layers % 4:
         raise SystemExit("--layers must be a multiple of 4 (three GDN layers per full one)")
-    rates = [float(r) for r in args.moe_cache_rate.split(",")]
+    rates = numbers(args.moe_cache_rate, float, "--moe-cache-rate")
     if any(not 0.0 < r <= 1.0 for r in rates):
         raise SystemExit("--moe-cache-rate: rates in (0, 1]")
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-    ks = [int(k) for k in args.k.split(",")]
+    sizes = numbers(args.batch_sizes, int, "--batch-sizes")
+    if any(b < 1 for b in sizes):
+        raise SystemExit("--batch-sizes: batch sizes of at least 1")
+    ks = numbers(args.k, int, "--k")
     if any(not 1 <= k <= 4 for k in ks):
         raise SystemExit("--k values must be in 1..4")
     bandwidth = d2d_bandwidth()

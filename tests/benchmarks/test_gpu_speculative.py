@@ -36,3 +36,16 @@ def test_drafting_adds_the_blocks_steps_and_more_experts():
     assert emitted == 3
     head = CFG.vocab_size * CFG.hidden_size * 2
     assert moved > plain + 2 * head     # two block steps, each reading the LM head
+
+
+@pytest.mark.parametrize("flags", [["--k", "2,x"], ["--k", "5"], ["--moe-cache-rate", "0"],
+                                   ["--batch-sizes", "0"], ["--layers", "6"]])
+def test_bad_arguments_exit_naming_the_flag(flags, monkeypatch, capsys):
+    import sys
+
+    from benchmarks import gpu_speculative
+
+    monkeypatch.setattr(sys, "argv", ["gpu_speculative.py", *flags])
+    with pytest.raises(SystemExit) as exc:
+        gpu_speculative.main()     # refused before any GPU work
+    assert flags[0] in str(exc.value)

@@ -30,6 +30,18 @@ def engines(loaded, speculative, k=3, cuda_graphs=True):
         speculative=speculative, num_speculative_tokens=k, cuda_graphs=cuda_graphs)).start()
 
 
+def plain_outputs(loaded, lengths, seed):
+    """Random prompts of these lengths and plain decoding's greedy tokens for them."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist()
+               for n in lengths]
+    plain = engines(loaded, "off")
+    try:
+        return prompts, generate(plain, prompts, max_tokens=TOKENS)
+    finally:
+        plain.shutdown()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_moe"])
 def test_oracle_drafts_are_accepted_on_the_gpu(arch, tmp_path):
     from tests.models.helpers import tiny_hf_model
@@ -40,14 +52,7 @@ def test_oracle_drafts_are_accepted_on_the_gpu(arch, tmp_path):
         build_hybrid(arch, tmp_path, **GPU_SHAPE)
     # float32: a random model's near-ties would let bf16 rounding steer the two runs apart
     loaded = load_model(str(tmp_path), device="cuda", dtype="float32")
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist()
-               for n in (7, 30)]
-    plain = engines(loaded, "off")
-    try:
-        expected = generate(plain, prompts, max_tokens=TOKENS)
-    finally:
-        plain.shutdown()
+    prompts, expected = plain_outputs(loaded, (7, 30), seed=5)
     for graphs in (True, False):
         spec = engines(loaded, "ngram", cuda_graphs=graphs)
         try:
@@ -92,14 +97,7 @@ def test_verify_graphs_match_eager_forwards(tmp_path):
 
     tiny_hf_model("llama", tmp_path, seed=4, head_dim=64)
     loaded = load_model(str(tmp_path), device="cuda", dtype="float32")
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, loaded.config.vocab_size, (n,), generator=gen).tolist()
-               for n in (9, 40, 3)]
-    plain = engines(loaded, "off")
-    try:
-        expected = generate(plain, prompts, max_tokens=TOKENS)
-    finally:
-        plain.shutdown()
+    prompts, expected = plain_outputs(loaded, (9, 40, 3), seed=6)
     spec = engines(loaded, "ngram", k=3)
     graphs, model, checked = spec.graphs, spec.model, []
     replay = graphs.run_verify
@@ -132,16 +130,9 @@ def test_speculation_with_offloaded_experts(tmp_path):
     from tests.models.helpers import tiny_hf_model
 
     tiny_hf_model("qwen3_moe", tmp_path, seed=7, head_dim=64)
-    gen = torch.Generator().manual_seed(8)
     resident = load_model(str(tmp_path), device="cuda", dtype="float32")
-    prompts = [torch.randint(3, resident.config.vocab_size, (n,), generator=gen).tolist()
-               for n in (6, 21)]
-    plain = engines(resident, "off")
-    try:
-        expected = generate(plain, prompts, max_tokens=TOKENS)
-    finally:
-        plain.shutdown()
-    del resident, plain
+    prompts, expected = plain_outputs(resident, (6, 21), seed=8)
+    del resident
     offloaded = load_model(str(tmp_path), device="cuda", dtype="float32",
                            plan=lambda cfg, dtype, weights: True)
     spec = Engine.from_loaded(offloaded, EngineConfig(

@@ -398,8 +398,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
 
     def _step(self, plan: list[ScheduledChunk], batch: ForwardBatch) -> None:
         # The forward runs without the lock, so submit/abort/stats never wait for it.
-        started = time.perf_counter()
-        emitted_before = sum(len(c.request.token_ids) for c in plan)
+        mark = self._speed_mark(plan)   # --speculative auto times its decode steps
         if self.expert_cache is not None:   # prompt chunks stream whole expert layers
             # (a verify step's drafts go through the cache as decode tokens do)
             self.expert_cache.prefill = any(c.num_tokens != 1 + len(c.draft) for c in plan)
@@ -414,7 +413,8 @@ class Engine(OverlapSteps, SpeculativeSteps):
                     logits = self._forward(plan, batch)
                 with self._cond:
                     self._process(plan, logits, saved)
-                self._record_speed(plan, emitted_before, started)
+                if mark is not None:
+                    self._record_speed(plan, *mark)
             except RequestFault as exc:   # only its requests end; the rest run again
                 logger.error("engine step failed: %s", exc)
                 self._fail([c for c in plan if c.request in exc.requests],

@@ -9,8 +9,8 @@ filled; a sequence ready to decode then takes the argmax of its last row as its 
 token, and K-1 more steps of the block over its own output give the rest. Drafts are argmax
 tokens: verification keeps sampled requests' distribution all the same (engine/speculative.py).
 
-On a GPU the target's steps run eagerly while the block drafts (a replayed decode graph would
-not leave the hidden states the block reads).
+On a GPU the target's steps replay their CUDA graphs (engine/cuda_graph.py leaves the model's
+last_hidden as an eager forward would); the block's own steps run eagerly.
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ class Governor:
 
     Per batch size (decoding sequences in a step) it keeps a moving average of the tokens a
     decode step emits per second with drafting allowed and without (allowed: the MTP block
-    runs, and a request drafts unless its DraftControl pauses it). Each mode is first measured for
-    PROBE_STEPS steps; then the faster one runs, and every REPROBE_STEPS steps the slower one
+    runs, and a request drafts unless its DraftControl pauses it). Each mode is first measured
+    for PROBE_STEPS steps; then the faster one runs, and every REPROBE_STEPS steps the slower one
     is measured again (acceptance and step costs change with the requests). Drafting turned
     off stops the MTP block's steps too (its drafts are what costs there); the block's K/V
     misses those positions, which only lowers its acceptance until they leave the window."""
@@ -137,7 +137,8 @@ class Governor:
 
     def as_dict(self) -> dict:
         """Per batch size measured both ways: drafting's share of plain decoding's speed."""
-        return {f"spec_auto_speedup_batch_{b}": round(self._rate[b, True] / self._rate[b, False], 3)
+        return {f"spec_auto_speedup_batch_{b}":
+                round(self._rate[b, True] / self._rate[b, False], 3)
                 for b, mode in self._rate if mode and (b, False) in self._rate}
 
 
@@ -171,9 +172,9 @@ class SpeculativeStats:
 def speculation_blocker(engine) -> str | None:
     """Why this engine does not verify drafts (None when it does): tensor parallelism (a
     step is not one local forward); with offloaded experts, `auto` (a verify step's K + 1
-    tokens route to more experts than one token, so it misses more: docs/speculative-decoding.md
-    has the measurement); an explicit method runs there, verify steps taking the expert
-    cache's decode path eagerly."""
+    tokens route to more experts than one token, so it misses more; not yet measured at a low
+    cache rate); an explicit method runs there, verify steps taking the expert cache's decode
+    path eagerly."""
     if getattr(engine.model, "tensor_parallel_size", 1) > 1:
         return "tensor parallelism"
     if engine.expert_cache is not None and engine.config.speculative == "auto":

@@ -74,17 +74,22 @@ class SpeculativeSteps:
         return SavedStates(self.kv, self._linear_layers,
                            [c.request.state_slot for c in plan if c.draft], self.arrays)
 
+    def _speed_mark(self, plan: list[ScheduledChunk]) -> tuple[int, float] | None:
+        """--speculative auto, a decode step (every chunk a last token and its drafts): its
+        tokens so far and start time, for _record_speed; None otherwise."""
+        if self.scheduler.governor is None or any(c.num_tokens != 1 + len(c.draft)
+                                                  for c in plan):
+            return None
+        return sum(len(c.request.token_ids) for c in plan), time.perf_counter()
+
     def _record_speed(self, plan: list[ScheduledChunk], emitted_before: int,
                       started: float) -> None:
-        """--speculative auto: a decode step's tokens and seconds, for the governor."""
-        governor = self.scheduler.governor
-        if governor is None or any(c.num_tokens != 1 + len(c.draft) for c in plan):
-            return
+        """Give the governor a decode step's tokens and seconds, under the mode the step ran
+        in (drafting allowed: the MTP block ran, and requests whose drafting is paused
+        decoded one token), whether or not a request drafted."""
         emitted = sum(len(c.request.token_ids) for c in plan) - emitted_before
-        # under the mode the step ran in (drafting allowed: the MTP block ran, requests whose
-        # drafting is paused decoded one token), whether or not a request drafted
-        governor.record(len(plan), self.scheduler.drafting, emitted,
-                        time.perf_counter() - started)
+        self.scheduler.governor.record(len(plan), self.scheduler.drafting, emitted,
+                                       time.perf_counter() - started)
 
     def _block_rows(self, plan: list[ScheduledChunk], accepted: dict) -> list[BlockRows]:
         """What the MTP block runs over after this step (engine/mtp_drafts.py): per live
