@@ -4,6 +4,7 @@ ceiling measured in the same run.
 
     python benchmarks/gpu_speculative.py [--layers 8] [--gen 128] [--batch-sizes 1,8]
         [--k 1,2,3] [--moe-cache-rate 1.0] [--routing model|uniform]
+        [--modes agree,random,auto]
 
 Random bf16 weights of the real text config (benchmarks/gpu_hybrid.py's QWEN36_35B_A3B, cut to
 `--layers`) and a random MTP block of the checkpoint's layout (mtp.fc, its norms and one
@@ -19,9 +20,13 @@ full-attention MoE layer: 256 experts, 8 per token, a shared expert). Rows per b
            what failing drafts cost.
   auto     --speculative auto with the random block: drafting stays on only where the engine
            measures it faster than plain decoding (engine/speculative.py's Governor).
+  agree-eager, random-eager
+           as agree and random with the block's steps run eagerly instead of from their CUDA
+           graphs (engine/mtp_graphs.py): what the graphs save, in the same run.
 
-Each row also gives the MTP block's wall time per call of its step (synchronised before and
-after: the block over the step's new positions, then its K - 1 draft steps).
+`--modes` picks the rows (off always runs). Each row also gives the MTP block's wall time per
+call of its step (synchronised before and after: the block over the step's new positions,
+then its K - 1 draft steps) and how many of those steps replayed a graph.
 
 Ceiling of a row: tokens per step over the bytes its step moves at the measured D2D bandwidth.
 A verify step reads every non-expert weight once, the distinct routed experts of its
@@ -161,7 +166,7 @@ def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
     hf_cfg = json.loads((Path(folder) / "config.json").read_text())
     cfg = argparse.Namespace(**{**QWEN36_35B_A3B, "layer_types": hf_cfg["layer_types"]})
     rows = []
-    modes = ("agree", "random") if offload else ("agree", "random", "auto")
+    modes = [m for m in args.modes if not (offload and m == "auto")]
     if offload:     # each engine pins every expert afresh: the largest K only
         ks = ks[-1:]
     for mode, k in [("off", 0)] + [(m, k) for k in ks for m in modes]:
@@ -171,8 +176,10 @@ def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
                               num_speculative_tokens=max(k, 1))
         decision = OffloadDecision(rate, 16384, None, None, cpu=False) if offload else None
         engine = Engine.from_loaded(loaded, config, decision).start()
-        if mode == "agree":
+        if mode.startswith("agree"):
             force_acceptance()
+        if mode.endswith("-eager") and engine.mtp is not None:
+            engine.mtp.graphs = None
         block_time = time_block_steps(engine)
         try:
             if offload:
@@ -186,13 +193,15 @@ def run(folder: str, args, rate: float, sizes: list[int], ks: list[int],
                 drafted = after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0)
                 accepted = after.get("spec_accepted_tokens", 0) - before.get(
                     "spec_accepted_tokens", 0)
-                moved, emitted = step_bytes(cfg, batch, k if mode == "agree" else 0,
+                moved, emitted = step_bytes(cfg, batch, k if mode.startswith("agree") else 0,
                                             args.prompt + args.gen // 2)
                 row.update(mode=mode, k=k, rate=rate, acceptance=round(accepted / drafted, 3)
                            if drafted else None,
                            auto=engine.scheduler.governor.as_dict()
                            if engine.scheduler.governor else None,
                            verify_graph_replays=getattr(engine.graphs, "verify_replays", 0),
+                           block_graph_replays=getattr(engine.mtp and engine.mtp.graphs,
+                                                       "replays", 0),
                            block_ms_per_call=round(1e3 * block_time["seconds"]
                                                    / block_time["calls"], 3)
                            if block_time.get("calls") else None,
@@ -214,14 +223,14 @@ def report(rows: list[dict], args, rate: float, bandwidth: float) -> None:
              if rate < 1.0 else "resident")
     print(f"\n== Qwen3.6-35B-A3B shape + MTP block, {args.layers} layers, bf16, {where}; "
           f"D2D {bandwidth / 1e12:.2f} TB/s ==")
-    print(f"{'batch':>5} {'mode':>7} {'K':>2} {'tok/s':>9} {'vs off':>7} {'accept':>7} "
+    print(f"{'batch':>5} {'mode':>12} {'K':>2} {'tok/s':>9} {'vs off':>7} {'accept':>7} "
           f"{'ceiling':>9} {'share':>6}")
     off = {r["batch"]: r["decode_tok_s"] for r in rows if r["mode"] == "off"}
     for r in sorted(rows, key=lambda r: (r["batch"], r["k"], r["mode"])):
         ceiling = r.get("ceiling_tok_s")
         share = f"{100 * r['decode_tok_s'] / ceiling:5.0f}%" if ceiling else f"{'-':>6}"
         accept = f"{r['acceptance']:7.2f}" if r["acceptance"] is not None else f"{'-':>7}"
-        print(f"{r['batch']:5d} {r['mode']:>7} {r['k']:2d} {r['decode_tok_s']:9.1f} "
+        print(f"{r['batch']:5d} {r['mode']:>12} {r['k']:2d} {r['decode_tok_s']:9.1f} "
               f"{r['decode_tok_s'] / off[r['batch']]:6.2f}x {accept} "
               f"{ceiling or 0:9.1f} {share}")
     full = argparse.Namespace(**{**QWEN36_35B_A3B,
@@ -236,6 +245,9 @@ def report(rows: list[dict], args, rate: float, bandwidth: float) -> None:
         print(f"40 layers, batch {batch}: the speed of light over plain decoding's ceiling "
               f"(bytes per emitted token): {', '.join(ratios)}")
     print("goal (issue 34): agree K=2 >= 1.8x off at batch 1; random never slower than off")
+
+
+MODES = ("agree", "random", "auto", "agree-eager", "random-eager")
 
 
 def numbers(text: str, kind, flag: str) -> list:
@@ -257,8 +269,13 @@ def main() -> None:
     p.add_argument("--moe-cache-rate", default="1",
                    help="expert cache rates, comma-separated (below 1: experts offloaded)")
     p.add_argument("--routing", choices=("uniform", "skewed", "model"), default="model")
+    p.add_argument("--modes", default="agree,random,auto",
+                   help=f"rows beside off, comma-separated: {','.join(MODES)}")
     p.add_argument("--results", type=Path, default=None)
     args = p.parse_args()
+    args.modes = args.modes.split(",")
+    if not args.modes or any(m not in MODES for m in args.modes):
+        raise SystemExit(f"--modes: comma-separated values among {','.join(MODES)}")
     if args.layers % 4:
         raise SystemExit("--layers must be a multiple of 4 (three GDN layers per full one)")
     rates = numbers(args.moe_cache_rate, float, "--moe-cache-rate")

@@ -39,7 +39,8 @@ def test_drafting_adds_the_blocks_steps_and_more_experts():
 
 
 @pytest.mark.parametrize("flags", [["--k", "2,x"], ["--k", "5"], ["--moe-cache-rate", "0"],
-                                   ["--batch-sizes", "0"], ["--layers", "6"]])
+                                   ["--batch-sizes", "0"], ["--layers", "6"],
+                                   ["--modes", "agree,fast"]])
 def test_bad_arguments_exit_naming_the_flag(flags, monkeypatch, capsys):
     import sys
 

@@ -81,13 +81,50 @@ def test_mtp_drafts_on_the_gpu(tmp_path):
         try:
             got = generate(spec, [[5, 9, 11, 4, 7, 3]] * 2, max_tokens=TOKENS)
             stats = spec.stats()
-            if graphs:   # the block drafted from a replayed graph's hidden states
-                assert spec.graphs.verify_replays > 0
+            if graphs:   # the block drafted from a replayed graph's hidden states, its own
+                # steps replayed from their graphs
+                assert spec.graphs.verify_replays > 0 and spec.mtp.graphs.replays > 0
         finally:
             spec.shutdown()
         assert [len(g) for g in got] == [TOKENS] * 2
         assert stats["speculative"] == "mtp" and stats["spec_draft_tokens"] > 0
         assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
+
+
+def test_mtp_graph_steps_match_eager_steps(tmp_path):
+    """Every MTP block step replayed from a graph (engine/mtp_graphs.py) drafts the tokens the
+    eager step drafts from the same hidden rows, and stores the same K/V in the block's pool."""
+    hf = build_hybrid("qwen3_5_moe", tmp_path, seed=2, **GPU_SHAPE)
+    add_mtp(tmp_path, mtp_tensors(hf.config, "fused"))
+    loaded = load_model(str(tmp_path), device="cuda", dtype="float32")
+    spec = engines(loaded, "mtp", k=3)
+    mtp, checked = spec.mtp, []
+    graph_step = mtp._graph_step
+
+    def compare(parts, pool, drafting):
+        pools = mtp.kv.k + mtp.kv.v
+        before = [t.clone() for t in pools]
+        hidden = mtp.graphs.hidden_rows(parts).clone()
+        left = graph_step(parts, pool, drafting)
+        assert left is None
+        drafts = [r.draft_state.mtp_draft for r in drafting]
+        after = [t.clone() for t in pools]
+        for t, saved in zip(pools, before):
+            t.copy_(saved)
+        mtp.step(parts, hidden, pool, drafting)           # eager: the hidden rows as a copy
+        assert [r.draft_state.mtp_draft for r in drafting] == drafts
+        for t, graph_t in zip(pools, after):
+            torch.testing.assert_close(graph_t, t, rtol=0, atol=1e-4 * t.abs().max())
+        checked.append((len(parts), [len(d) for d in drafts]))
+
+    mtp._graph_step = compare
+    for t in mtp.kv.k + mtp.kv.v:   # no stale bits (NaN) in slots neither step writes
+        t.zero_()
+    try:
+        generate(spec, [[5, 9, 11, 4, 7, 3], [8, 2, 6, 1, 9, 9, 4, 2, 7]], max_tokens=TOKENS)
+    finally:
+        spec.shutdown()
+    assert checked and any(3 in d for _, d in checked), checked
 
 
 def test_verify_graphs_match_eager_forwards(tmp_path):

@@ -150,13 +150,17 @@ class Engine(OverlapSteps, SpeculativeSteps):
         return None if self._vision is None else self._vision.preprocess
 
     def recapture_graphs(self):
-        """Decode CUDA graphs over the current KV pool and expert pool (again after a resize);
-        None when an offloaded model's capture fails (it then decodes eagerly)."""
+        """Decode CUDA graphs over the current KV pool and expert pool (again after a resize),
+        and the MTP block's where it drafts; None when an offloaded model's capture fails (it
+        then decodes eagerly)."""
         from freetoken.engine.segment_graphs import capture_decode_graphs
 
         max_blocks = -(-self.max_request_tokens // self.config.block_size)
         if hasattr(self.model, "decode_graphs"):   # tensor parallelism: every rank captures
             return self.model.decode_graphs(self.kv, self.config.max_num_seqs, max_blocks)
+        if self.mtp is not None:   # the MTP block's steps after decode and verify steps
+            self.mtp.capture_graphs(self.config.max_num_seqs, max_blocks,
+                                    self.config.max_prefill_tokens + self.config.max_num_seqs)
         return capture_decode_graphs(self.model, self.kv, self.config.max_num_seqs, max_blocks,
                                      self.expert_cache, self._verify_graph_shape())
 
@@ -463,7 +467,7 @@ class Engine(OverlapSteps, SpeculativeSteps):
         # the MTP block runs only while its drafts are wanted (the auto governor's call)
         block = (self._block_rows(plan, accepted)
                  if self.mtp is not None and self.scheduler.drafting else [])
-        hidden = self.mtp.hidden_rows(block) if block else None
+        hidden = self.mtp.take_hidden(block) if block else None
         if replay:
             self._replay(replay, saved)
         for i in verifying:

@@ -10,7 +10,9 @@ token, and K-1 more steps of the block over its own output give the rest. Drafts
 tokens: verification keeps sampled requests' distribution all the same (engine/speculative.py).
 
 On a GPU the target's steps replay their CUDA graphs (engine/cuda_graph.py leaves the model's
-last_hidden as an eager forward would); the block's own steps run eagerly.
+last_hidden as an eager forward would), and so do the block's own steps after a decode or
+verify step (engine/mtp_graphs.py: the catch-up and every draft step in one replay); its steps
+after a prompt chunk run eagerly.
 """
 
 from __future__ import annotations
@@ -47,10 +49,32 @@ class MTPDrafts:
         self.kv = self.block.create_kv_cache(num_blocks, block_size, kv_dtype)
         self.block_size, self.arrays = block_size, model.arrays
         self.num_tokens = num_tokens
+        self.graphs = None   # engine/mtp_graphs.py, on a GPU with CUDA graphs
 
     def resize(self, num_blocks: int, kv_dtype: str) -> None:
-        """A new pool for a resized target pool (its contents are gone, as the target's)."""
+        """A new pool for a resized target pool (its contents are gone, as the target's; its
+        graphs are gone until capture_graphs runs again)."""
         self.kv = self.block.create_kv_cache(num_blocks, self.block_size, kv_dtype)
+        self.graphs = None
+
+    def capture_graphs(self, max_batch: int, max_blocks: int, max_tokens: int) -> None:
+        """CUDA graphs of the block's step after decode and verify steps of up to `max_batch`
+        sequences; `max_tokens`: the most tokens any step of the block takes (its work
+        buffers are reserved for them first, so the graphs' pointers stay valid)."""
+        from freetoken.engine.mtp_graphs import MTPGraphs
+
+        self.block.reserve(max_tokens)
+        self.graphs = MTPGraphs(self.block, self.kv, self.num_tokens, max_batch,
+                                max_blocks).capture()
+
+    def take_hidden(self, parts: list[BlockRows]) -> Any:
+        """What `step` reads of the target's hidden states for `parts`, taken now (before
+        anything runs the target again): loaded into the graphs' inputs where a graph takes
+        the step (IN_GRAPHS), else a copy of the rows (hidden_rows)."""
+        if self.graphs is not None and self.graphs.takes(parts):
+            self.graphs.load_hidden(parts, array_view(self.model.last_hidden))
+            return IN_GRAPHS
+        return self.hidden_rows(parts)
 
     def hidden_rows(self, parts: list[BlockRows]) -> Any:
         """A copy of the target's hidden states for `parts` (taken before anything else runs
@@ -61,7 +85,12 @@ class MTPDrafts:
     def step(self, parts: list[BlockRows], hidden: Any, pool: PagePool,
              drafting: list[Request]) -> None:
         """Run the block over `parts`, then draft for the requests in `drafting` (each one of
-        the parts, ready to decode): their `draft_state.mtp_draft` is set."""
+        the parts, ready to decode): their `draft_state.mtp_draft` is set. `hidden`: what
+        take_hidden returned for `parts`."""
+        if hidden is IN_GRAPHS:
+            hidden = self._graph_step(parts, pool, drafting)
+            if hidden is None:
+                return
         logits, out = self.block.forward(self._batch(parts), hidden, self.kv)
         want = {id(r) for r in drafting}
         rows = [i for i, part in enumerate(parts) if id(part.request) in want]
@@ -86,6 +115,20 @@ class MTPDrafts:
             rows, hidden_rows = going, array_view(out)
         for i, tokens in drafts.items():
             parts[i].request.draft_state.mtp_draft = tuple(tokens)
+
+    def _graph_step(self, parts: list[BlockRows], pool: PagePool,
+                    drafting: list[Request]) -> Any:
+        """The step replayed from a graph; None when done, else (a request's pages grew past
+        the graphs' block tables) the hidden rows for the eager step."""
+        from freetoken.engine.mtp_graphs import draft_depths
+
+        depths = draft_depths(parts, {id(r) for r in drafting}, self.num_tokens, pool)
+        if any(len(part.request.pages) > self.graphs.max_blocks for part in parts):
+            return self.graphs.hidden_rows(parts)
+        for part, tokens in zip(parts, self.graphs.run(parts, depths, self._slot)):
+            if tokens:
+                part.request.draft_state.mtp_draft = tuple(tokens)
+        return None
 
     def _index(self, rows: list[int]):
         return self.arrays.index(np.asarray(rows, dtype=np.int64))
@@ -114,6 +157,9 @@ class MTPDrafts:
     def _slot(self, request: Request, position: int) -> int:
         page = request.pages[position // self.block_size]
         return page * self.block_size + position % self.block_size
+
+
+IN_GRAPHS = object()   # take_hidden: the hidden rows wait in the graphs' inputs
 
 
 def _argmax(logits) -> list[int]:
