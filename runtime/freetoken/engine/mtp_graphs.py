@@ -120,7 +120,7 @@ class MTPGraphs:
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros((t, block.config.hidden_size),
-                                  dtype=getattr(torch, block.dtype), device=dev)
+                                  dtype=block.arrays.dtype(block.dtype), device=dev)
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=dev)
         self.seq_lens = torch.full((n,), rows, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(0, t + 1, rows, dtype=torch.int32, device=dev)
