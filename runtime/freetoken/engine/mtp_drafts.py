@@ -17,6 +17,7 @@ after a prompt chunk run eagerly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.prepare import pack_batch
 from freetoken.engine.request import Request
 from freetoken.models.batch import ForwardBatch
+
+logger = logging.getLogger("freetoken.engine")
 
 
 @dataclass
@@ -64,8 +67,13 @@ class MTPDrafts:
         from freetoken.engine.mtp_graphs import MTPGraphs
 
         self.block.reserve(max_tokens)
-        self.graphs = MTPGraphs(self.block, self.kv, self.num_tokens, max_batch,
-                                max_blocks).capture()
+        try:
+            self.graphs = MTPGraphs(self.block, self.kv, self.num_tokens, max_batch,
+                                    max_blocks).capture()
+        except RuntimeError as exc:     # torch reports capture failures as RuntimeError
+            logger.warning("the MTP block's steps run eagerly: capturing their CUDA graphs "
+                           "failed (%s)", exc)
+            self.graphs = None
 
     def take_hidden(self, parts: list[BlockRows]) -> Any:
         """What `step` reads of the target's hidden states for `parts`, taken now (before
