@@ -160,7 +160,8 @@ void quant_matmul_packed(TensorView out, TensorView x, TensorView packed, int64_
       quantize_x(Isa::kAvx512, qtype, s, data_of<float>(x), needs_sum16(qtype));
   const int64_t threads = thread_pool().num_threads();
   const int64_t tiles = s.n / kPackRows;
-  const int64_t grain = s.m == 1 ? (decode_grain(s, threads) + kPackRows - 1) / kPackRows : 1;
+  const int64_t grain =
+      s.m <= kStreamRows ? (decode_grain(s, threads) + kPackRows - 1) / kPackRows : 1;
   const uint8_t* wp = data_of<uint8_t>(packed);
   float* op = data_of<float>(out);
   parallel_for(tiles, grain, [&](int64_t t0, int64_t t1) {

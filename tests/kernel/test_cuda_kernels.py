@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -377,11 +378,14 @@ def test_sampling_large_vocab_stays_in_nucleus():
 
 @pytest.mark.slow
 def test_cuda_kernels_compile_for_sm90a(tmp_path):
-    """Every registry CUDA kernel builds for sm_90a with the exact cache-wheel command."""
+    """Every registry CUDA kernel builds for sm_90a with the exact cache-wheel command: the
+    cache wheel under test's objects where it holds them all (tests/kernel/prebuilt.py: each an
+    ELF shared object with embedded device code), else compiled here."""
     import tvm_ffi.libinfo as libinfo
 
     from freetoken.csrc import build
     from freetoken.toolchain import checks
+    from tests.kernel.prebuilt import prebuilt_objects
 
     found = checks.find_nvcc()
     if found is None:
@@ -393,6 +397,16 @@ def test_cuda_kernels_compile_for_sm90a(tmp_path):
     jobs = build.jobs_for(("sm_90a",), tc.cuda_major)
     assert {j.kernel for j in jobs} >= {"norm", "rotary", "activation", "kv_cache", "embedding",
                                          "attention", "sampling", "moe"}
+    prebuilt = prebuilt_objects(jobs, tmp_path)
+    if prebuilt is not None:
+        readelf = shutil.which("readelf")
+        for job, so in prebuilt:
+            assert so.read_bytes()[:4] == b"\x7fELF", job.output
+            if readelf is not None:    # the device code nvcc embeds
+                sections = subprocess.run([readelf, "-S", "-W", str(so)], capture_output=True,
+                                          text=True, check=True).stdout
+                assert ".nv_fatbin" in sections, job.output
+        return
 
     def compile_one(job):
         out = tmp_path / f"{job.kernel}.so"

@@ -19,13 +19,15 @@ pytestmark = pytest.mark.skipif(ops.cpu_isa() != "avx512",
                                 reason="packed weights need AVX-512 VNNI")
 
 TYPES = (gb.Q4_0, gb.Q4_1, gb.Q5_0, gb.Q5_1, gb.Q8_0, gb.Q4_K, gb.Q6_K)
-# (M, K, N): decode (one tile; many tiles, so chunks prefetch into the next), prefill tiles of
-# four activation rows plus each remainder
+# (M, K, N): decode (one tile; many tiles, so chunks prefetch into the next), verify steps of
+# up to 8 rows streamed the same way (a tile's first pass prefetches), prefill tiles of four
+# activation rows plus each remainder
 SHAPES = [(1, 32, 16), (1, 576, 960), (1, 64, 2048), (2, 96, 32), (3, 288, 48), (4, 64, 16),
-          (9, 1536, 64)]
+          (5, 576, 960), (8, 64, 2048), (9, 1536, 64)]
 # K-quants: K a multiple of 256; Q6_K's prefill takes activation rows two at a time
 K_SHAPES = [(1, 256, 16), (1, 512, 960), (1, 256, 2048), (2, 768, 32), (3, 256, 48),
-            (4, 512, 16), (9, 1536, 64), (37, 512, 48)]   # 37 rows: quantized on the pool
+            (4, 512, 16), (5, 512, 960), (7, 256, 2048), (9, 1536, 64),
+            (37, 512, 48)]   # 37 rows: quantized on the pool
 CASES = [(q, *shape) for q in TYPES for shape in (K_SHAPES if q in (gb.Q4_K, gb.Q6_K) else SHAPES)]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from freetoken.csrc import build
+from tests.kernel.prebuilt import prebuilt_objects
 
 # Every kernel a GPU serves (the CUDA set) must have a HIP build too.
 GPU_KERNELS = tuple(k.name for k in build.registry.KERNELS if k.cuda)
@@ -35,7 +36,13 @@ def _tool(name: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """{(kernel, target): .so path} for every rocm kernel and ROCm target."""
+    """{(kernel, target): .so path} for every rocm kernel and ROCm target: the cache wheel
+    under test's objects where it holds them all (tests/kernel/prebuilt.py), else compiled."""
+    jobs = build.jobs_for(build.registry.ROCM_TARGETS, None)
+    out_dir = tmp_path_factory.mktemp("rocm")
+    prebuilt = prebuilt_objects(jobs, out_dir)
+    if prebuilt is not None:
+        return {(job.kernel, job.target): path for job, path in prebuilt}
     clang = shutil.which("clang-19")
     if clang is None:
         pytest.skip("clang-19 is not installed")
@@ -44,8 +51,6 @@ def built(tmp_path_factory):
     tc = build.Toolchain(
         tvm_include=(libinfo.find_include_path(), libinfo.find_dlpack_include_path()),
         tvm_libdir=str(Path(libinfo.find_libtvm_ffi()).parent), hip_clang=clang)
-    jobs = build.jobs_for(build.registry.ROCM_TARGETS, None)
-    out_dir = tmp_path_factory.mktemp("rocm")
 
     def compile_one(job):
         out = out_dir / f"{job.kernel}-{job.target}.so"

@@ -40,6 +40,10 @@ namespace freetoken {
 namespace quant {
 
 constexpr int64_t kPackRows = 16;
+// Up to this many activation rows (a decode step, or a speculative verify step of K + 1
+// tokens) a product streams each weight tile from memory once, prefetching ahead, in chunks of
+// decode's size; more rows (prefill) reuse a tile from L1 across many activation rows.
+constexpr int64_t kStreamRows = 8;
 
 inline bool packable_type(int64_t qtype) {
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0 ||
@@ -389,27 +393,32 @@ FT_QP_INLINE void any_tile_rows(const uint8_t* tile, const QuantizedRows& xq, in
 template <int64_t QT>
 FT_QP_FN void rows_typed(const uint8_t* w, int64_t row_bytes, int64_t t0, int64_t t1,
                          const QuantizedRows& xq, float* out, int64_t ldo) {
-  // Decode streams each tile once, prefetching ahead (into the next tile at the end, never
-  // past the tensor: see last). Prefill keeps a tile (<= 16 rows x row_bytes) in L1 while the
-  // activation rows pass over it four at a time.
+  // Decode and verify steps (<= kStreamRows rows) stream each tile once, the tile's first pass
+  // prefetching ahead (into the next tile at the end, never past the tensor); its other passes
+  // find it in L1. Prefill keeps a tile (<= 16 rows x row_bytes) in L1 while the activation
+  // rows pass over it four at a time.
   const int64_t tiles = ldo / kPackRows;
+  const bool stream = xq.rows <= kStreamRows;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * kPackRows * row_bytes;
     const int64_t n0 = t * kPackRows;
+    bool ahead = stream && t + 1 < tiles;
     if (xq.rows == 1) {
-      any_tile_rows<QT, 1>(tile, xq, 0, out, ldo, n0, t + 1 < tiles);
+      any_tile_rows<QT, 1>(tile, xq, 0, out, ldo, n0, ahead);
       continue;
     }
     int64_t m0 = 0;
     if constexpr (QT == kQ6_K) {  // 4 groups x MR sums in registers: two rows at a time
-      for (; m0 + 2 <= xq.rows; m0 += 2) any_tile_rows<QT, 2>(tile, xq, m0, out, ldo, n0, false);
+      for (; m0 + 2 <= xq.rows; m0 += 2, ahead = false)
+        any_tile_rows<QT, 2>(tile, xq, m0, out, ldo, n0, ahead);
     } else {
-      for (; m0 + 4 <= xq.rows; m0 += 4) any_tile_rows<QT, 4>(tile, xq, m0, out, ldo, n0, false);
+      for (; m0 + 4 <= xq.rows; m0 += 4, ahead = false)
+        any_tile_rows<QT, 4>(tile, xq, m0, out, ldo, n0, ahead);
     }
     switch (xq.rows - m0) {
-      case 3: any_tile_rows<QT, 3>(tile, xq, m0, out, ldo, n0, false); break;
-      case 2: any_tile_rows<QT, 2>(tile, xq, m0, out, ldo, n0, false); break;
-      case 1: any_tile_rows<QT, 1>(tile, xq, m0, out, ldo, n0, false); break;
+      case 3: any_tile_rows<QT, 3>(tile, xq, m0, out, ldo, n0, ahead); break;
+      case 2: any_tile_rows<QT, 2>(tile, xq, m0, out, ldo, n0, ahead); break;
+      case 1: any_tile_rows<QT, 1>(tile, xq, m0, out, ldo, n0, ahead); break;
       default: break;
     }
   }
