@@ -2,7 +2,7 @@
 mtp_drafts.py), on the CPU: a recording block stands for the model. The padded inputs a graph
 replays give the eager step's drafts and store the eager step's K/V (same slots, same
 positions, same tokens), the padding stores nothing and reads only positions already stored,
-and pages grow as the eager step grows them when the pool runs short. The replay itself runs
+and when the pool runs short some sequences draft fewer tokens. The replay itself runs
 on a GPU (tests/engine/test_speculative_gpu.py)."""
 
 from types import SimpleNamespace
@@ -12,9 +12,8 @@ import pytest
 
 from freetoken.arrays import HostArrays
 from freetoken.engine.kv_pool import PagePool
-from freetoken.engine.mtp_drafts import BlockRows, MTPDrafts
-from freetoken.engine.mtp_graphs import (draft_depths, fits_graph, graph_step_inputs,
-                                         new_rows)
+from freetoken.engine.mtp_drafts import BlockRows, MTPDrafts, draft_depths
+from freetoken.engine.mtp_graphs import fits_graph, graph_step_inputs, new_rows
 from freetoken.models.batch import ForwardBatch
 
 VOCAB, HIDDEN, BLOCK = 97, 4, 4

@@ -99,18 +99,17 @@ class MTPDrafts:
             hidden = self._graph_step(parts, pool, drafting)
             if hidden is None:
                 return
+        depths = draft_depths(parts, {id(r) for r in drafting}, self.num_tokens, pool)
         logits, out = self.block.forward(self._batch(parts), hidden, self.kv)
-        want = {id(r) for r in drafting}
-        rows = [i for i, part in enumerate(parts) if id(part.request) in want]
+        rows = [i for i, depth in enumerate(depths) if depth]
         if not rows:
             return
         drafts = {i: [t] for i, t in zip(rows, _argmax(logits[self._index(rows)]))}
         hidden_rows = array_view(out)[self._index(rows)]
         for depth in range(1, self.num_tokens):
             # position N + depth - 1 (N: the tokens the target has computed) takes the last
-            # draft; its page may not exist yet
-            going = [i for i in rows if pool.extend(parts[i].request.pages,
-                                                    parts[i].request.num_computed + depth)]
+            # draft, where draft_depths found its page
+            going = [i for i in rows if depths[i] > depth]
             if not going:
                 break
             keep = [rows.index(i) for i in going]
@@ -128,8 +127,6 @@ class MTPDrafts:
                     drafting: list[Request]) -> Any:
         """The step replayed from a graph; None when done, else (a request's pages grew past
         the graphs' block tables) the hidden rows for the eager step."""
-        from freetoken.engine.mtp_graphs import draft_depths
-
         depths = draft_depths(parts, {id(r) for r in drafting}, self.num_tokens, pool)
         if any(len(part.request.pages) > self.graphs.max_blocks for part in parts):
             return self.graphs.hidden_rows(parts)
@@ -165,6 +162,20 @@ class MTPDrafts:
     def _slot(self, request: Request, position: int) -> int:
         page = request.pages[position // self.block_size]
         return page * self.block_size + position % self.block_size
+
+
+def draft_depths(parts: list, drafting: set[int], num_draft: int, pool: PagePool) -> list[int]:
+    """How many tokens each part drafts (0 where its request is not in `drafting`, by id),
+    for the eager step and the graphs alike: pages grow depth by depth (draft step d writes
+    position end + d - 1), a sequence stopping where the pool has no page for it."""
+    depths = [1 if id(part.request) in drafting else 0 for part in parts]
+    going = [i for i, depth in enumerate(depths) if depth]
+    for depth in range(1, num_draft):
+        going = [i for i in going
+                 if pool.extend(parts[i].request.pages, parts[i].start + parts[i].count + depth)]
+        for i in going:
+            depths[i] += 1
+    return depths
 
 
 IN_GRAPHS = object()   # take_hidden: the hidden rows wait in the graphs' inputs

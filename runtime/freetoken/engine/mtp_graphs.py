@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from freetoken.engine.cuda_graph import BATCH_SIZES
-from freetoken.engine.kv_pool import PagePool
 from freetoken.engine.prepare import page_rows
 from freetoken.engine.speculative import VERIFY_MAX_BATCH
 from freetoken.models.batch import ForwardBatch, KVCache
@@ -219,17 +218,3 @@ class MTPGraphs:
         self.replays += 1
         drafts = self.drafts[:len(parts)].tolist()
         return [row[:depth] for row, depth in zip(drafts, depths)]
-
-
-def draft_depths(parts: list, drafting: set[int], num_draft: int, pool: PagePool) -> list[int]:
-    """How many tokens each part drafts (0 where its request is not in `drafting`, by id),
-    growing pages as the eager step does: depth by depth, a sequence stopping where the pool
-    has no page for its next draft's position."""
-    depths = [1 if id(part.request) in drafting else 0 for part in parts]
-    going = [i for i, depth in enumerate(depths) if depth]
-    for depth in range(1, num_draft):
-        going = [i for i in going
-                 if pool.extend(parts[i].request.pages, parts[i].start + parts[i].count + depth)]
-        for i in going:
-            depths[i] += 1
-    return depths
