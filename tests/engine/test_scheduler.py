@@ -172,6 +172,9 @@ class RecordingSnapshots:
     def save(self, key, slot, replaces=None):
         self.calls.append(("save", None))
 
+    def touch(self, key):
+        return False
+
 
 def test_overlapped_snapshots_are_staged_before_the_next_step_and_never_leak():
     """A hybrid request's state snapshot due after the running step is copied by
@@ -204,3 +207,45 @@ def test_overlapped_snapshots_are_staged_before_the_next_step_and_never_leak():
     assert a.staged_snapshot == (48, 1)
     sched.finish(a)
     assert snaps.calls[-1] == ("discard", 1) and a.staged_snapshot is None
+
+
+def test_waiting_requests_keep_their_snapshots_from_eviction_by_earlier_admissions():
+    """Two conversations repeated at once on one state slot: the second waits while the
+    first runs, and the first's new end-of-turn snapshot evicts the least recently used one.
+    The waiting request's snapshot counts as used from its arrival, so a stale end-of-turn
+    snapshot goes instead and both repeats resume from their prompts' snapshots."""
+    from freetoken.arrays import HostArrays
+    from freetoken.engine.state_pool import StateSlots
+    from freetoken.engine.state_snapshots import StateSnapshots
+    from tests.engine.test_state_pool import FakeKV
+
+    config = EngineConfig(num_tokens=512, block_size=16, max_num_seqs=1, max_prefill_tokens=64,
+                          prefix_cache=True)
+    sched = Scheduler(config, PagePool(config.num_blocks, 16), "m", StateSlots(1, 1))
+    sched.snapshots = snaps = StateSnapshots(FakeKV(1), [0, 2], capacity=3, arrays=HostArrays())
+
+    def request(name, first, max_tokens=12):
+        prompt = list(range(first, first + 40))   # snapshot point 32
+        return Request(name, len(prompt), list(prompt),
+                       SamplingParams(max_tokens=max_tokens).resolve(None, max_tokens),
+                       torch.Generator(),
+                       IncrementalDetokenizer(CharTokenizer(), prompt), sink=lambda out: None)
+
+    def serve(requests):
+        for r in requests:
+            sched.add(r)
+        while sched.has_work:
+            run_step(plan := sched.schedule())
+            for chunk in plan:
+                sched.publish(chunk.request)
+                if chunk.request.num_output == chunk.request.params.max_tokens:
+                    sched.finish(chunk.request)
+
+    serve([request("b", 500)])       # 51 computed: snapshots at 32 (prompt) and 48 (turn end)
+    serve([request("a", 100, max_tokens=4)])   # 43 computed: a snapshot at 32 only
+    assert snaps.stats()["state_snapshots"] == 3   # least recently used first: b 32, b 48, a 32
+    again = [request("a2", 100), request("b2", 500)]
+    hits = sched.cache_hit_tokens
+    serve(again)                     # a2 runs first and snapshots a new page at 48: one row goes
+    assert [r.cached_tokens for r in again] == [32, 32]
+    assert sched.cache_hit_tokens - hits == 64 and snaps.num_restored == 2

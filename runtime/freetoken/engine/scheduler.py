@@ -73,6 +73,20 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._touch_snapshot(request)
+
+    def _touch_snapshot(self, request: Request) -> None:
+        """Count the snapshot a waiting hybrid request will resume from as used now. Requests
+        arrive in bursts (retries, several agents' next turns) and are admitted over several
+        steps: the first ones' new snapshots would otherwise evict, least recently used first,
+        the very snapshots the later ones came for, rather than stale ones."""
+        if self.snapshots is None or self.root is None:
+            return
+        keys = extend_keys(request.page_keys, request.key_ids, len(request.token_ids) - 1,
+                           self.pool.block_size, self.root)
+        for key in reversed(keys):
+            if self.snapshots.touch(key):
+                return
 
     def finish(self, request: Request) -> None:
         """Drop a request from either queue and free its pages at once (finish or abort)."""

@@ -44,6 +44,13 @@ class StateSnapshots:
     def has(self, key: bytes) -> bool:
         return key in self._index
 
+    def touch(self, key: bytes) -> bool:
+        """Mark the snapshot under `key` most recently used; False when none is stored."""
+        if key not in self._index:
+            return False
+        self._index.move_to_end(key)
+        return True
+
     def save(self, key: bytes, slot: int, replaces: bytes | None = None) -> None:
         """Copy slot's states under `key` (evicting the least recently used when full); the
         row of `replaces` (an earlier snapshot of the same request), if still stored, is
