@@ -87,11 +87,13 @@ def test_draft_control_pauses_after_failures_and_resumes_after_a_probe():
 
 
 def spec_engine(speculative="ngram", k=3, num_tokens=512, seqs=8, chunk=32, eos=(),
-                rule=repeating_token, prefix_cache=False):
+                rule=repeating_token, prefix_cache=False, overlap=False):
     engine = Engine(FakeModel(rule=rule), TOK, EngineConfig(
         num_tokens=num_tokens, block_size=8, max_num_seqs=seqs, max_prefill_tokens=chunk,
         device="cpu", speculative=speculative, num_speculative_tokens=k,
         prefix_cache=prefix_cache), None, eos)
+    if overlap:   # as on a GPU (the CPU runs the overlapped steps' logic synchronously)
+        engine.overlap = engine.scheduler.governor is not None
     return engine.start()
 
 
@@ -378,16 +380,30 @@ def test_governor_keeps_the_faster_mode_per_batch_size_and_probes_again():
     assert decisions[-1] is False and all(decisions[:-2])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("draft_row_seconds, drafts_win", [(0.01, False), (0.0, True)])
-def test_auto_turns_drafting_off_where_it_measures_slower(draft_row_seconds, drafts_win):
+def test_auto_turns_drafting_off_where_it_measures_slower(draft_row_seconds, drafts_win,
+                                                          overlap):
     """A model whose verify steps cost 5x a plain step per draft token makes drafting ~5x
     slower however many drafts are accepted: auto stops drafting; a model whose steps cost the
-    same at any width (drafts ~3x faster here) keeps it."""
-    engine = spec_engine(speculative="auto", k=3)
+    same at any width (drafts ~3x faster here) keeps it. With overlap scheduling, the plain
+    steps overlap (timed by their period) and the drafting ones never do."""
+    engine = spec_engine(speculative="auto", k=3, overlap=overlap)
     engine.model.step_seconds, engine.model.draft_row_seconds = 0.002, draft_row_seconds
+    launched = []
+    launch = engine._launch
+
+    def counting_launch(plan, *args, **kwargs):
+        launched.append(plan)
+        return launch(plan, *args, **kwargs)
+    engine._launch = counting_launch
     prompt = TOK.encode("abcde abcde abcde")
     try:
         _, ids, _ = asyncio.run(collect(engine, prompt, max_tokens=120, temperature=0.0))
+        assert not any(c.draft for plan in launched for c in plan)
+        assert (len(launched) >= Governor.PROBE_STEPS) == overlap, len(launched)
+        if overlap and not drafts_win:      # nearly every step after the probes overlapped
+            assert len(launched) > 60, len(launched)
         assert ids == expected_continuation(prompt, 120, engine.model.config.vocab_size,
                                             rule=repeating_token)
         stats = engine.stats()

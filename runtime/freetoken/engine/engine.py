@@ -121,11 +121,14 @@ class Engine(OverlapSteps, SpeculativeSteps):
         # is launched: see Scheduler.schedule_decodes). Tests set it on the CPU, where it runs
         # the same logic synchronously. Tensor parallelism neither: the other ranks never see
         # the ids rank 0 samples on its GPU.
-        # Speculation neither: a step's drafts follow from the step before's tokens.
+        # Speculation neither: a step's drafts follow from the step before's tokens; only
+        # `auto`'s plain steps overlap, where its governor measured drafting slower.
         self.overlap = (self.config.overlap and not self.arrays.device.is_cpu
-                        and self.expert_cache is None and self.drafter is None
+                        and self.expert_cache is None
+                        and (self.drafter is None or self.scheduler.governor is not None)
                         and vision is None
                         and getattr(model, "tensor_parallel_size", 1) == 1)
+        self._plain_resolved_at: float | None = None   # overlapped steps' timing (auto)
         self._jobs: list = []   # (future, kv_tokens, moe_rate, states): run between steps
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()

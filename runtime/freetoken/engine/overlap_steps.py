@@ -4,6 +4,7 @@ launch the next decode-only step on placeholder ids, then read and process the f
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,9 @@ class OverlapSteps:
     pool, lock (_cond) and its _append_token, _fail and counters."""
 
     def _overlaps(self, plan: list[ScheduledChunk]) -> bool:
-        return self.overlap and all(overlap_safe(chunk.request) for chunk in plan)
+        # a step that lets requests draft runs synchronously (the MTP block follows it)
+        return (self.overlap and not self.scheduler.drafting
+                and all(overlap_safe(chunk.request) for chunk in plan))
 
     def _advance(self, in_flight: InFlight) -> InFlight | None:
         """Launch the next step when it only decodes, then read and process `in_flight`'s
@@ -42,11 +45,27 @@ class OverlapSteps:
             previous = in_flight.tokens.device_tokens if in_flight.sampled else None
             launched = self._launch(*work, previous=previous)
         self._resolve(in_flight)
+        self._time_plain_step(in_flight, chained=launched is not None)
         if launched is None:
             with self._cond:
                 if not self.scheduler.has_work:
                     self.pool.check_integrity(self.scheduler.owned_pages())
         return launched
+
+    def _time_plain_step(self, in_flight: InFlight, chained: bool) -> None:
+        """--speculative auto: an overlapped decode step's tokens and its period (from the
+        previous step's tokens to its own, while the steps before and after it keep the
+        pipeline full) are what plain decoding gives; the governor compares drafting steps
+        with them. The last step of a run is left out: its period is not one step's (on the
+        CPU, where a launch computes the step, it is nearly nothing)."""
+        governor = self.scheduler.governor
+        if governor is None:
+            return
+        now, last = time.perf_counter(), self._plain_resolved_at
+        self._plain_resolved_at = now if chained else None
+        if chained and last is not None and all(c.num_tokens == 1 and not c.draft
+                                                for c in in_flight.plan):
+            governor.record(len(in_flight.plan), False, len(in_flight.sampled), now - last)
 
     def _launch(self, plan: list[ScheduledChunk], batch: ForwardBatch,
                 previous: Any = None) -> InFlight | None:

@@ -106,7 +106,7 @@ class Scheduler:
         drafter = self.drafter
         if drafter is not None:
             decoding = sum(r.num_pending == 1 for r in self.running)
-            if (self.max_drafting is not None and decoding > self.max_drafting) or (
+            if not self._may_draft(decoding) or (
                     self.governor is not None and not self.governor.allows(decoding)):
                 drafter = None
         self.drafting = drafter is not None
@@ -143,9 +143,17 @@ class Scheduler:
             return None
         if any(request.num_pending != 1 for request in self.running):
             return None
+        if self.drafter is not None:   # --speculative auto while its governor says plain
+            decoding = len(self.running)
+            if self.governor is None or (self._may_draft(decoding)
+                                         and self.governor.would_allow(decoding)):
+                return None            # a drafting step: schedule() builds it
+            if self._may_draft(decoding):
+                self.governor.allows(decoding)   # counts the step towards its next probe
         for request in self.running:
             if not self.pool.extend(request.pages, request.num_computed + 1):
                 return None
+        self.drafting = False
         for request in self.running:
             done = request.num_computed
             if self._snapshot_due(request, done):
@@ -154,6 +162,10 @@ class Scheduler:
                                            self._snapshot_replaces(request, done))
                 request.staged_snapshot = (done, row)
         return [ScheduledChunk(request, 1) for request in self.running]
+
+    def _may_draft(self, decoding: int) -> bool:
+        """Whether a step of `decoding` decoding sequences is narrow enough to draft."""
+        return self.max_drafting is None or decoding <= self.max_drafting
 
     def publish(self, request: Request, num_known: int | None = None) -> None:
         """Offer the request's full, computed pages to the prefix cache (after each step);

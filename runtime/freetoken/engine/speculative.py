@@ -113,10 +113,9 @@ class Governor:
         self._since_probe: dict[int, int] = {}
 
     def allows(self, batch: int) -> bool:
-        """Whether a step of `batch` decoding sequences drafts."""
-        for mode in (True, False):
-            if self._samples.get((batch, mode), 0) < self.PROBE_STEPS:
-                return mode
+        """Whether a step of `batch` decoding sequences drafts; counts the step."""
+        if (probing := self._probing(batch)) is not None:
+            return probing
         faster = self._rate[batch, True] >= self._rate[batch, False]
         since = self._since_probe.get(batch, 0) + 1
         self._since_probe[batch] = since
@@ -124,6 +123,19 @@ class Governor:
             self._since_probe[batch] = 0
             self._samples[batch, not faster] = 0
         return faster
+
+    def would_allow(self, batch: int) -> bool:
+        """What allows(batch) would answer, without counting a step."""
+        if (probing := self._probing(batch)) is not None:
+            return probing
+        return self._rate[batch, True] >= self._rate[batch, False]
+
+    def _probing(self, batch: int) -> bool | None:
+        """The mode still short of PROBE_STEPS samples at `batch` (drafting first), or None."""
+        for mode in (True, False):
+            if self._samples.get((batch, mode), 0) < self.PROBE_STEPS:
+                return mode
+        return None
 
     def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `batch` sequences, with drafts or not, emitted `tokens`."""
