@@ -99,11 +99,12 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="kv_cache",
-        functions=("store_kv",),
+        functions=("store_kv", "store_kv_fp8"),
         cpu=("cpu/kv_cache.cc",),
         cuda=("cuda/kv_cache.cu",),
         rocm=True,
-        doc="store K and V rows into the paged pool by slot index",
+        doc="store K and V rows into the paged pool by slot index; store_kv_fp8 quantizes them "
+            "into the FP8 pool (e4m3 codes and a float32 scale per slot and KV head)",
     ),
     Kernel(
         name="embedding",
@@ -115,12 +116,13 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="attention",
-        functions=("paged_attention",),
+        functions=("paged_attention", "paged_attention_fp8"),
         cpu_functions=("set_num_threads",),
         cpu=("cpu/attention.cc",),
         cuda=("cuda/attention.cu",),
         rocm=True,  # HIP: the CUDA-core kernel serves every batch (no tensor-core path)
-        doc="causal attention over the paged KV pool (prefill chunks and decode)",
+        doc="causal attention over the paged KV pool (prefill chunks and decode), of the "
+            "model's dtype or FP8 (paged_attention_fp8)",
     ),
     Kernel(
         name="quant_gemm",
@@ -179,10 +181,11 @@ KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         name="rope_kv",
-        functions=("rope_store_kv",),
+        functions=("rope_store_kv", "rope_store_kv_fp8"),
         cuda=("cuda/rope_kv.cu",),
         rocm=True,
-        doc="per-head q/k RMSNorm + rotary embedding + paged KV store in one launch",
+        doc="per-head q/k RMSNorm + rotary embedding + paged KV store in one launch, into "
+            "a pool of the model's dtype or the FP8 pool (rope_store_kv_fp8)",
     ),
     Kernel(
         name="scaled_gemm",

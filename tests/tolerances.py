@@ -17,7 +17,7 @@ import numpy as np
 
 # Spacing of the dtype's numbers at 1.0.
 EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10,
-       "bfloat16": 2.0 ** -7}
+       "bfloat16": 2.0 ** -7, "float8_e4m3fn": 2.0 ** -3}
 
 
 def eps(dtype) -> float:

@@ -1,5 +1,6 @@
 // Causal attention of new tokens over the paged KV pool on the CPU: prefill chunks and decode
-// steps of many sequences in one call, GQA, optional sliding window, f32/bf16/f16 caches.
+// steps of many sequences in one call, GQA, optional sliding window, f32/bf16/f16 caches and
+// the FP8 pool (e4m3 codes, one scale per slot and KV head: freetoken/fp8_encode.h).
 //
 // A task is (sequence, tile of query tokens, KV head, range of keys): its rows are the tile's
 // tokens times the query heads of that KV head, so each K/V row is read (or converted from
@@ -178,19 +179,45 @@ __attribute__((target("avx2,f16c"))) void convert_f16_row_f16c(float* dst, const
   for (; i < n; ++i) dst[i] = _cvtsh_ss(h[i]);
 }
 
+// e4m3fn code -> float, every code once (0x7F/0xFF are NaN: the writer never stores them).
+struct E4M3Table {
+  float value[256];
+  E4M3Table() {
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      const float a = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                             : std::ldexp(1.f + m / 8.f, e - 7);
+      value[c] = (c & 0x80) ? -a : a;
+    }
+    value[0x7F] = value[0xFF] = std::nanf("");
+  }
+};
+
+void convert_e4m3_row(float* dst, const uint8_t* src, int64_t n, float scale) {
+  static const E4M3Table table;
+  for (int64_t i = 0; i < n; ++i) dst[i] = table.value[src[i]] * scale;
+}
+
 // Points k_rows/v_rows [at, at + n) at keys [c0, c0 + n) of one sequence and KV head
 // (converted if needed).
 template <bool kDirect>
 FT_ALWAYS_INLINE void gather_chunk(const Problem& p, const int32_t* table, int64_t kv_head,
                                    int64_t c0, int64_t n, int64_t at, Scratch& sc) {
   const int64_t d = p.head_dim, key_stride = p.kv_heads * d;  // between slots, in elements
-  const size_t elem = p.cache_type == FloatType::kF32 ? 4 : 2;
+  const size_t elem = p.k_scale ? 1 : p.cache_type == FloatType::kF32 ? 4 : 2;
   int64_t page = c0 / p.block_size, offset = c0 % p.block_size;
   int64_t row = ((table[page] * p.block_size + offset) * p.kv_heads + kv_head) * d;
   for (int64_t j = at; j < at + n; ++j) {
     if constexpr (kDirect) {
       sc.k_rows[j] = static_cast<const float*>(p.k) + row;
       sc.v_rows[j] = static_cast<const float*>(p.v) + row;
+    } else if (p.k_scale) {   // FP8 pool: row / d is the (slot, KV head) of the scale
+      convert_e4m3_row(sc.k.data() + j * d, static_cast<const uint8_t*>(p.k) + row, d,
+                       p.k_scale[row / d]);
+      convert_e4m3_row(sc.v.data() + j * d, static_cast<const uint8_t*>(p.v) + row, d,
+                       p.v_scale[row / d]);
+      sc.k_rows[j] = sc.k.data() + j * d;
+      sc.v_rows[j] = sc.v.data() + j * d;
     } else {
       p.convert(sc.k.data() + j * d, static_cast<const char*>(p.k) + row * elem, d);
       p.convert(sc.v.data() + j * d, static_cast<const char*>(p.v) + row * elem, d);
@@ -295,7 +322,7 @@ FT_ALWAYS_INLINE void run_tasks_body(const Problem& p, const Task* tasks, int64_
   sc.k.resize(kChunk * p.head_dim);
   sc.v.resize(kChunk * p.head_dim);
   for (int64_t i = 0; i < n; ++i) {
-    if (p.cache_type == FloatType::kF32) {
+    if (p.cache_type == FloatType::kF32 && !p.k_scale) {
       run_task<kD, true>(p, tasks[i], sc);
     } else {
       run_task<kD, false>(p, tasks[i], sc);
@@ -400,14 +427,33 @@ void merge_partials(const Problem& p, const std::vector<Merge>& merges) {
   }
 }
 
+void run_attention(Problem& p, int64_t num_blocks);
+
 void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
                      TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
                      int64_t block_size, double scale, int64_t sliding_window) {
   Problem p = attention::check_problem(out, q, k_cache, v_cache, block_size, sliding_window);
   attention::fill_problem(p, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                           block_size, scale, sliding_window);
+  run_attention(p, k_cache.size(0) / block_size);
+}
+
+// The FP8 pool: K/V uint8 e4m3 codes [S, Hk, D], k_scale/v_scale float32 [S, Hk].
+void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                         TensorView k_scale, TensorView v_scale, TensorView block_tables,
+                         TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
+                         double scale, int64_t sliding_window) {
+  Problem p = attention::check_problem(out, q, k_cache, v_cache, block_size, sliding_window,
+                                       /*fp8=*/true);
+  attention::fill_problem(p, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                          block_size, scale, sliding_window);
+  attention::check_fp8_scales(p, k_cache, k_scale, v_scale);
+  run_attention(p, k_cache.size(0) / block_size);
+}
+
+void run_attention(Problem& p, int64_t num_blocks) {
   attention::check_sequences(p);
-  attention::check_block_ids(p, k_cache.size(0) / block_size);
+  attention::check_block_ids(p, num_blocks);
   const CpuFeatures& cpu = cpu_features();
   p.convert = p.cache_type == FloatType::kBF16 ? convert_row<bf16>
               : cpu.f16c                      ? convert_f16_row_f16c
@@ -446,4 +492,5 @@ int64_t set_num_threads(int64_t n) {
 }  // namespace freetoken
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention, freetoken::paged_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention_fp8, freetoken::paged_attention_fp8);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_num_threads, freetoken::set_num_threads);

@@ -11,6 +11,8 @@
 //    sequence's new tokens, so it is correct for any query length.
 // A decode batch (T == B) with few blocks splits each KV range (flash-decoding); a second
 // kernel merges the splits from the caller's workspace.
+// paged_attention_fp8 runs the same kernels over the FP8 pool (store_kv_fp8: e4m3 codes and a
+// float scale per (slot, KV head)); a pool policy (PlainPool, Fp8Pool) is all that differs.
 //
 // NOTE: one source file per registry kernel (a header would re-key every kernel's cache
 // entry), hence the length.
@@ -19,6 +21,7 @@
 #include <type_traits>
 
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/fp8_words.h"
 #include "freetoken/mma_tiles.cuh"
 
 namespace freetoken {
@@ -43,6 +46,8 @@ struct AttnParams {
   void* out;
   const void* k_cache;
   const void* v_cache;
+  const float* k_scale;  // FP8 pool: [S, Hk] row scales (unused for a pool of T)
+  const float* v_scale;
   const int* block_tables;
   const int* seq_lens;
   const int* query_start_loc;
@@ -65,14 +70,72 @@ __device__ __forceinline__ int64_t slot_of(const int* bt, int key, int block_siz
   return static_cast<int64_t>(bt[key / block_size]) * block_size + key % block_size;
 }
 
+// ---------------------------------------------------------------- the pool's rows
+
+// How the kernels read K and V, one policy per pool layout. A chunk is the kVec elements of a
+// row that one lane loads at once (decode); row_scale is what a (slot, KV head) row's decoded
+// values are multiplied by. The decode kernel folds it into the row's dot product (K) and its
+// probability (V); the tiled kernel converts whole tiles to T (load_kv_tile).
+
+// Rows of T, q's dtype (store_kv). row_scale is 1: the multiplications fold away, so this path
+// computes exactly what it did before the FP8 pool.
+template <typename T>
+struct PlainPool {
+  static constexpr int kVec = 16 / sizeof(T);  // one 16-byte load
+  using Chunk = Vec<T, kVec>;
+  static __device__ __forceinline__ Chunk load(const void* cache, int64_t elem) {
+    return load_vec<T, kVec>(static_cast<const T*>(cache) + elem);
+  }
+  static __device__ __forceinline__ void decode(const Chunk& c, float* f) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) f[e] = to_float(c.v[e]);
+  }
+  static __device__ __forceinline__ float row_scale(const float*, int64_t) { return 1.f; }
+  static constexpr bool kPredecode = false;  // converted where used: no float copy of the rows
+};
+
+// e4m3 codes, one byte each, and a float scale per row (store_kv_fp8).
+struct Fp8Pool {
+  // 8 codes (8 bytes) per load: the lane layout, hence the registers per lane, of a 16-bit
+  // pool (16 codes would double each lane's q and accumulator registers).
+  static constexpr int kVec = 8;
+  using Chunk = Vec<uint32_t, 2>;
+  static __device__ __forceinline__ Chunk load(const void* cache, int64_t elem) {
+    return load_vec<uint32_t, 2>(
+        reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(cache) + elem));
+  }
+  static __device__ __forceinline__ void decode(const Chunk& c, float* f) {
+    fp8::e4m3x4_div256(c.v[0], f);
+    fp8::e4m3x4_div256(c.v[1], f + 4);
+  }
+  // decode leaves out 2^8 (exact either side: code / 256 * (scale * 256) == code * scale)
+  static __device__ __forceinline__ float row_scale(const float* scales, int64_t row) {
+    return scales[row] * 256.f;
+  }
+  static constexpr bool kPredecode = true;  // four codes decode together: once per chunk
+};
+
+// Element e of a lane's share of a row: from the decoded floats (kPredecode) or converted from
+// the loaded chunks where it is used, as the 16-bit pool always was (no registers for a float
+// copy of its K and V rows).
+template <typename Pool, int V>
+__device__ __forceinline__ float row_elem(const typename Pool::Chunk* raw, const float* decoded,
+                                          int e) {
+  if constexpr (Pool::kPredecode) {
+    return decoded[e];
+  } else {
+    return to_float(raw[e / V].v[e % V]);
+  }
+}
+
 // ---------------------------------------------------------------- decode
 
-// Lane layout: a "key group" of LANES lanes reads one key row with 16-byte vectors; lane li
-// owns dims (v * LANES + li) * VEC + e. Each group keeps its own online-softmax state, merged
-// through shared memory at the end.
-template <typename T, int D>
+// Lane layout: a "key group" of LANES lanes reads one key row in chunks of VEC elements (16
+// bytes of a pool of T); lane li owns dims (v * LANES + li) * VEC + e. Each group keeps its own
+// online-softmax state, merged through shared memory at the end.
+template <typename Pool, int D>
 struct DecodeShape {
-  static constexpr int kVec = 16 / sizeof(T);
+  static constexpr int kVec = Pool::kVec;
   static constexpr int kLanes = D / kVec < 32 ? D / kVec : 32;
   static constexpr int kVpl = D / (kVec * kLanes);
   static constexpr int kEpl = kVpl * kVec;  // elements per lane
@@ -80,12 +143,12 @@ struct DecodeShape {
   static constexpr int kUnroll = 2;  // keys per group per step (more loads in flight)
 };
 
-template <typename T, int D>
+template <typename T, int D, typename Pool>
 __device__ __forceinline__ void decode_merge_and_store(const AttnParams& p, int t, int h0, int gc,
                                                        float (*s_m)[kDecodeMaxGroup],
                                                        float (*s_l)[kDecodeMaxGroup],
                                                        float (*s_acc)[kDecodeMaxGroup][D]) {
-  using S = DecodeShape<T, D>;
+  using S = DecodeShape<Pool, D>;
   for (int idx = threadIdx.x; idx < gc * D; idx += blockDim.x) {
     int g = idx / D, d = idx - g * D;
     float m = kNegInf;
@@ -113,9 +176,9 @@ __device__ __forceinline__ void decode_merge_and_store(const AttnParams& p, int 
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, typename Pool>
 __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
-  using S = DecodeShape<T, D>;
+  using S = DecodeShape<Pool, D>;
   constexpr int G = kDecodeMaxGroup, E = S::kEpl, U = S::kUnroll, V = S::kVec;
   __shared__ float s_m[S::kGroups][G], s_l[S::kGroups][G];
   __shared__ float s_acc[S::kGroups][G][D];
@@ -129,8 +192,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
   const int ctx = p.seq_lens[b];
   const int qs = p.query_start_loc[b], qe = p.query_start_loc[b + 1];
   const int* bt = p.block_tables + b * p.bt_stride;
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
 
   for (int t = qs; t < qe; ++t) {
     const int pos = ctx - (qe - t);
@@ -153,32 +214,44 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
     }
     // Uniform trip count across the block: every lane reaches the shuffles.
     for (int base = ks; base < ke; base += S::kGroups * U) {
-      Vec<T, V> kv[U][S::kVpl], vv[U][S::kVpl];
+      typename Pool::Chunk kv[U][S::kVpl], vv[U][S::kVpl];
+      float k_scale[U], v_scale[U];
       bool valid[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         int key = base + u * S::kGroups + gi;
         valid[u] = key < ke;
-        int64_t row = (slot_of(bt, valid[u] ? key : ks, p.block_size) * p.kv_heads + kvh) * D;
+        int64_t row = slot_of(bt, valid[u] ? key : ks, p.block_size) * p.kv_heads + kvh;
+        k_scale[u] = Pool::row_scale(p.k_scale, row);
+        v_scale[u] = Pool::row_scale(p.v_scale, row);
 #pragma unroll
         for (int v = 0; v < S::kVpl; ++v) {
-          kv[u][v] = load_vec<T, V>(kc + row + (v * S::kLanes + li) * V);
-          vv[u][v] = load_vec<T, V>(vc + row + (v * S::kLanes + li) * V);
+          kv[u][v] = Pool::load(p.k_cache, row * D + (v * S::kLanes + li) * V);
+          vv[u][v] = Pool::load(p.v_cache, row * D + (v * S::kLanes + li) * V);
         }
       }
-      float s[U][G];
+      constexpr int DE = Pool::kPredecode ? E : 1;  // decoded elements kept per row
+      float s[U][G], vf[U][DE];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
+        float kf[DE];  // decoded once for the group's heads
+        if constexpr (Pool::kPredecode) {
+#pragma unroll
+          for (int v = 0; v < S::kVpl; ++v) {
+            Pool::decode(kv[u][v], kf + v * V);
+            Pool::decode(vv[u][v], vf[u] + v * V);
+          }
+        }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           if (g >= gc) continue;  // gc is uniform over the block: the shuffles stay converged
           float dot = 0.f;
 #pragma unroll
-          for (int e = 0; e < E; ++e) dot += q[g][e] * to_float(kv[u][e / V].v[e % V]);
+          for (int e = 0; e < E; ++e) dot += q[g][e] * row_elem<Pool, V>(kv[u], kf, e);
 #pragma unroll
           for (int off = S::kLanes / 2; off > 0; off >>= 1)
             dot += __shfl_xor_sync(0xffffffffu, dot, off);
-          s[u][g] = valid[u] ? dot : kNegInf;
+          s[u][g] = valid[u] ? dot * k_scale[u] : kNegInf;
         }
       }
 #pragma unroll
@@ -196,8 +269,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
         for (int u = 0; u < U; ++u) {
           float pr = exp2f(s[u][g] - mx);  // 0 for an invalid key
           l[g] += pr;
+          float pv = pr * v_scale[u];
 #pragma unroll
-          for (int e = 0; e < E; ++e) acc[g][e] += pr * to_float(vv[u][e / V].v[e % V]);
+          for (int e = 0; e < E; ++e) acc[g][e] += pv * row_elem<Pool, V>(vv[u], vf[u], e);
         }
         m[g] = mx;
       }
@@ -213,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(AttnParams p) {
       for (int e = 0; e < E; ++e) s_acc[gi][g][((e / V) * S::kLanes + li) * V + e % V] = acc[g][e];
     }
     __syncthreads();
-    decode_merge_and_store<T, D>(p, t, h0, gc, s_m, s_l, s_acc);
+    decode_merge_and_store<T, D, Pool>(p, t, h0, gc, s_m, s_l, s_acc);
     __syncthreads();  // the next token reuses the shared arrays
   }
 }
@@ -282,17 +356,57 @@ __device__ __forceinline__ int find_sequence(const int* qsl, int num_seqs, int t
   return lo;
 }
 
-// Copies `rows` K or V rows of this tile (keys whose slot is -1 are zero-filled).
+// Copies this tile's K or V rows (keys whose slot is -1 are zero-filled) with cp.async.
 template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(T* dst, const T* cache, const int64_t* slots,
-                                             int kv_heads, int kvh) {
+__device__ __forceinline__ void load_kv_tile(PlainPool<T>, T* dst, const void* cache,
+                                             const float*, const int64_t* slots, int kv_heads,
+                                             int kvh) {
   using S = TileShape<D>;
   constexpr int kChunks = D / 8;
+  const T* base = static_cast<const T*>(cache);
   for (int i = threadIdx.x; i < S::kKeys * kChunks; i += kThreads) {
     int n = i / kChunks, c = i - n * kChunks;
     int64_t slot = slots[n];
-    const T* src = slot >= 0 ? cache + (slot * kv_heads + kvh) * D + c * 8 : cache;
+    const T* src = slot >= 0 ? base + (slot * kv_heads + kvh) * D + c * 8 : base;
     cp_async16(dst + n * S::kPitch + c * 8, src, slot >= 0);
+  }
+}
+
+// The FP8 pool's rows, converted to T into the same tile layout. Synchronous: cp.async copies
+// bytes, the conversion needs registers. A thread loads kBatch chunks before converting the
+// first, so that many loads are in flight together (all of them would cost registers the mma
+// loop needs: fewer blocks per SM).
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(Fp8Pool, T* dst, const void* cache,
+                                             const float* scales, const int64_t* slots,
+                                             int kv_heads, int kvh) {
+  using S = TileShape<D>;
+  constexpr int kChunks = D / Fp8Pool::kVec, kBatch = 4;
+  static_assert(Fp8Pool::kVec == 8 && S::kKeys * kChunks % (kThreads * kBatch) == 0,
+                "a chunk is 8 codes -> 16 bytes of T; whole batches per thread");
+  for (int i0 = threadIdx.x; i0 < S::kKeys * kChunks; i0 += kThreads * kBatch) {
+    Fp8Pool::Chunk codes[kBatch];
+    float scale[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      int i = i0 + j * kThreads, n = i / kChunks, c = i - n * kChunks;
+      int64_t slot = slots[n], row = (slot >= 0 ? slot : 0) * kv_heads + kvh;
+      codes[j] = Fp8Pool::load(cache, row * D + c * Fp8Pool::kVec);
+      // no key (slot -1): slot 0's codes, finite, times 0 -- the zero fill of cp.async
+      scale[j] = slot >= 0 ? Fp8Pool::row_scale(scales, row) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      int i = i0 + j * kThreads, n = i / kChunks, c = i - n * kChunks;
+      float f[Fp8Pool::kVec];
+      Fp8Pool::decode(codes[j], f);
+      Vec<uint32_t, 4> packed;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        packed.v[e] = pack2<T>(f[2 * e] * scale[j], f[2 * e + 1] * scale[j]);
+      }
+      store_vec<uint32_t, 4>(reinterpret_cast<uint32_t*>(dst + n * S::kPitch + c * 8), packed);
+    }
   }
 }
 
@@ -405,7 +519,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, RowState<D>& st,
 
 // Grid: (query tiles, kv heads * head chunks, KV splits). Warps whose 16 rows are all padding
 // (decode: one token per sequence) skip the math but still share the loads and barriers.
-template <typename T, int D>
+template <typename T, int D, typename Pool>
 __global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
   using S = TileShape<D>;
   constexpr int BN = S::kKeys, LD = S::kPitch;
@@ -459,9 +573,9 @@ __global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
       s_slot[threadIdx.x] = key < ke ? slot_of(bt, key, p.block_size) : -1;
     }
     __syncthreads();
-    load_kv_tile<T, D>(sK, static_cast<const T*>(p.k_cache), s_slot, p.kv_heads, kvh);
-    cp_async_commit();
-    load_kv_tile<T, D>(sV, static_cast<const T*>(p.v_cache), s_slot, p.kv_heads, kvh);
+    load_kv_tile<T, D>(Pool{}, sK, p.k_cache, p.k_scale, s_slot, p.kv_heads, kvh);
+    cp_async_commit();  // (an empty group for the synchronous FP8 loads)
+    load_kv_tile<T, D>(Pool{}, sV, p.v_cache, p.v_scale, s_slot, p.kv_heads, kvh);
     cp_async_commit();
     cp_async_wait<1>();  // Q and K landed; V may still be in flight
     __syncthreads();
@@ -486,15 +600,15 @@ void launch_merge(const AttnParams& p, int num_tokens, cudaStream_t stream) {
   check_launch("paged_attention (merge splits)");
 }
 
-template <typename T, int D>
+template <typename T, int D, typename Pool>
 void launch_decode(const AttnParams& p, int num_tokens, cudaStream_t stream) {
   dim3 grid(p.splits, p.kv_heads * p.chunks, p.num_seqs);
-  decode_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  decode_kernel<T, D, Pool><<<grid, kThreads, 0, stream>>>(p);
   check_launch("paged_attention (decode)");
   launch_merge<T, D>(p, num_tokens, stream);
 }
 
-template <typename T, int D>
+template <typename T, int D, typename Pool>
 void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
 #if defined(__HIP_PLATFORM_AMD__)
   TVM_FFI_ICHECK(false) << "internal: the HIP build has no tensor-core path";
@@ -511,24 +625,33 @@ void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
     int device = 0;
     FT_CUDA_CHECK(cudaGetDevice(&device));
     if (device < 0 || device >= 64 || !opted_in[device]) {
-      FT_CUDA_CHECK(cudaFuncSetAttribute(tiled_kernel<T, D>,
+      FT_CUDA_CHECK(cudaFuncSetAttribute(tiled_kernel<T, D, Pool>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          S::kSmemBytes));
       if (device >= 0 && device < 64) opted_in[device] = true;
     }
-    tiled_kernel<T, D><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+    tiled_kernel<T, D, Pool><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
     check_launch("paged_attention (tiled)");
     launch_merge<T, D>(p, num_tokens, stream);
   }
 #endif
 }
 
-template <typename T, int D>
+template <typename T, int D, typename Pool>
 void launch(const AttnParams& p, int num_tokens, bool tiled, cudaStream_t stream) {
   if (tiled) {
-    launch_tiled<T, D>(p, num_tokens, stream);
+    launch_tiled<T, D, Pool>(p, num_tokens, stream);
   } else {
-    launch_decode<T, D>(p, num_tokens, stream);
+    launch_decode<T, D, Pool>(p, num_tokens, stream);
+  }
+}
+
+template <typename T, typename Pool>
+void launch(const AttnParams& p, int head_dim, int num_tokens, bool tiled, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: launch<T, 64, Pool>(p, num_tokens, tiled, stream); break;
+    case 128: launch<T, 128, Pool>(p, num_tokens, tiled, stream); break;
+    default: launch<T, 256, Pool>(p, num_tokens, tiled, stream); break;
   }
 }
 
@@ -547,9 +670,11 @@ int choose_splits(const AttnParams& p, int num_tokens, int64_t max_context, int 
   return static_cast<int>(splits < 1 ? 1 : splits);
 }
 
+// `fp8`: the FP8 pool (uint8 codes; the scales are checked by check_scales), else q's dtype.
 void check_inputs(const TensorView& out, const TensorView& q, const TensorView& k_cache,
                   const TensorView& v_cache, const TensorView& block_tables,
-                  const TensorView& seq_lens, const TensorView& qsl, int64_t block_size) {
+                  const TensorView& seq_lens, const TensorView& qsl, int64_t block_size,
+                  bool fp8) {
   int dev = q.device().device_id;
   check_gpu(out, "out", dev);
   check_gpu(k_cache, "k_cache", dev);
@@ -558,8 +683,15 @@ void check_inputs(const TensorView& out, const TensorView& q, const TensorView& 
   check_gpu(seq_lens, "seq_lens", dev);
   check_gpu(qsl, "query_start_loc", dev);
   check_same_dtype(out, q, "out", "q");
-  check_same_dtype(k_cache, q, "k_cache", "q");
-  check_same_dtype(v_cache, q, "v_cache", "q");
+  if (fp8) {
+    TVM_FFI_ICHECK(float_type(q, "q") != FloatType::kF32)
+        << "paged_attention_fp8 takes a bfloat16 or float16 q, got float32";
+    check_dtype(k_cache, kDLUInt, 8, "k_cache", "uint8 (e4m3 codes)");
+    check_dtype(v_cache, kDLUInt, 8, "v_cache", "uint8 (e4m3 codes)");
+  } else {
+    check_same_dtype(k_cache, q, "k_cache", "q");
+    check_same_dtype(v_cache, q, "v_cache", "q");
+  }
   check_ndim(q, 3, "q");
   check_ndim(out, 3, "out");
   check_ndim(k_cache, 3, "k_cache");
@@ -595,17 +727,21 @@ void check_inputs(const TensorView& out, const TensorView& q, const TensorView& 
       << "query_start_loc must be a contiguous [B+1] tensor";
 }
 
-/*!
- * \brief Causal attention of new tokens over the paged pool; see ops.paged_attention.
- * \param workspace optional float32 scratch for split decode: splits S use T*Hq*S*(D+2) floats;
- *        a smaller (or no) workspace only limits S. 1M floats covers every decode batch with
- *        Hq/Hk <= 8 and D <= 256 on GPUs of up to 240 SMs.
- */
-void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
-                     TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
-                     int64_t block_size, double scale, int64_t sliding_window,
-                     tvm::ffi::Optional<TensorView> workspace) {
-  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size);
+void check_scales(const TensorView& t, const TensorView& cache, const char* name) {
+  check_gpu(t, name, cache.device().device_id);
+  check_dtype(t, kDLFloat, 32, name, "float32");
+  check_contiguous(t, name);
+  TVM_FFI_ICHECK(t.ndim() == 2 && t.size(0) == cache.size(0) && t.size(1) == cache.size(1))
+      << name << " must be [" << cache.size(0) << ", " << cache.size(1)
+      << "] (one scale per slot and KV head)";
+}
+
+// Both entry points: inputs checked, the pool's pointers in `p` (k_scale and v_scale null for a
+// pool of q's dtype).
+void run(AttnParams p, TensorView out, TensorView q, TensorView k_cache,
+         TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
+         int64_t block_size, double scale, int64_t sliding_window,
+         const tvm::ffi::Optional<TensorView>& workspace) {
   TVM_FFI_ICHECK(sliding_window >= 0) << "sliding_window must be >= 0, got " << sliding_window;
   int dev = q.device().device_id;
   int64_t ws_floats = 0;
@@ -623,11 +759,8 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
   if (num_tokens == 0 || num_seqs == 0) return;
   FloatType ft = float_type(q, "q");
   int d = static_cast<int>(q.size(2));
-  AttnParams p{};
   p.q = data_of<void>(q);
   p.out = data_of<void>(out);
-  p.k_cache = data_of<void>(k_cache);
-  p.v_cache = data_of<void>(v_cache);
   p.block_tables = data_of<int>(block_tables);
   p.seq_lens = data_of<int>(seq_lens);
   p.query_start_loc = data_of<int>(query_start_loc);
@@ -659,15 +792,59 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
     p.part_o = ws;
     p.part_ml = ws + static_cast<int64_t>(num_tokens) * p.q_heads * p.splits * d;
   }
+  bool fp8 = p.k_scale != nullptr;
   DeviceGuard guard(dev);
   cudaStream_t stream = stream_for(q);
   FT_CUDA_DISPATCH_FLOAT(ft, T, {
-    switch (d) {
-      case 64: launch<T, 64>(p, num_tokens, tiled, stream); break;
-      case 128: launch<T, 128>(p, num_tokens, tiled, stream); break;
-      default: launch<T, 256>(p, num_tokens, tiled, stream); break;
+    if constexpr (std::is_same_v<T, float>) {  // check_inputs refuses float32 over FP8
+      launch<T, PlainPool<T>>(p, d, num_tokens, tiled, stream);
+    } else if (fp8) {
+      launch<T, Fp8Pool>(p, d, num_tokens, tiled, stream);
+    } else {
+      launch<T, PlainPool<T>>(p, d, num_tokens, tiled, stream);
     }
   });
+}
+
+/*!
+ * \brief Causal attention of new tokens over the paged pool; see ops.paged_attention.
+ * \param workspace optional float32 scratch for split decode: splits S use T*Hq*S*(D+2) floats;
+ *        a smaller (or no) workspace only limits S. 1M floats covers every decode batch with
+ *        Hq/Hk <= 8 and D <= 256 on GPUs of up to 240 SMs.
+ */
+void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                     TensorView block_tables, TensorView seq_lens, TensorView query_start_loc,
+                     int64_t block_size, double scale, int64_t sliding_window,
+                     tvm::ffi::Optional<TensorView> workspace) {
+  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
+               false);
+  AttnParams p{};
+  p.k_cache = data_of<void>(k_cache);
+  p.v_cache = data_of<void>(v_cache);
+  run(p, out, q, k_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
+      sliding_window, workspace);
+}
+
+/*!
+ * \brief paged_attention over the FP8 pool: k_cache, v_cache uint8 [S, Hk, D] e4m3 codes,
+ * k_scale, v_scale float32 [S, Hk] (store_kv_fp8); q and out bfloat16 or float16.
+ */
+void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                         TensorView k_scale, TensorView v_scale, TensorView block_tables,
+                         TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
+                         double scale, int64_t sliding_window,
+                         tvm::ffi::Optional<TensorView> workspace) {
+  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
+               true);
+  check_scales(k_scale, k_cache, "k_scale");
+  check_scales(v_scale, v_cache, "v_scale");
+  AttnParams p{};
+  p.k_cache = data_of<void>(k_cache);
+  p.v_cache = data_of<void>(v_cache);
+  p.k_scale = data_of<float>(k_scale);
+  p.v_scale = data_of<float>(v_scale);
+  run(p, out, q, k_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
+      sliding_window, workspace);
 }
 
 }  // namespace
@@ -685,4 +862,19 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_paged_attention(void* self, const TV
   TVMFFIAny padded[11] = {};  // a zeroed TVMFFIAny is None
   std::memcpy(padded, args, sizeof(TVMFFIAny) * 10);
   return __tvm_ffi_paged_attention_with_workspace(self, padded, 11, result);
+}
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention_fp8_with_workspace, freetoken::paged_attention_fp8);
+
+// `paged_attention_fp8` likewise: 12 arguments run without a workspace.
+extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_paged_attention_fp8(void* self,
+                                                               const TVMFFIAny* args,
+                                                               int32_t num_args,
+                                                               TVMFFIAny* result) {
+  if (num_args != 12) {
+    return __tvm_ffi_paged_attention_fp8_with_workspace(self, args, num_args, result);
+  }
+  TVMFFIAny padded[13] = {};  // a zeroed TVMFFIAny is None
+  std::memcpy(padded, args, sizeof(TVMFFIAny) * 12);
+  return __tvm_ffi_paged_attention_fp8_with_workspace(self, padded, 13, result);
 }

@@ -1,6 +1,9 @@
 // Store K and V rows into the paged pool: cache[slot_mapping[t]] = k[t]; a negative slot (a
 // padding token) is skipped. One block per token, 16-byte vectors where the layout allows.
+// store_kv_fp8 quantizes the rows into the FP8 pool instead (freetoken/fp8_encode.h): one warp
+// per (token, KV head) row finds its largest magnitude, then writes the row's e4m3 codes.
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/fp8_encode.h"
 
 namespace freetoken {
 namespace {
@@ -35,6 +38,42 @@ void check_rows(const TensorView& t, const char* name, int64_t tokens, int64_t h
   TVM_FFI_ICHECK(t.size(0) == tokens && t.size(1) == heads && t.size(2) == head_dim)
       << name << " must be [" << tokens << ", " << heads << ", " << head_dim << "]";
   TVM_FFI_ICHECK(t.size(2) <= 1 || t.stride(2) == 1) << name << "'s last dim must be contiguous";
+}
+
+// One (token, head) row into the FP8 pool: scale = largest |x| / 448, code = e4m3(x / scale),
+// with fp8_encode.h's helpers (IEEE division) so the CPU writer stores the same bytes.
+// NOTE: rope_kv.cu's rope_store_kv_fp8 quantizes its rows by the same rule (one source file per
+// registry kernel: no shared header).
+template <typename T>
+__device__ __forceinline__ void store_fp8_row(const T* src, uint8_t* codes, float* scale,
+                                              int head_dim, int lane) {
+  float amax = 0.f;
+  for (int d = lane; d < head_dim; d += kWarp) amax = fmaxf(amax, fabsf(to_float(src[d])));
+  const float s = fp8::row_scale(warp_max(amax));
+  for (int d = lane; d < head_dim; d += kWarp) codes[d] = fp8::float_to_e4m3(to_float(src[d]) / s);
+  if (lane == 0) *scale = s;
+}
+
+constexpr int kFp8RowsPerBlock = 4;  // one warp per row
+
+// Grid: (tokens, ceil(2 * heads / kFp8RowsPerBlock)); rows [0, heads) are k's, the rest v's.
+template <typename T>
+__global__ void __launch_bounds__(kFp8RowsPerBlock * kWarp)
+    store_kv_fp8_kernel(const T* __restrict__ k, const T* __restrict__ v,
+                        uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
+                        float* __restrict__ k_scale, float* __restrict__ v_scale,
+                        const int64_t* __restrict__ slot_mapping, KvShape s) {
+  int64_t t = blockIdx.x;
+  int64_t slot = slot_mapping[t];
+  int r = blockIdx.y * kFp8RowsPerBlock + threadIdx.x / kWarp;
+  if (slot < 0 || slot >= s.slots || r >= 2 * s.heads) return;  // whole warps leave together
+  bool is_k = r < s.heads;
+  int h = is_k ? r : r - s.heads;
+  int64_t row = slot * s.heads + h;  // the (slot, head) row of the codes and the scales
+  const T* src = is_k ? k + t * s.k_token_stride + h * s.k_head_stride
+                      : v + t * s.v_token_stride + h * s.v_head_stride;
+  store_fp8_row<T>(src, (is_k ? k_cache : v_cache) + row * s.head_dim,
+                   (is_k ? k_scale : v_scale) + row, s.head_dim, threadIdx.x % kWarp);
 }
 
 /*! \brief k_cache[slot_mapping[t]] = k[t], v likewise; k [T, Hk, D], caches [S, Hk, D]. */
@@ -86,7 +125,61 @@ void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache
   check_launch("store_kv");
 }
 
+void check_scales(const TensorView& t, const char* name, int dev, int64_t slots, int64_t heads) {
+  check_gpu(t, name, dev);
+  check_dtype(t, kDLFloat, 32, name, "float32");
+  check_contiguous(t, name);
+  TVM_FFI_ICHECK(t.ndim() == 2 && t.size(0) == slots && t.size(1) == heads)
+      << name << " must be [" << slots << ", " << heads << "] (one scale per slot and KV head)";
+}
+
+/*!
+ * \brief Quantize k[t] and v[t] into the FP8 pool at slot_mapping[t] (negative: skipped);
+ * k, v [T, Hk, D] float32/bfloat16/float16 (rows may be strided), caches uint8 [S, Hk, D] of
+ * e4m3 codes, scales float32 [S, Hk].
+ */
+void store_kv_fp8(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
+                  TensorView k_scale, TensorView v_scale, TensorView slot_mapping) {
+  int dev = k.device().device_id;
+  check_gpu(k, "k", dev);
+  check_gpu(v, "v", dev);
+  check_gpu(k_cache, "k_cache", dev);
+  check_gpu(v_cache, "v_cache", dev);
+  check_gpu(slot_mapping, "slot_mapping", dev);
+  FloatType ft = float_type(k, "k");
+  check_same_dtype(v, k, "v", "k");
+  check_dtype(k_cache, kDLUInt, 8, "k_cache", "uint8 (e4m3 codes)");
+  check_dtype(v_cache, kDLUInt, 8, "v_cache", "uint8 (e4m3 codes)");
+  check_dtype(slot_mapping, kDLInt, 64, "slot_mapping", "int64");
+  check_ndim(k_cache, 3, "k_cache");
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  int64_t slots = k_cache.size(0), heads = k_cache.size(1), head_dim = k_cache.size(2);
+  check_rows(v_cache, "v_cache", slots, heads, head_dim);
+  check_scales(k_scale, "k_scale", dev, slots, heads);
+  check_scales(v_scale, "v_scale", dev, slots, heads);
+  TVM_FFI_ICHECK(slot_mapping.ndim() == 1 && slot_mapping.IsContiguous())
+      << "slot_mapping must be a contiguous 1-D tensor";
+  int64_t tokens = slot_mapping.size(0);
+  check_rows(k, "k", tokens, heads, head_dim);
+  check_rows(v, "v", tokens, heads, head_dim);
+  if (tokens == 0 || heads * head_dim == 0) return;
+  DeviceGuard guard(dev);
+  KvShape s{slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            static_cast<int>(heads), static_cast<int>(head_dim)};
+  dim3 grid(static_cast<unsigned>(tokens),
+            static_cast<unsigned>(ceil_div(2 * heads, kFp8RowsPerBlock)));
+  cudaStream_t stream = stream_for(k);
+  FT_CUDA_DISPATCH_FLOAT(ft, T, {
+    store_kv_fp8_kernel<T><<<grid, kFp8RowsPerBlock * kWarp, 0, stream>>>(
+        data_of<T>(k), data_of<T>(v), data_of<uint8_t>(k_cache), data_of<uint8_t>(v_cache),
+        data_of<float>(k_scale), data_of<float>(v_scale), data_of<int64_t>(slot_mapping), s);
+  });
+  check_launch("store_kv_fp8");
+}
+
 }  // namespace
 }  // namespace freetoken
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_kv, freetoken::store_kv);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(store_kv_fp8, freetoken::store_kv_fp8);

@@ -2,10 +2,16 @@
 // of q (in place) and k, and the store of k and v into the paged pool (k rotated). One block per
 // token, one warp per head. Values are rounded to the dtype where the unfused chain
 // (rms_norm -> rotary_embedding -> store_kv) stores them, so the results are identical to it.
+// rope_store_kv_fp8 stores k (normed and rotated, rounded to the dtype as above) and v into the
+// FP8 pool instead, quantized as store_kv_fp8 quantizes them (freetoken/fp8_encode.h).
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/fp8_encode.h"
+#include "freetoken/gguf_stage.cuh"  // warp_sync
 
 namespace freetoken {
 namespace {
+
+using gguf_stage::warp_sync;
 
 constexpr int kHeadsPerBlock = 8;
 
@@ -17,6 +23,8 @@ struct RopeKvArgs {
   const void* v;
   void* k_cache;
   void* v_cache;
+  float* k_scale;  // the FP8 pool's [S, Hk] scales (null for a pool of the dtype)
+  float* v_scale;
   const float* cos_sin;
   const void* q_norm;  // [D] or null
   const void* k_norm;  // [D] or null
@@ -56,8 +64,53 @@ __device__ void rope_head(const T* src, T* dst, const T* w, const float* cos, in
   for (int d = rot + lane; d < d_all; d += kWarp) dst[d] = from_float<T>(normed(src, w, inv, d));
 }
 
+// One (token, head) row into the FP8 pool: scale = largest |x| / 448, code = e4m3(x / scale).
+// NOTE: the same rule as kv_cache.cu's store_kv_fp8 (one source file per registry kernel: no
+// shared header); fp8_encode.h holds the arithmetic both share with the CPU writer.
 template <typename T>
+__device__ __forceinline__ void store_fp8_row(const T* src, uint8_t* codes, float* scale,
+                                              int head_dim, int lane) {
+  float amax = 0.f;
+  for (int d = lane; d < head_dim; d += kWarp) amax = fmaxf(amax, fabsf(to_float(src[d])));
+  const float s = fp8::row_scale(warp_max(amax));
+  for (int d = lane; d < head_dim; d += kWarp) codes[d] = fp8::float_to_e4m3(to_float(src[d]) / s);
+  if (lane == 0) *scale = s;
+}
+
+// Where k and v land. A pool of the dtype takes the rotated k straight from rope_head; the FP8
+// pool needs a row's largest magnitude before its first code, so rope_head writes the rounded k
+// to the warp's row of shared memory (`stage`, head_dim elements), which is then quantized.
+template <typename T, bool kFp8>
+__device__ __forceinline__ void store_k_row(const T* src, const float* cos, T* stage,
+                                            int64_t row, int lane, const RopeKvArgs& a) {
+  const T* w = static_cast<const T*>(a.k_norm);
+  if constexpr (kFp8) {
+    rope_head<T>(src, stage, w, cos, lane, a);
+    warp_sync();  // lanes quantize elements other lanes rotated
+    store_fp8_row<T>(stage, static_cast<uint8_t*>(a.k_cache) + row * a.head_dim,
+                     a.k_scale + row, a.head_dim, lane);
+    warp_sync();  // read before this warp's next k row overwrites the stage
+  } else {
+    rope_head<T>(src, static_cast<T*>(a.k_cache) + row * a.head_dim, w, cos, lane, a);
+  }
+}
+
+template <typename T, bool kFp8>
+__device__ __forceinline__ void store_v_row(const T* src, int64_t row, int lane,
+                                            const RopeKvArgs& a) {
+  if constexpr (kFp8) {
+    store_fp8_row<T>(src, static_cast<uint8_t*>(a.v_cache) + row * a.head_dim, a.v_scale + row,
+                     a.head_dim, lane);
+  } else {
+    T* dst = static_cast<T*>(a.v_cache) + row * a.head_dim;
+    for (int d = lane; d < a.head_dim; d += kWarp) dst[d] = src[d];
+  }
+}
+
+// kFp8: the FP8 pool, with kHeadsPerBlock * head_dim elements of dynamic shared memory.
+template <typename T, bool kFp8>
 __global__ void rope_store_kv_kernel(RopeKvArgs a) {
+  extern __shared__ float stage_raw[];  // dynamic: sized for T rows (FP8 only)
   int64_t t = blockIdx.x;
   int64_t pos = a.positions[t], slot = a.slots[t];
   // out of the table: unrotated, as rotary_embedding leaves it
@@ -65,7 +118,7 @@ __global__ void rope_store_kv_kernel(RopeKvArgs a) {
   bool store = slot >= 0 && slot < a.num_slots;
   int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   int heads = a.q_heads + 2 * a.kv_heads;
-  int64_t kv_row = static_cast<int64_t>(a.kv_heads) * a.head_dim;
+  T* stage = reinterpret_cast<T*>(stage_raw) + static_cast<int64_t>(warp) * a.head_dim;
   for (int h = blockIdx.y * kHeadsPerBlock + warp; h < heads;
        h += gridDim.y * kHeadsPerBlock) {
     if (h < a.q_heads) {
@@ -76,14 +129,12 @@ __global__ void rope_store_kv_kernel(RopeKvArgs a) {
       if (!store) continue;
       const T* src = static_cast<const T*>(a.k) + t * a.k_stride +
                      static_cast<int64_t>(kh) * a.head_dim;
-      T* dst = static_cast<T*>(a.k_cache) + slot * kv_row + static_cast<int64_t>(kh) * a.head_dim;
-      rope_head<T>(src, dst, static_cast<const T*>(a.k_norm), cos, lane, a);
+      store_k_row<T, kFp8>(src, cos, stage, slot * a.kv_heads + kh, lane, a);
     } else if (store) {
       int vh = h - a.q_heads - a.kv_heads;
       const T* src = static_cast<const T*>(a.v) + t * a.v_stride +
                      static_cast<int64_t>(vh) * a.head_dim;
-      T* dst = static_cast<T*>(a.v_cache) + slot * kv_row + static_cast<int64_t>(vh) * a.head_dim;
-      for (int d = lane; d < a.head_dim; d += kWarp) dst[d] = src[d];
+      store_v_row<T, kFp8>(src, slot * a.kv_heads + vh, lane, a);
     }
   }
 }
@@ -112,26 +163,40 @@ const void* norm_of(const tvm::ffi::Optional<TensorView>& w, const TensorView& q
   return data_of<void>(t);
 }
 
+// A pool of q's dtype, or (fp8) of e4m3 codes.
 void check_cache(const TensorView& c, const TensorView& q, int64_t kv_heads, int64_t head_dim,
-                 const char* name) {
+                 const char* name, bool fp8 = false) {
   check_gpu(c, name, q.device().device_id);
-  check_same_dtype(c, q, name, "q");
+  if (fp8) {
+    check_dtype(c, kDLUInt, 8, name, "uint8 (e4m3 codes)");
+  } else {
+    check_same_dtype(c, q, name, "q");
+  }
   check_contiguous(c, name);
   TVM_FFI_ICHECK(c.ndim() == 3 && c.size(1) == kv_heads && c.size(2) == head_dim)
       << name << " must be [S, " << kv_heads << ", " << head_dim << "]";
 }
 
-/*! \brief q/k norm (optional, per head) + rope on q (in place) and k, k and v into the pool. */
-void rope_store_kv(TensorView positions, TensorView q, TensorView k, TensorView v,
-                   TensorView cos_sin_cache, TensorView k_cache, TensorView v_cache,
-                   TensorView slot_mapping, tvm::ffi::Optional<TensorView> q_norm,
-                   tvm::ffi::Optional<TensorView> k_norm, double eps, int64_t head_dim,
-                   bool is_neox) {
+void check_scales(const TensorView& t, const TensorView& cache, const char* name) {
+  check_gpu(t, name, cache.device().device_id);
+  check_dtype(t, kDLFloat, 32, name, "float32");
+  check_contiguous(t, name);
+  TVM_FFI_ICHECK(t.ndim() == 2 && t.size(0) == cache.size(0) && t.size(1) == cache.size(1))
+      << name << " must be [" << cache.size(0) << ", " << cache.size(1)
+      << "] (one scale per slot and KV head)";
+}
+
+// Checks what both entry points share and fills every field but the pool's.
+RopeKvArgs check_args(const TensorView& positions, const TensorView& q, const TensorView& k,
+                      const TensorView& v, const TensorView& cos_sin_cache,
+                      const TensorView& slot_mapping, const tvm::ffi::Optional<TensorView>& q_norm,
+                      const tvm::ffi::Optional<TensorView>& k_norm, double eps, int64_t head_dim,
+                      bool is_neox) {
   int dev = q.device().device_id;
   for (const TensorView* t : {&positions, &k, &v, &cos_sin_cache, &slot_mapping}) {
     check_gpu(*t, "every argument", dev);
   }
-  FloatType ft = float_type(q, "q");
+  float_type(q, "q");
   check_same_dtype(k, q, "k", "q");
   check_same_dtype(v, q, "v", "q");
   check_dtype(positions, kDLInt, 64, "positions", "int64");
@@ -147,33 +212,91 @@ void rope_store_kv(TensorView positions, TensorView q, TensorView k, TensorView 
   int64_t rot = cos_sin_cache.size(1);
   TVM_FFI_ICHECK(head_dim > 0 && rot % 2 == 0 && rot > 0 && rot <= head_dim)
       << "cos_sin_cache's rot_dim " << rot << " must be even and at most head_dim " << head_dim;
-  RopeKvArgs a{data_of<int64_t>(positions), data_of<int64_t>(slot_mapping), data_of<void>(q),
-               data_of<void>(k), data_of<void>(v), data_of<void>(k_cache),
-               data_of<void>(v_cache), data_of<float>(cos_sin_cache),
-               norm_of(q_norm, q, head_dim, "q_norm"), norm_of(k_norm, q, head_dim, "k_norm"),
-               0, 0, 0, cos_sin_cache.size(0), k_cache.size(0), 0, 0,
-               static_cast<int>(head_dim), static_cast<int>(rot), static_cast<float>(eps),
-               is_neox};
+  RopeKvArgs a{};
+  a.positions = data_of<int64_t>(positions);
+  a.slots = data_of<int64_t>(slot_mapping);
+  a.q = data_of<void>(q);
+  a.k = data_of<void>(k);
+  a.v = data_of<void>(v);
+  a.cos_sin = data_of<float>(cos_sin_cache);
+  a.q_norm = norm_of(q_norm, q, head_dim, "q_norm");
+  a.k_norm = norm_of(k_norm, q, head_dim, "k_norm");
+  a.max_pos = cos_sin_cache.size(0);
+  a.head_dim = static_cast<int>(head_dim);
+  a.rot_dim = static_cast<int>(rot);
+  a.eps = static_cast<float>(eps);
+  a.neox = is_neox;
   a.q_heads = heads_of(q, tokens, head_dim, "q", &a.q_stride);
   a.kv_heads = heads_of(k, tokens, head_dim, "k", &a.k_stride);
   TVM_FFI_ICHECK(heads_of(v, tokens, head_dim, "v", &a.v_stride) == a.kv_heads)
       << "k and v must have the same number of heads";
-  check_cache(k_cache, q, a.kv_heads, head_dim, "k_cache");
-  check_cache(v_cache, q, a.kv_heads, head_dim, "v_cache");
-  TVM_FFI_ICHECK(v_cache.size(0) == k_cache.size(0)) << "k_cache and v_cache must match";
+  return a;
+}
+
+template <bool kFp8>
+void launch(const RopeKvArgs& a, const TensorView& q, const char* name) {
+  int64_t tokens = q.size(0);
   if (tokens == 0) return;
-  DeviceGuard guard(dev);
+  DeviceGuard guard(q.device().device_id);
   int heads = a.q_heads + 2 * a.kv_heads;
   dim3 grid(static_cast<unsigned>(tokens),
             static_cast<unsigned>(ceil_div(heads, kHeadsPerBlock)));
   cudaStream_t stream = stream_for(q);
-  FT_CUDA_DISPATCH_FLOAT(ft, T, {
-    rope_store_kv_kernel<T><<<grid, kHeadsPerBlock * kWarp, 0, stream>>>(a);
+  FT_CUDA_DISPATCH_FLOAT(float_type(q, "q"), T, {
+    size_t stage = kFp8 ? sizeof(T) * kHeadsPerBlock * a.head_dim : 0;  // one k row per warp
+    rope_store_kv_kernel<T, kFp8><<<grid, kHeadsPerBlock * kWarp, stage, stream>>>(a);
   });
-  check_launch("rope_store_kv");
+  check_launch(name);
+}
+
+/*! \brief q/k norm (optional, per head) + rope on q (in place) and k, k and v into the pool. */
+void rope_store_kv(TensorView positions, TensorView q, TensorView k, TensorView v,
+                   TensorView cos_sin_cache, TensorView k_cache, TensorView v_cache,
+                   TensorView slot_mapping, tvm::ffi::Optional<TensorView> q_norm,
+                   tvm::ffi::Optional<TensorView> k_norm, double eps, int64_t head_dim,
+                   bool is_neox) {
+  RopeKvArgs a = check_args(positions, q, k, v, cos_sin_cache, slot_mapping, q_norm, k_norm,
+                            eps, head_dim, is_neox);
+  check_cache(k_cache, q, a.kv_heads, head_dim, "k_cache");
+  check_cache(v_cache, q, a.kv_heads, head_dim, "v_cache");
+  TVM_FFI_ICHECK(v_cache.size(0) == k_cache.size(0)) << "k_cache and v_cache must match";
+  a.k_cache = data_of<void>(k_cache);
+  a.v_cache = data_of<void>(v_cache);
+  a.num_slots = k_cache.size(0);
+  launch<false>(a, q, "rope_store_kv");
+}
+
+/*!
+ * \brief rope_store_kv into the FP8 pool: k (normed, rotated, rounded to q's dtype) and v
+ * quantized into e4m3 codes k_cache, v_cache uint8 [S, Hk, D] with scales k_scale, v_scale
+ * float32 [S, Hk], as store_kv_fp8 writes them.
+ */
+void rope_store_kv_fp8(TensorView positions, TensorView q, TensorView k, TensorView v,
+                       TensorView cos_sin_cache, TensorView k_cache, TensorView v_cache,
+                       TensorView k_scale, TensorView v_scale, TensorView slot_mapping,
+                       tvm::ffi::Optional<TensorView> q_norm,
+                       tvm::ffi::Optional<TensorView> k_norm, double eps, int64_t head_dim,
+                       bool is_neox) {
+  RopeKvArgs a = check_args(positions, q, k, v, cos_sin_cache, slot_mapping, q_norm, k_norm,
+                            eps, head_dim, is_neox);
+  check_cache(k_cache, q, a.kv_heads, head_dim, "k_cache", true);
+  check_cache(v_cache, q, a.kv_heads, head_dim, "v_cache", true);
+  TVM_FFI_ICHECK(v_cache.size(0) == k_cache.size(0)) << "k_cache and v_cache must match";
+  check_scales(k_scale, k_cache, "k_scale");
+  check_scales(v_scale, v_cache, "v_scale");
+  // the staged k rows: kHeadsPerBlock of them within the default 48 KiB of shared memory
+  TVM_FFI_ICHECK(head_dim * kHeadsPerBlock * 4 <= (48 << 10))
+      << "head_dim " << head_dim << " is too large for rope_store_kv_fp8 (at most 1536)";
+  a.k_cache = data_of<void>(k_cache);
+  a.v_cache = data_of<void>(v_cache);
+  a.k_scale = data_of<float>(k_scale);
+  a.v_scale = data_of<float>(v_scale);
+  a.num_slots = k_cache.size(0);
+  launch<true>(a, q, "rope_store_kv_fp8");
 }
 
 }  // namespace
 }  // namespace freetoken
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_store_kv, freetoken::rope_store_kv);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_store_kv_fp8, freetoken::rope_store_kv_fp8);

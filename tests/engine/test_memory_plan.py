@@ -189,3 +189,26 @@ def test_a_state_pool_that_does_not_fit_is_refused_with_its_numbers():
     with pytest.raises(MemoryPlanError, match="--max-num-seqs"):
         plan_host(HYBRID, pinned_experts=False, num_tokens=4096, available=4 * GIB,
                   on_cpu=True, state_slots=64, snapshots=128)
+
+
+def test_fp8_kv_holds_the_full_context_in_24_gib_with_more_room_for_experts():
+    """Qwen3.6-35B-A3B at its 262,144-token context on a 24 GiB card: an FP8 pool takes 10,400
+    bytes a token (10 layers x K and V x 2 heads x 256 x (1 + 4/256): a byte an element and a
+    float32 scale per head), about half of bf16's, and `auto` gives the experts what it saves."""
+    import dataclasses
+
+    cfg = qwen36_config()
+    fp8_token = ModelSizes.of(cfg, "bfloat16", "fp8").kv_bytes_per_token
+    assert fp8_token == 10 * 2 * 2 * 256 + 10 * 2 * 2 * 4 == 10_400
+    plans = {}
+    for name, per_token in (("bf16", HYBRID.kv_bytes_per_token), ("fp8", fp8_token)):
+        sizes = dataclasses.replace(HYBRID, kv_bytes_per_token=per_token)
+        plans[name] = plan_gpu(sizes, rate="auto", num_tokens=262144, free=23 * GIB,
+                               total=24 * GIB, workspace=WS, min_tokens=4096, state_slots=1,
+                               snapshots=2)
+    (bf16, bf16_rate, _), (fp8, fp8_rate, fp8_tokens) = plans["bf16"], plans["fp8"]
+    assert fp8_tokens == 262144 and fp8.pools["kv"] == 262144 * 10_400 and fp8.needed <= fp8.free
+    assert fp8_rate > bf16_rate
+    saved = bf16.pools["kv"] - fp8.pools["kv"]
+    assert fp8.pools["expert_cache"] - bf16.pools["expert_cache"] == pytest.approx(
+        saved, abs=2 * HYBRID.expert_bytes)

@@ -23,19 +23,27 @@ struct Problem {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start;
-  FloatType q_type, out_type, cache_type;
-  ConvertRow convert;  // cache rows to f32 (unused for f32 caches)
+  FloatType q_type, out_type, cache_type;  // cache_type unused for an FP8 pool
+  ConvertRow convert;  // cache rows to f32 (unused for f32 caches and FP8 pools)
+  const float* k_scale = nullptr;  // FP8 pool: one scale per (slot, KV head); null otherwise
+  const float* v_scale = nullptr;
   float* partials;     // split tasks write their rows' [m, l, acc[D]] here
 };
 
-/*! \brief Checks dtypes, ranks and shapes; fills the head counts and dims. */
+/*! \brief Checks dtypes, ranks and shapes; fills the head counts and dims. An FP8 pool
+ * (`fp8`) is uint8 e4m3 codes; its scales are checked by check_fp8_scales. */
 inline Problem check_problem(const TensorView& out, const TensorView& q,
                              const TensorView& k_cache, const TensorView& v_cache,
-                             int64_t block_size, int64_t sliding_window) {
+                             int64_t block_size, int64_t sliding_window, bool fp8 = false) {
   Problem p{};
   p.q_type = float_type(q, "q");
   p.out_type = float_type(out, "out");
-  p.cache_type = float_type(k_cache, "k_cache");
+  if (fp8) {
+    check_dtype(k_cache, kDLUInt, 8, "k_cache", "uint8 (e4m3 codes)");
+    p.cache_type = FloatType::kF32;
+  } else {
+    p.cache_type = float_type(k_cache, "k_cache");
+  }
   check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
   check_ndim(q, 3, "q");
   check_ndim(out, 3, "out");
@@ -60,6 +68,20 @@ inline Problem check_problem(const TensorView& out, const TensorView& q,
       << k_cache.size(0) << " slots";
   TVM_FFI_ICHECK(sliding_window >= 0) << "sliding_window must be >= 0, got " << sliding_window;
   return p;
+}
+
+/*! \brief An FP8 pool's scales: float32 [S, Hk], one per (slot, KV head) of k_cache. */
+inline void check_fp8_scales(Problem& p, const TensorView& k_cache, const TensorView& k_scale,
+                             const TensorView& v_scale) {
+  for (auto [t, name] : {std::pair{&k_scale, "k_scale"}, {&v_scale, "v_scale"}}) {
+    check_dtype(*t, kDLFloat, 32, name, "float32");
+    check_contiguous(*t, name);
+    TVM_FFI_ICHECK(t->ndim() == 2 && t->size(0) == k_cache.size(0) &&
+                   t->size(1) == k_cache.size(1))
+        << name << " must be [S, Hk] = [" << k_cache.size(0) << ", " << k_cache.size(1) << "]";
+  }
+  p.k_scale = data_of<float>(k_scale);
+  p.v_scale = data_of<float>(v_scale);
 }
 
 // Lengths, strides and data pointers of a checked problem.

@@ -67,7 +67,8 @@ from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKE
               help="GPU: schedule the next decode step while the current one runs.")
 @click.option("--kv-dtype", default=EngineConfig.kv_dtype, show_default=True,
               type=click.Choice(KV_DTYPES),
-              help="KV pool dtype: auto = float16 on the CPU, the activation dtype on a GPU.")
+              help="KV pool dtype: auto = float16 on the CPU, the activation dtype on a GPU; "
+                   "fp8 = e4m3 with a scale per token and head (about half of bf16's bytes).")
 @click.option("--max-output-tokens", default=ServerConfig.max_output_tokens, type=click.IntRange(1),
               help="max_tokens of requests that omit it, and the cap for those asking more "
                    "(default: up to the context).")

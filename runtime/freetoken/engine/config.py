@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 SAMPLING_DEFAULT_MODES = ("model", "none")
 DEVICES = ("auto", "cpu", "cuda")
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
 # speculative decoding (engine/speculative.py): off, prompt lookup, the model's MTP block, or
 # auto (the MTP block where the model has one, else prompt lookup); drafts per step
 SPECULATIVE_METHODS = ("off", "ngram", "mtp", "auto")
@@ -111,7 +111,8 @@ class EngineConfig:
     device: "auto" (cuda when available), "cpu" or "cuda[:N]".
     cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start.
     kv_dtype: KV pool dtype; "auto" = float16 on the CPU (half the memory and bandwidth of
-        its float32 activations), the activation dtype on a GPU.
+        its float32 activations), the activation dtype on a GPU; "fp8" = e4m3 with a float32
+        scale per token and KV head (about half of bf16's bytes).
     prefix_cache: keep full KV pages after a request ends, keyed by a hash chain of their
         tokens, and start later requests with the same prefix from them.
     overlap: on a GPU, schedule and prepare the next decode step while the current one runs
@@ -188,9 +189,12 @@ def resolve_device(device: str) -> str:
 
 def resolve_kv_dtype(kv_dtype: str, on_cpu: bool, activation_dtype: str) -> str:
     """The KV pool dtype: auto -> float16 on the CPU, the activation dtype on a GPU (where the
-    attention kernels read the pool in the activation dtype)."""
+    attention kernels read the pool in the activation dtype); fp8 (e4m3 with a scale per
+    token and KV head, models/batch.py Fp8Pool) on either."""
     if kv_dtype == "auto":
         return "float16" if on_cpu else activation_dtype
+    if kv_dtype == "fp8":
+        return kv_dtype
     if on_cpu and kv_dtype == "bfloat16":
         raise EngineConfigError("kv_dtype bfloat16 is not available on the CPU; use float16 "
                                 "or float32")

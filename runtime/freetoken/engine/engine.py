@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from freetoken import env
 from freetoken.engine.admission import AdmissionGate, check_request
-from freetoken.engine.config import EngineConfig, resolve_engine_config, resolve_kv_dtype
+from freetoken.engine.config import (EngineConfig, EngineConfigError, resolve_engine_config,
+                                     resolve_kv_dtype)
 from freetoken.engine.detokenizer import IncrementalDetokenizer
 from freetoken.engine.faults import RequestFault, has_fault_marker, raise_injected_faults
 from freetoken.engine.guide import Guide, apply_guides
@@ -82,6 +83,9 @@ class Engine(OverlapSteps, SpeculativeSteps):
         self.arrays = model.arrays
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.arrays.device.is_cpu,
                                          model.dtype)
+        if self.kv_dtype == "fp8" and getattr(model, "tensor_parallel_size", 1) > 1:
+            raise EngineConfigError("--kv-dtype fp8 is not available with tensor parallelism "
+                                    "yet; use --kv-dtype auto")
         self.states = None
         if getattr(model.config, "linear", None) is not None:
             self.states = StateSlots(self.config.max_num_seqs, KVCache.bytes_per_state_slot(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from freetoken.engine.config import GIB, MIB, EngineConfigError, GpuMemoryLimit
+from freetoken.models.batch import kv_bytes_per_element
 
 if TYPE_CHECKING:
     from freetoken.models.checkpoint.footprint import WeightBytes
@@ -72,7 +73,8 @@ class ModelSizes:
         the weights' dtype arithmetic where the reader could tell; without it every parameter
         counts at the dtype's bytes. `mtp_kv`: the MTP block drafts, its K/V pool (one
         attention layer per MTP layer, engine/mtp_drafts.py) beside the model's."""
-        item, kv_item = _ITEM[dtype], _ITEM[kv_dtype or dtype]
+        item = _ITEM[dtype]
+        kv_item = kv_bytes_per_element(kv_dtype or dtype, cfg.head_dim)
         moe = cfg.moe
         expert_params = 3 * cfg.hidden_size * moe.intermediate_size if moe else 0
         layers = sum(moe.sparse_layers) if moe else 0
@@ -80,7 +82,7 @@ class ModelSizes:
         kv_layers = len(cfg.kv_layers)   # GDN layers keep no K/V
         if mtp_kv and getattr(cfg, "mtp_num_hidden_layers", 0):
             kv_layers += cfg.mtp_num_hidden_layers
-        kv = 2 * kv_layers * cfg.kv_size * kv_item
+        kv = round(2 * kv_layers * cfg.kv_size * kv_item)
         other = (cfg.num_params - expert_params * experts * layers) * item
         resident = slot = expert_params * item
         if weights is not None:

@@ -93,6 +93,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _fn("store_kv", k.device)(k, v, k_cache, v_cache, slot_mapping)
 
 
+def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """store_kv into the FP8 pool: k, v [T, Hk, D] (f32, f16 or bf16; rows may be strided);
+    k_cache, v_cache uint8 [S, Hk, D] of e4m3fn codes and k_scale, v_scale float32 [S, Hk],
+    so that row (s, h) reads code[s, h, i] * scale[s, h]. Each written row gets scale =
+    max |x| / 448 (1 for an all-zero row) and codes e4m3(x / scale), rounded to nearest even
+    (kernels/include/freetoken/fp8_encode.h: the CPU and GPU store the same bytes);
+    slot_mapping int64 [T], a negative slot is skipped."""
+    _fn("store_kv_fp8", k.device)(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+
 def embedding(out: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
     """out[T, D] = table[ids]; ids int64 [T]. An id outside the table raises on CPU; on the GPU
     it writes a zero row (raising would need a device sync)."""
@@ -120,6 +131,24 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     else:
         fn(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
            sliding_window, workspace)
+
+
+def paged_attention_fp8(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, block_size: int, scale: float,
+                        sliding_window: int = 0, workspace: torch.Tensor | None = None) -> None:
+    """paged_attention over the FP8 pool that store_kv_fp8 writes: k_cache, v_cache uint8
+    [S, Hk, D] of e4m3fn codes, k_scale, v_scale float32 [S, Hk]; key/value row (s, h) is
+    code[s, h, :] * scale[s, h]. q and out bf16 or f16 on the GPU; the rest as paged_attention
+    (workspace included)."""
+    fn = _fn("paged_attention_fp8", q.device)
+    if workspace is None:
+        fn(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+           block_size, scale, sliding_window)
+    else:
+        fn(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+           block_size, scale, sliding_window, workspace)
 
 
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
@@ -400,6 +429,20 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     land in the caches [S, Hk, D] at slot_mapping (k itself is left as it was)."""
     _fn("rope_store_kv", q.device)(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                    slot_mapping, q_norm, k_norm, eps, head_dim, is_neox)
+
+
+def rope_store_kv_fp8(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                      slot_mapping: torch.Tensor, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float, head_dim: int,
+                      is_neox: bool) -> None:
+    """rope_store_kv into the FP8 pool: k (normed and rotated, rounded to q's dtype as
+    rope_store_kv stores it) and v are quantized as store_kv_fp8 quantizes them, into k_cache,
+    v_cache uint8 [S, Hk, D] (e4m3fn codes) and k_scale, v_scale float32 [S, Hk]."""
+    _fn("rope_store_kv_fp8", q.device)(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                       k_scale, v_scale, slot_mapping, q_norm, k_norm, eps,
+                                       head_dim, is_neox)
 
 
 def scaled_gemv(out: torch.Tensor, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,

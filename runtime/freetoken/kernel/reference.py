@@ -69,6 +69,34 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     v_cache[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_fp8_rows(x):
+    """uint8 e4m3fn codes and float32 scales [...] of rows x [..., D], as store_kv_fp8 writes
+    them: scale = max |x| / 448 (1 for an all-zero row), code = e4m3(x / scale), rounded to
+    nearest even (torch's float8 conversion)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    codes = (xf / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, scale
+
+
+def dequantize_fp8_rows(codes, scale):
+    """float32 values of an FP8 pool: codes uint8 [..., D] (e4m3fn) times scale [...]."""
+    return codes.view(torch.float8_e4m3fn).float() * scale[..., None]
+
+
+def store_kv_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        codes, scale = quantize_fp8_rows(x[keep])
+        cache[slots] = codes
+        scales[slots] = scale
+
+
 def embedding(out, ids, table):
     out.copy_(table[ids].to(out.dtype))
 
@@ -94,6 +122,14 @@ def paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_star
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hts,shd->thd", probs, vals).to(out.dtype)
+
+
+def paged_attention_fp8(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                        query_start_loc, block_size, scale, sliding_window=0, workspace=None):
+    """paged_attention over the FP8 pool's values, dequantized to float32."""
+    paged_attention(out, q, dequantize_fp8_rows(k_cache, k_scale),
+                    dequantize_fp8_rows(v_cache, v_scale), block_tables, seq_lens,
+                    query_start_loc, block_size, scale, sliding_window)
 
 
 def unpadded(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -373,10 +409,8 @@ def _epilogue(out, y, bias, mode):
         silu_and_mul(out, y.to(out.dtype))
 
 
-def rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm,
-                  k_norm, eps, head_dim, is_neox):
-    """The unfused chain: [per-head rms_norm of q and k], rotary_embedding, store_kv; q is
-    written in place, k and v are left as they are."""
+def _rope_qk(positions, q, k, cos_sin_cache, q_norm, k_norm, eps, head_dim, is_neox):
+    """[per-head rms_norm of q and k], rotary_embedding: q in place; the new k [T, Hk, D]."""
     t = q.shape[0]
     qh, kh = q.reshape(t, -1, head_dim).clone(), k.reshape(t, -1, head_dim).clone()
     if q_norm is not None:
@@ -385,7 +419,23 @@ def rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapp
     qf, kf = qh.view(t, -1), kh.view(t, -1)
     rotary_embedding(positions, qf, kf, cos_sin_cache, head_dim, is_neox)
     q.copy_(qf)
-    store_kv(kh, v.reshape(t, -1, head_dim), k_cache, v_cache, slot_mapping)
+    return kh
+
+
+def rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm,
+                  k_norm, eps, head_dim, is_neox):
+    """The unfused chain: [per-head rms_norm of q and k], rotary_embedding, store_kv; q is
+    written in place, k and v are left as they are."""
+    kh = _rope_qk(positions, q, k, cos_sin_cache, q_norm, k_norm, eps, head_dim, is_neox)
+    store_kv(kh, v.reshape(q.shape[0], -1, head_dim), k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kv_fp8(positions, q, k, v, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
+                      slot_mapping, q_norm, k_norm, eps, head_dim, is_neox):
+    """rope_store_kv's chain with store_kv_fp8 as its store."""
+    kh = _rope_qk(positions, q, k, cos_sin_cache, q_norm, k_norm, eps, head_dim, is_neox)
+    store_kv_fp8(kh, v.reshape(q.shape[0], -1, head_dim), k_cache, v_cache, k_scale, v_scale,
+                 slot_mapping)
 
 
 def _scaled_values(data, scales, row_scale, fmt, block_n, block_k):

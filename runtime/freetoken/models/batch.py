@@ -50,8 +50,51 @@ class MultimodalBatch:
     embeds: list = field(default_factory=list)   # (token row, [count, hidden] on the device)
 
 
+FP8_KV = "fp8"   # the KV dtype name of the FP8 pool (Fp8Pool)
+
+
+@dataclass
+class Fp8Pool:
+    """One layer's K or V pool in FP8 (kernels/include/freetoken/fp8_encode.h): e4m3 codes
+    uint8 [S, Hk, D] and one float32 scale per (slot, KV head) [S, Hk], the row's largest
+    magnitude / 448, fixed when its token is written. Slicing the slot axis slices both, so
+    code that copies pools (live resize) treats it as one array."""
+
+    codes: Any
+    scales: Any
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) if hasattr(a, "nbytes") and not callable(a.nbytes)
+                   else a.numel() * a.element_size() for a in (self.codes, self.scales))
+
+    def __getitem__(self, slots) -> Fp8Pool:
+        return Fp8Pool(self.codes[slots], self.scales[slots])
+
+    def __setitem__(self, slots, other: Fp8Pool) -> None:
+        self.codes[slots] = other.codes
+        self.scales[slots] = other.scales
+
+    def map(self, fn) -> Fp8Pool:
+        """The pool with `fn` applied to both arrays (e.g. as kernel arguments)."""
+        return Fp8Pool(fn(self.codes), fn(self.scales))
+
+
+def kv_bytes_per_element(dtype: str, head_dim: int) -> float:
+    """Bytes a K or V pool keeps per element: the dtype's, or FP8's byte plus its share of the
+    row's float32 scale."""
+    if dtype == FP8_KV:
+        return 1 + 4 / head_dim
+    return 4 if dtype == "float32" else 2
+
+
 class KVCache:
-    """Per-layer K and V pools of `num_blocks * block_size` slots: [S, Hk, D] each.
+    """Per-layer K and V pools of `num_blocks * block_size` slots: [S, Hk, D] each (an Fp8Pool
+    per layer and side with dtype "fp8").
 
     A hybrid model's GDN layers keep no K/V: their k entry is the conv state [N, C, K-1]
     (activation dtype) and their v entry the delta-rule state f32 [N, Hv, dk, dv], for
@@ -69,6 +112,12 @@ class KVCache:
         # the OS maps its pages on first write (fast start, RSS grows with use). CUDA graphs
         # may read padding slots, which must hold finite values: zero them there.
         def alloc():
+            if dtype == FP8_KV:
+                pool = Fp8Pool(arrays.empty(shape, "uint8"), arrays.empty(shape[:2], "float32"))
+                if not arrays.device.is_cpu:
+                    pool.codes.zero_()
+                    pool.scales.fill_(1.0)
+                return pool
             pool = arrays.empty(shape, dtype)
             if not arrays.device.is_cpu:
                 pool.zero_()
@@ -77,7 +126,8 @@ class KVCache:
         self.k = [alloc() for _ in config.kv_layers]
         self.v = [alloc() for _ in config.kv_layers]
         if config.linear is not None:   # conv states hold activations: the model's dtype
-            self._add_states(config, state_dtype or dtype, arrays)
+            fallback = "float32" if dtype == FP8_KV else dtype
+            self._add_states(config, state_dtype or fallback, arrays)
 
     def _add_states(self, config: ModelConfig, dtype: str,
                     arrays: HostArrays | TorchArrays) -> None:
@@ -104,8 +154,8 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: str) -> int:
-        item = 4 if dtype == "float32" else 2
-        return 2 * len(config.kv_layers) * config.kv_size * item
+        item = kv_bytes_per_element(dtype, config.head_dim)
+        return round(2 * len(config.kv_layers) * config.kv_size * item)
 
     @staticmethod
     def bytes_per_state_slot(config: ModelConfig, dtype: str) -> int:

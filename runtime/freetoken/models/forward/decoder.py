@@ -13,7 +13,7 @@ import numpy as np
 
 from freetoken.arrays import Device, HostArrays, TorchArrays, array_view, is_torch
 from freetoken.kernel import ops
-from freetoken.models.batch import Array, ForwardBatch, KVCache
+from freetoken.models.batch import Array, ForwardBatch, Fp8Pool, KVCache
 from freetoken.models.checkpoint.weights import DecoderWeights, LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward import dequant, fused_decode, moe_decode
@@ -53,6 +53,36 @@ class Kernels:
         # every decode batch); the CPU kernel takes none.
         self.attn_extra = (() if device.is_cpu else (arrays.empty(1 << 20, "float32"),))
         self.arg = arrays.kernel_arg
+        fp8_kv_ops(self, device)
+
+    def kv_arg(self, pool: Array) -> Array:
+        """A K or V pool as a kernel argument (both arrays of an FP8 pool)."""
+        return pool.map(self.arg) if isinstance(pool, Fp8Pool) else self.arg(pool)
+
+
+def fp8_kv_ops(kernels: Kernels, device) -> None:
+    """store_kv and paged_attention that take an FP8 pool (models/batch.py Fp8Pool) as well:
+    its codes and scales go to the _fp8 kernels, bound on first use."""
+    store, attend, fp8 = kernels.store_kv, kernels.paged_attention, {}
+
+    def bound(name: str):
+        if name not in fp8:
+            fp8[name] = ops.bind(name, device)
+        return fp8[name]
+
+    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+        if not isinstance(k_cache, Fp8Pool):
+            return store(k, v, k_cache, v_cache, slot_mapping)
+        return bound("store_kv_fp8")(k, v, k_cache.codes, v_cache.codes, k_cache.scales,
+                                     v_cache.scales, slot_mapping)
+
+    def paged_attention(out, q, k_cache, v_cache, *rest):
+        if not isinstance(k_cache, Fp8Pool):
+            return attend(out, q, k_cache, v_cache, *rest)
+        return bound("paged_attention_fp8")(out, q, k_cache.codes, v_cache.codes,
+                                            k_cache.scales, v_cache.scales, *rest)
+
+    kernels.store_kv, kernels.paged_attention = store_kv, paged_attention
 
 
 class DecoderLayer:
@@ -254,7 +284,7 @@ class Decoder:
     def _kv_caches(self, kv: KVCache) -> tuple[list, list]:
         """The pools as kernel arguments, converted once per KV cache."""
         if self._kv_args[0] is not kv:
-            arg = self._k.arg
+            arg = self._k.kv_arg
             self._kv_args = (kv, [arg(k) for k in kv.k], [arg(v) for v in kv.v])
         return self._kv_args[1], self._kv_args[2]
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from freetoken.arrays import array_view
 from freetoken.kernel import ops
-from freetoken.models.batch import Array, ForwardBatch
+from freetoken.models.batch import Array, ForwardBatch, Fp8Pool
 from freetoken.models.checkpoint.weights import LayerWeights
 from freetoken.models.config import ModelConfig, QuantWeight
 from freetoken.models.forward import quant_gemv
@@ -348,6 +348,7 @@ class FusedLayer:
                  rope: Array, kernels: Kernels, sms: int, device):
         self.attn, self.mlp, self.ops = layer.attn, layer.mlp, kernels
         self.rope_store_kv = ops.bind("rope_store_kv", device)
+        self._fp8_store, self._device = None, device   # the FP8 pool's, bound on first use
         self.input_norm, self.post_norm = w["input_norm"], w["post_norm"]
         self.rope, self.eps = rope, cfg.rms_norm_eps
         h = cfg.hidden_size
@@ -380,6 +381,11 @@ class FusedLayer:
             projections += [self.gate_up, self.down]
         self.max_tokens = min(p.max_tokens for p in projections)
 
+    def _rope_store_kv_fp8(self):
+        if self._fp8_store is None:
+            self._fp8_store = ops.bind("rope_store_kv_fp8", self._device)
+        return self._fp8_store
+
     def forward(self, w: WorkViews, batch: ForwardBatch, k_cache: Array, v_cache: Array,
                 block_size: int) -> None:
         """w.residual holds this layer's input; on return, its output (neither normed).
@@ -406,9 +412,15 @@ class FusedLayer:
         if self.o_gate is not None:   # the same normed input (or prologue) as qkv's
             self.o_gate(w.attn_gate, x, t, norm, eps)
         q, k, v = w.qkv_cols  # the projection's own columns: no q/k copies on this path
-        self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
-                           batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
-                           a.is_neox)
+        if isinstance(k_cache, Fp8Pool):
+            self._rope_store_kv_fp8()(batch.positions, q, k, v, self.rope, k_cache.codes,
+                                      v_cache.codes, k_cache.scales, v_cache.scales,
+                                      batch.slot_mapping, self.q_norm, self.k_norm, eps,
+                                      a.head_dim, a.is_neox)
+        else:
+            self.rope_store_kv(batch.positions, q, k, v, self.rope, k_cache, v_cache,
+                               batch.slot_mapping, self.q_norm, self.k_norm, eps, a.head_dim,
+                               a.is_neox)
         self.ops.paged_attention(w.attn3, w.q3_cols, k_cache, v_cache, batch.block_tables,
                                  batch.seq_lens, batch.query_start_loc, block_size, a.scale,
                                  a.window, *self.ops.attn_extra)

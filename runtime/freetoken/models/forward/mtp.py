@@ -109,7 +109,7 @@ class MTPBlock:
 
     def _kv_caches(self, kv: KVCache) -> tuple[list, list]:
         if self._kv_args[0] is not kv:
-            arg = self._k.arg
+            arg = self._k.kv_arg
             self._kv_args = (kv, [arg(k) for k in kv.k], [arg(v) for v in kv.v])
         return self._kv_args[1], self._kv_args[2]
 
