@@ -51,15 +51,18 @@ RowView checked_rows(const TensorView& src, const TensorView& cache, const char*
   return view;
 }
 
-void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
-              TensorView slot_mapping) {
+// slot_mapping's length, once it is checked to be int64 [T].
+int64_t slot_count(const TensorView& slot_mapping) {
   check_contiguous(slot_mapping, "slot_mapping");
   check_dtype(slot_mapping, kDLInt, 64, "slot_mapping", "int64");
   check_ndim(slot_mapping, 1, "slot_mapping");
-  const int64_t tokens = slot_mapping.size(0);
-  RowView kv = checked_rows(k, k_cache, "k", "k_cache", tokens);
-  RowView vv = checked_rows(v, v_cache, "v", "v_cache", tokens);
-  const int64_t num_slots = k_cache.size(0);
+  return slot_mapping.size(0);
+}
+
+// The slots, each checked to lie inside both pools (workers never see a bad index).
+const int64_t* checked_slots(const TensorView& slot_mapping, const TensorView& k_cache,
+                             const TensorView& v_cache) {
+  const int64_t num_slots = k_cache.size(0), tokens = slot_mapping.size(0);
   TVM_FFI_ICHECK(v_cache.size(0) == num_slots)
       << "k_cache and v_cache must have the same number of slots";
   const int64_t* slots = data_of<int64_t>(slot_mapping);
@@ -68,6 +71,15 @@ void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache
         << "slot_mapping[" << t << "] = " << slots[t] << " is outside the KV pool (" << num_slots
         << " slots)";
   }
+  return slots;
+}
+
+void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
+              TensorView slot_mapping) {
+  const int64_t tokens = slot_count(slot_mapping);
+  RowView kv = checked_rows(k, k_cache, "k", "k_cache", tokens);
+  RowView vv = checked_rows(v, v_cache, "v", "v_cache", tokens);
+  const int64_t* slots = checked_slots(slot_mapping, k_cache, v_cache);
   store_rows(k, kv, k_cache, slots);
   store_rows(v, vv, v_cache, slots);
 }
@@ -118,22 +130,11 @@ void check_fp8_pool(const TensorView& src, const TensorView& codes, const Tensor
 
 void store_kv_fp8(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
                   TensorView k_scale, TensorView v_scale, TensorView slot_mapping) {
-  check_contiguous(slot_mapping, "slot_mapping");
-  check_dtype(slot_mapping, kDLInt, 64, "slot_mapping", "int64");
-  check_ndim(slot_mapping, 1, "slot_mapping");
-  const int64_t tokens = slot_mapping.size(0);
+  const int64_t tokens = slot_count(slot_mapping);
   RowView kv, vv;
   check_fp8_pool(k, k_cache, k_scale, "k", "k_cache", "k_scale", tokens, &kv);
   check_fp8_pool(v, v_cache, v_scale, "v", "v_cache", "v_scale", tokens, &vv);
-  const int64_t num_slots = k_cache.size(0);
-  TVM_FFI_ICHECK(v_cache.size(0) == num_slots)
-      << "k_cache and v_cache must have the same number of slots";
-  const int64_t* slots = data_of<int64_t>(slot_mapping);
-  for (int64_t t = 0; t < tokens; ++t) {
-    TVM_FFI_ICHECK(slots[t] < num_slots)
-        << "slot_mapping[" << t << "] = " << slots[t] << " is outside the KV pool (" << num_slots
-        << " slots)";
-  }
+  const int64_t* slots = checked_slots(slot_mapping, k_cache, v_cache);
   const int64_t heads = k_cache.size(1);
   for (auto [src, view, codes, scales] :
        {std::tuple{&k, &kv, &k_cache, &k_scale}, std::tuple{&v, &vv, &v_cache, &v_scale}}) {

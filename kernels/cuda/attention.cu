@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "freetoken/cuda_common.cuh"
+#include "freetoken/fp8_kv.cuh"
 #include "freetoken/fp8_words.h"
 #include "freetoken/mma_tiles.cuh"
 
@@ -670,7 +671,7 @@ int choose_splits(const AttnParams& p, int num_tokens, int64_t max_context, int 
   return static_cast<int>(splits < 1 ? 1 : splits);
 }
 
-// `fp8`: the FP8 pool (uint8 codes; the scales are checked by check_scales), else q's dtype.
+// `fp8`: the FP8 pool (uint8 codes; its scales: fp8::check_scales), else q's dtype.
 void check_inputs(const TensorView& out, const TensorView& q, const TensorView& k_cache,
                   const TensorView& v_cache, const TensorView& block_tables,
                   const TensorView& seq_lens, const TensorView& qsl, int64_t block_size,
@@ -725,15 +726,6 @@ void check_inputs(const TensorView& out, const TensorView& q, const TensorView& 
       << "seq_lens must be a contiguous [B] tensor and block_tables [B, max_blocks]";
   TVM_FFI_ICHECK(qsl.ndim() == 1 && qsl.IsContiguous() && qsl.size(0) == b + 1)
       << "query_start_loc must be a contiguous [B+1] tensor";
-}
-
-void check_scales(const TensorView& t, const TensorView& cache, const char* name) {
-  check_gpu(t, name, cache.device().device_id);
-  check_dtype(t, kDLFloat, 32, name, "float32");
-  check_contiguous(t, name);
-  TVM_FFI_ICHECK(t.ndim() == 2 && t.size(0) == cache.size(0) && t.size(1) == cache.size(1))
-      << name << " must be [" << cache.size(0) << ", " << cache.size(1)
-      << "] (one scale per slot and KV head)";
 }
 
 // Both entry points: inputs checked, the pool's pointers in `p` (k_scale and v_scale null for a
@@ -836,8 +828,8 @@ void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, Tenso
                          tvm::ffi::Optional<TensorView> workspace) {
   check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
                true);
-  check_scales(k_scale, k_cache, "k_scale");
-  check_scales(v_scale, v_cache, "v_scale");
+  fp8::check_scales(k_scale, k_cache, "k_scale");
+  fp8::check_scales(v_scale, v_cache, "v_scale");
   AttnParams p{};
   p.k_cache = data_of<void>(k_cache);
   p.v_cache = data_of<void>(v_cache);

@@ -3,7 +3,7 @@
 // store_kv_fp8 quantizes the rows into the FP8 pool instead (freetoken/fp8_encode.h): one warp
 // per (token, KV head) row finds its largest magnitude, then writes the row's e4m3 codes.
 #include "freetoken/cuda_common.cuh"
-#include "freetoken/fp8_encode.h"
+#include "freetoken/fp8_kv.cuh"
 
 namespace freetoken {
 namespace {
@@ -40,20 +40,6 @@ void check_rows(const TensorView& t, const char* name, int64_t tokens, int64_t h
   TVM_FFI_ICHECK(t.size(2) <= 1 || t.stride(2) == 1) << name << "'s last dim must be contiguous";
 }
 
-// One (token, head) row into the FP8 pool: scale = largest |x| / 448, code = e4m3(x / scale),
-// with fp8_encode.h's helpers (IEEE division) so the CPU writer stores the same bytes.
-// NOTE: rope_kv.cu's rope_store_kv_fp8 quantizes its rows by the same rule (one source file per
-// registry kernel: no shared header).
-template <typename T>
-__device__ __forceinline__ void store_fp8_row(const T* src, uint8_t* codes, float* scale,
-                                              int head_dim, int lane) {
-  float amax = 0.f;
-  for (int d = lane; d < head_dim; d += kWarp) amax = fmaxf(amax, fabsf(to_float(src[d])));
-  const float s = fp8::row_scale(warp_max(amax));
-  for (int d = lane; d < head_dim; d += kWarp) codes[d] = fp8::float_to_e4m3(to_float(src[d]) / s);
-  if (lane == 0) *scale = s;
-}
-
 constexpr int kFp8RowsPerBlock = 4;  // one warp per row
 
 // Grid: (tokens, ceil(2 * heads / kFp8RowsPerBlock)); rows [0, heads) are k's, the rest v's.
@@ -72,23 +58,20 @@ __global__ void __launch_bounds__(kFp8RowsPerBlock * kWarp)
   int64_t row = slot * s.heads + h;  // the (slot, head) row of the codes and the scales
   const T* src = is_k ? k + t * s.k_token_stride + h * s.k_head_stride
                       : v + t * s.v_token_stride + h * s.v_head_stride;
-  store_fp8_row<T>(src, (is_k ? k_cache : v_cache) + row * s.head_dim,
+  fp8::store_row<T>(src, (is_k ? k_cache : v_cache) + row * s.head_dim,
                    (is_k ? k_scale : v_scale) + row, s.head_dim, threadIdx.x % kWarp);
 }
 
-/*! \brief k_cache[slot_mapping[t]] = k[t], v likewise; k [T, Hk, D], caches [S, Hk, D]. */
-void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
-              TensorView slot_mapping) {
+// What both stores check (the pools' dtypes are the caller's): one GPU, k and v rows [T, Hk, D]
+// beside pools [S, Hk, D], slot_mapping int64 [T]. Their shape and strides, and T.
+KvShape check_store(const TensorView& k, const TensorView& v, const TensorView& k_cache,
+                    const TensorView& v_cache, const TensorView& slot_mapping, int64_t* tokens) {
   int dev = k.device().device_id;
   check_gpu(k, "k", dev);
   check_gpu(v, "v", dev);
   check_gpu(k_cache, "k_cache", dev);
   check_gpu(v_cache, "v_cache", dev);
   check_gpu(slot_mapping, "slot_mapping", dev);
-  FloatType ft = float_type(k_cache, "k_cache");
-  check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
-  check_same_dtype(k, k_cache, "k", "k_cache");
-  check_same_dtype(v, k_cache, "v", "k_cache");
   check_dtype(slot_mapping, kDLInt, 64, "slot_mapping", "int64");
   check_ndim(k_cache, 3, "k_cache");
   check_contiguous(k_cache, "k_cache");
@@ -97,13 +80,25 @@ void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache
   check_rows(v_cache, "v_cache", slots, heads, head_dim);
   TVM_FFI_ICHECK(slot_mapping.ndim() == 1 && slot_mapping.IsContiguous())
       << "slot_mapping must be a contiguous 1-D tensor";
-  int64_t tokens = slot_mapping.size(0);
-  check_rows(k, "k", tokens, heads, head_dim);
-  check_rows(v, "v", tokens, heads, head_dim);
-  if (tokens == 0 || heads * head_dim == 0) return;
-  DeviceGuard guard(dev);
-  KvShape s{slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            static_cast<int>(heads), static_cast<int>(head_dim)};
+  *tokens = slot_mapping.size(0);
+  check_rows(k, "k", *tokens, heads, head_dim);
+  check_rows(v, "v", *tokens, heads, head_dim);
+  return KvShape{slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                 static_cast<int>(heads), static_cast<int>(head_dim)};
+}
+
+/*! \brief k_cache[slot_mapping[t]] = k[t], v likewise; k [T, Hk, D], caches [S, Hk, D]. */
+void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
+              TensorView slot_mapping) {
+  FloatType ft = float_type(k_cache, "k_cache");
+  check_same_dtype(v_cache, k_cache, "v_cache", "k_cache");
+  check_same_dtype(k, k_cache, "k", "k_cache");
+  check_same_dtype(v, k_cache, "v", "k_cache");
+  int64_t tokens;
+  KvShape s = check_store(k, v, k_cache, v_cache, slot_mapping, &tokens);
+  if (tokens == 0 || s.heads * s.head_dim == 0) return;
+  DeviceGuard guard(k.device().device_id);
+  const int64_t head_dim = s.head_dim;
   int64_t vec = ft == FloatType::kF32 ? 4 : 8;
   bool vec_ok = head_dim % vec == 0 && s.k_token_stride % vec == 0 &&
                 s.k_head_stride % vec == 0 && s.v_token_stride % vec == 0 &&
@@ -125,14 +120,6 @@ void store_kv(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache
   check_launch("store_kv");
 }
 
-void check_scales(const TensorView& t, const char* name, int dev, int64_t slots, int64_t heads) {
-  check_gpu(t, name, dev);
-  check_dtype(t, kDLFloat, 32, name, "float32");
-  check_contiguous(t, name);
-  TVM_FFI_ICHECK(t.ndim() == 2 && t.size(0) == slots && t.size(1) == heads)
-      << name << " must be [" << slots << ", " << heads << "] (one scale per slot and KV head)";
-}
-
 /*!
  * \brief Quantize k[t] and v[t] into the FP8 pool at slot_mapping[t] (negative: skipped);
  * k, v [T, Hk, D] float32/bfloat16/float16 (rows may be strided), caches uint8 [S, Hk, D] of
@@ -140,33 +127,17 @@ void check_scales(const TensorView& t, const char* name, int dev, int64_t slots,
  */
 void store_kv_fp8(TensorView k, TensorView v, TensorView k_cache, TensorView v_cache,
                   TensorView k_scale, TensorView v_scale, TensorView slot_mapping) {
-  int dev = k.device().device_id;
-  check_gpu(k, "k", dev);
-  check_gpu(v, "v", dev);
-  check_gpu(k_cache, "k_cache", dev);
-  check_gpu(v_cache, "v_cache", dev);
-  check_gpu(slot_mapping, "slot_mapping", dev);
   FloatType ft = float_type(k, "k");
   check_same_dtype(v, k, "v", "k");
   check_dtype(k_cache, kDLUInt, 8, "k_cache", "uint8 (e4m3 codes)");
   check_dtype(v_cache, kDLUInt, 8, "v_cache", "uint8 (e4m3 codes)");
-  check_dtype(slot_mapping, kDLInt, 64, "slot_mapping", "int64");
-  check_ndim(k_cache, 3, "k_cache");
-  check_contiguous(k_cache, "k_cache");
-  check_contiguous(v_cache, "v_cache");
-  int64_t slots = k_cache.size(0), heads = k_cache.size(1), head_dim = k_cache.size(2);
-  check_rows(v_cache, "v_cache", slots, heads, head_dim);
-  check_scales(k_scale, "k_scale", dev, slots, heads);
-  check_scales(v_scale, "v_scale", dev, slots, heads);
-  TVM_FFI_ICHECK(slot_mapping.ndim() == 1 && slot_mapping.IsContiguous())
-      << "slot_mapping must be a contiguous 1-D tensor";
-  int64_t tokens = slot_mapping.size(0);
-  check_rows(k, "k", tokens, heads, head_dim);
-  check_rows(v, "v", tokens, heads, head_dim);
-  if (tokens == 0 || heads * head_dim == 0) return;
-  DeviceGuard guard(dev);
-  KvShape s{slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            static_cast<int>(heads), static_cast<int>(head_dim)};
+  int64_t tokens;
+  KvShape s = check_store(k, v, k_cache, v_cache, slot_mapping, &tokens);
+  fp8::check_scales(k_scale, k_cache, "k_scale");
+  fp8::check_scales(v_scale, k_cache, "v_scale");
+  const int64_t heads = s.heads;
+  if (tokens == 0 || heads * s.head_dim == 0) return;
+  DeviceGuard guard(k.device().device_id);
   dim3 grid(static_cast<unsigned>(tokens),
             static_cast<unsigned>(ceil_div(2 * heads, kFp8RowsPerBlock)));
   cudaStream_t stream = stream_for(k);

@@ -5,7 +5,7 @@
 // rope_store_kv_fp8 stores k (normed and rotated, rounded to the dtype as above) and v into the
 // FP8 pool instead, quantized as store_kv_fp8 quantizes them (freetoken/fp8_encode.h).
 #include "freetoken/cuda_common.cuh"
-#include "freetoken/fp8_encode.h"
+#include "freetoken/fp8_kv.cuh"
 #include "freetoken/gguf_stage.cuh"  // warp_sync
 
 namespace freetoken {
@@ -64,19 +64,6 @@ __device__ void rope_head(const T* src, T* dst, const T* w, const float* cos, in
   for (int d = rot + lane; d < d_all; d += kWarp) dst[d] = from_float<T>(normed(src, w, inv, d));
 }
 
-// One (token, head) row into the FP8 pool: scale = largest |x| / 448, code = e4m3(x / scale).
-// NOTE: the same rule as kv_cache.cu's store_kv_fp8 (one source file per registry kernel: no
-// shared header); fp8_encode.h holds the arithmetic both share with the CPU writer.
-template <typename T>
-__device__ __forceinline__ void store_fp8_row(const T* src, uint8_t* codes, float* scale,
-                                              int head_dim, int lane) {
-  float amax = 0.f;
-  for (int d = lane; d < head_dim; d += kWarp) amax = fmaxf(amax, fabsf(to_float(src[d])));
-  const float s = fp8::row_scale(warp_max(amax));
-  for (int d = lane; d < head_dim; d += kWarp) codes[d] = fp8::float_to_e4m3(to_float(src[d]) / s);
-  if (lane == 0) *scale = s;
-}
-
 // Where k and v land. A pool of the dtype takes the rotated k straight from rope_head; the FP8
 // pool needs a row's largest magnitude before its first code, so rope_head writes the rounded k
 // to the warp's row of shared memory (`stage`, head_dim elements), which is then quantized.
@@ -87,7 +74,7 @@ __device__ __forceinline__ void store_k_row(const T* src, const float* cos, T* s
   if constexpr (kFp8) {
     rope_head<T>(src, stage, w, cos, lane, a);
     warp_sync();  // lanes quantize elements other lanes rotated
-    store_fp8_row<T>(stage, static_cast<uint8_t*>(a.k_cache) + row * a.head_dim,
+    fp8::store_row<T>(stage, static_cast<uint8_t*>(a.k_cache) + row * a.head_dim,
                      a.k_scale + row, a.head_dim, lane);
     warp_sync();  // read before this warp's next k row overwrites the stage
   } else {
@@ -99,7 +86,7 @@ template <typename T, bool kFp8>
 __device__ __forceinline__ void store_v_row(const T* src, int64_t row, int lane,
                                             const RopeKvArgs& a) {
   if constexpr (kFp8) {
-    store_fp8_row<T>(src, static_cast<uint8_t*>(a.v_cache) + row * a.head_dim, a.v_scale + row,
+    fp8::store_row<T>(src, static_cast<uint8_t*>(a.v_cache) + row * a.head_dim, a.v_scale + row,
                      a.head_dim, lane);
   } else {
     T* dst = static_cast<T*>(a.v_cache) + row * a.head_dim;
@@ -175,15 +162,6 @@ void check_cache(const TensorView& c, const TensorView& q, int64_t kv_heads, int
   check_contiguous(c, name);
   TVM_FFI_ICHECK(c.ndim() == 3 && c.size(1) == kv_heads && c.size(2) == head_dim)
       << name << " must be [S, " << kv_heads << ", " << head_dim << "]";
-}
-
-void check_scales(const TensorView& t, const TensorView& cache, const char* name) {
-  check_gpu(t, name, cache.device().device_id);
-  check_dtype(t, kDLFloat, 32, name, "float32");
-  check_contiguous(t, name);
-  TVM_FFI_ICHECK(t.ndim() == 2 && t.size(0) == cache.size(0) && t.size(1) == cache.size(1))
-      << name << " must be [" << cache.size(0) << ", " << cache.size(1)
-      << "] (one scale per slot and KV head)";
 }
 
 // Checks what both entry points share and fills every field but the pool's.
@@ -282,8 +260,8 @@ void rope_store_kv_fp8(TensorView positions, TensorView q, TensorView k, TensorV
   check_cache(k_cache, q, a.kv_heads, head_dim, "k_cache", true);
   check_cache(v_cache, q, a.kv_heads, head_dim, "v_cache", true);
   TVM_FFI_ICHECK(v_cache.size(0) == k_cache.size(0)) << "k_cache and v_cache must match";
-  check_scales(k_scale, k_cache, "k_scale");
-  check_scales(v_scale, v_cache, "v_scale");
+  fp8::check_scales(k_scale, k_cache, "k_scale");
+  fp8::check_scales(v_scale, v_cache, "v_scale");
   // the staged k rows: kHeadsPerBlock of them within the default 48 KiB of shared memory
   TVM_FFI_ICHECK(head_dim * kHeadsPerBlock * 4 <= (48 << 10))
       << "head_dim " << head_dim << " is too large for rope_store_kv_fp8 (at most 1536)";
