@@ -61,5 +61,21 @@ def test_fp8_pool_bytes():
 def test_fp8_is_a_kv_dtype_on_either_device():
     assert resolve_kv_dtype("fp8", True, "float32") == "fp8"
     assert resolve_kv_dtype("fp8", False, "bfloat16") == "fp8"
+    with pytest.raises(EngineConfigError, match="--dtype bfloat16"):
+        resolve_kv_dtype("fp8", False, "float32")   # the GPU kernels take 16-bit queries
     with pytest.raises(EngineConfigError, match="kv_dtype"):
         EngineConfig(kv_dtype="fp4")
+
+
+def test_fp8_pool_copies_codes_and_scales_together():
+    """Live resize copies pools slot range by slot range: an FP8 pool's scales go with its
+    codes, and its byte count is both arrays'."""
+    import numpy as np
+
+    old = Fp8Pool(np.arange(4 * 2 * 8, dtype=np.uint8).reshape(4, 2, 8),
+                  np.arange(8, dtype=np.float32).reshape(4, 2))
+    new = Fp8Pool(np.zeros((6, 2, 8), np.uint8), np.ones((6, 2), np.float32))
+    new[:3] = old[:3]
+    assert (new.codes[:3] == old.codes[:3]).all() and (new.scales[:3] == old.scales[:3]).all()
+    assert (new.codes[3:] == 0).all() and (new.scales[3:] == 1).all()
+    assert new.shape == (6, 2, 8) and new.nbytes == 6 * 2 * 8 + 6 * 2 * 4

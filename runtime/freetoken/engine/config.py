@@ -194,6 +194,9 @@ def resolve_kv_dtype(kv_dtype: str, on_cpu: bool, activation_dtype: str) -> str:
     if kv_dtype == "auto":
         return "float16" if on_cpu else activation_dtype
     if kv_dtype == "fp8":
+        if not on_cpu and activation_dtype == "float32":
+            raise EngineConfigError("--kv-dtype fp8 on a GPU reads the pool into bfloat16 or "
+                                    "float16 attention; pass --dtype bfloat16 or --kv-dtype auto")
         return kv_dtype
     if on_cpu and kv_dtype == "bfloat16":
         raise EngineConfigError("kv_dtype bfloat16 is not available on the CPU; use float16 "

@@ -69,8 +69,7 @@ class Fp8Pool:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) if hasattr(a, "nbytes") and not callable(a.nbytes)
-                   else a.numel() * a.element_size() for a in (self.codes, self.scales))
+        return int(self.codes.nbytes) + int(self.scales.nbytes)   # numpy and torch alike
 
     def __getitem__(self, slots) -> Fp8Pool:
         return Fp8Pool(self.codes[slots], self.scales[slots])
