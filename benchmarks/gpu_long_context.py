@@ -4,14 +4,17 @@ same run, every decode row against the bandwidth ceiling measured in that run.
     python benchmarks/gpu_long_context.py [--shapes qwen3-8b,qwen3.6-35b-a3b]
         [--depths 4096,16384,32768,65536,131072] [--batch-sizes 1,8]
         [--prefills 32768,131072] [--gen 64] [--engines freetoken,llama.cpp]
-        [--results FILE] [--work DIR] [--peer DIR] [--wait-peer SECONDS]
+        [--kv-dtype auto|fp8] [--results FILE] [--work DIR] [--peer DIR] [--wait-peer SECONDS]
 
 Shapes: `qwen3-8b` (Qwen3-8B at 8 of its layers, bf16), `qwen3.6-35b-a3b` (Qwen3.6-35B-A3B at
 8 layers: 6 Gated DeltaNet + 2 full attention, bf16), and `<shape>-q4km` of either (llama-quantize's
 Q4_K_M of the bf16 GGUF, both engines on that one file: benchmarks/gpu_quant_rows.py). The
 random-weight HF folders are benchmarks/gpu_vs_llamacpp.py's, their max_position_embeddings raised
 to the longest row (plain RoPE: the weights do not change); llama.cpp reads them through its own
-converter. An empty --depths or --prefills leaves those rows out.
+converter. An empty --depths or --prefills leaves those rows out. `--kv-dtype fp8` measures
+FreeToken's FP8 KV pool (rows keyed "... kv-fp8") beside llama.cpp's 8-bit cache
+(`-ctk q8_0 -ctv q8_0`), the ceiling counting the pool's bytes (1 a element, plus a float32
+scale per token and KV head).
 
 Decode row (shape, batch B, depth D): B requests, each a distinct prompt of D tokens, decode
 --gen tokens each (greedy, ignore_eos); tok/s counts every sequence. FreeToken: the engine
@@ -81,12 +84,14 @@ GOAL_DEPTH, GOAL_SHARE, GOAL_PREFILL = 65536, 0.70, 131072
 
 # ---- arithmetic ---------------------------------------------------------------------------------
 
-def kv_bytes(config: dict, tokens: int) -> int:
+def kv_bytes(config: dict, tokens: int, kv_item: float = step_bytes.KV_ITEM) -> float:
     """K and V of `tokens` positions in every full-attention layer (step_bytes' formula)."""
-    return step_bytes.context_bytes(config, tokens) - step_bytes.context_bytes(config, 0)
+    return (step_bytes.context_bytes(config, tokens, kv_item)
+            - step_bytes.context_bytes(config, 0, kv_item))
 
 
-def step_read_bytes(weights: dict, config: dict, batch: int, context: int) -> float:
+def step_read_bytes(weights: dict, config: dict, batch: int, context: int,
+                    kv_item: float = step_bytes.KV_ITEM) -> float:
     """Bytes one decode step of `batch` sequences at `context` positions each reads. `weights`:
     step_bytes' {"weights", "experts"} of the file (routed experts counted at k of E)."""
     routed = weights["experts"]
@@ -94,12 +99,12 @@ def step_read_bytes(weights: dict, config: dict, batch: int, context: int) -> fl
         cfg = argparse.Namespace(**step_bytes.text_config(config))
         routed = routed / cfg.num_experts_per_tok * distinct_experts(batch, cfg)
     return (weights["weights"] - weights["experts"] + routed
-            + batch * step_bytes.context_bytes(config, context))
+            + batch * step_bytes.context_bytes(config, context, kv_item))
 
 
 def ceiling_tok_s(weights: dict, config: dict, batch: int, depth: int, gen: int,
-                  bandwidth: float) -> float:
-    return batch * bandwidth / step_read_bytes(weights, config, batch, depth + gen // 2)
+                  bandwidth: float, kv_item: float = step_bytes.KV_ITEM) -> float:
+    return batch * bandwidth / step_read_bytes(weights, config, batch, depth + gen // 2, kv_item)
 
 
 def row_tokens(row: dict, gen: int) -> int:
@@ -109,9 +114,13 @@ def row_tokens(row: dict, gen: int) -> int:
     return row["prompt"] + PAGE
 
 
+def row_kv_item(config: dict, row: dict) -> float:
+    return step_bytes.kv_item_bytes(config, row.get("kv_dtype", "auto"))
+
+
 def too_big(config: dict, row: dict, gen: int, free: int) -> str | None:
     """Why the row's KV does not fit in `free` bytes, or None."""
-    need = kv_bytes(config, row_tokens(row, gen))
+    need = kv_bytes(config, row_tokens(row, gen), row_kv_item(config, row))
     if need + MARGIN <= free:
         return None
     return (f"the KV of {row_tokens(row, gen)} tokens is {need / GIB:.1f} GiB; "
@@ -169,6 +178,7 @@ def freetoken(source: str, config: dict, gen: int, rows: list[dict]) -> dict:
             settings = EngineConfig(num_tokens=max(row_tokens(r, gen) for r in todo) + 256,
                                     max_num_seqs=max(r.get("batch", 1) for r in todo),
                                     max_prefill_tokens=CHUNK, device="cuda",
+                                    kv_dtype=todo[0].get("kv_dtype", "auto"),
                                     prefix_cache=kind == "decode")
             engine = Engine.from_loaded(loaded, settings).start()
             try:
@@ -194,6 +204,8 @@ def commands(gguf: Path, rows: list[dict], gen: int) -> list[tuple[list[dict], l
     from benchmarks.llama_cpp_cuda.paths import tool
 
     model = ["-m", str(gguf), "-ngl", "99", "-b", str(CHUNK), "-ub", str(CHUNK)]
+    if any(r.get("kv_dtype") == "fp8" for r in rows):
+        model += ["-ctk", "q8_0", "-ctv", "q8_0"]     # its nearest 8-bit cache
     runs = []
     for depth in sorted({r["depth"] for r in rows if r["kind"] == "decode"}):
         at = [r for r in rows if r["kind"] == "decode" and r["depth"] == depth]
@@ -301,10 +313,11 @@ def measure(shape: str, work: Path, args, bandwidth: float, rows: list[dict], la
         step_bytes.safetensors_weight_bytes(source)
     for row in rows:
         if row["kind"] == "decode":
+            item = row_kv_item(config, row)
             row["step_bytes"] = step_read_bytes(weights, config, row["batch"],
-                                                row["depth"] + args.gen // 2)
+                                                row["depth"] + args.gen // 2, item)
             row["ceiling_tok_s"] = ceiling_tok_s(weights, config, row["batch"], row["depth"],
-                                                 args.gen, bandwidth)
+                                                 args.gen, bandwidth, item)
     keep_folder, keep_gguf = gpu_quant_rows.needed_later(
         gpu_quant_rows.QuantRow(shape, shape, "bf16"), later, work)
     if "llama.cpp" in args.engines:
@@ -324,6 +337,10 @@ def measure(shape: str, work: Path, args, bandwidth: float, rows: list[dict], la
 
 # ---- report -------------------------------------------------------------------------------------
 
+def _label(row: dict) -> str:
+    return row["shape"] + (f" kv-{row['kv_dtype']}" if row.get("kv_dtype") else "")
+
+
 def _tok_s(cell: dict | None) -> float | None:
     return (cell or {}).get("tok_s")
 
@@ -342,12 +359,12 @@ def goals(rows: list[dict]) -> list[str]:
     for r in decode:
         if r["batch"] == 1 and r["depth"] == GOAL_DEPTH and _tok_s(r.get("freetoken")):
             share = _tok_s(r["freetoken"]) / r["ceiling_tok_s"]
-            lines.append(f"{r['shape']} batch 1 at {GOAL_DEPTH}: {100 * share:.0f}% of the "
+            lines.append(f"{_label(r)} batch 1 at {GOAL_DEPTH}: {100 * share:.0f}% of the "
                          f"ceiling (goal >= {100 * GOAL_SHARE:.0f}%)")
     for r in rows:
         if r["kind"] == "prefill" and r["prompt"] == GOAL_PREFILL:
             a, b = _tok_s(r.get("freetoken")), _tok_s(r.get("llama.cpp"))
-            lines.append(f"{r['shape']} prefill {GOAL_PREFILL}: "
+            lines.append(f"{_label(r)} prefill {GOAL_PREFILL}: "
                          + (f"{a / b:.2f}x llama.cpp (goal >= 1)" if a and b else "not measured"))
     return lines
 
@@ -365,7 +382,7 @@ def report(rows: list[dict], bandwidth: float) -> None:
             continue
         a, b = _tok_s(r.get("freetoken")), _tok_s(r.get("llama.cpp"))
         ceiling = r.get("ceiling_tok_s")
-        print(f"{r['shape']:22}{r['batch']:6d}{r['depth']:8d}{_fmt(a, 11)}{_fmt(b, 11)}"
+        print(f"{_label(r):22}{r['batch']:6d}{r['depth']:8d}{_fmt(a, 11)}{_fmt(b, 11)}"
               f"{_fmt(a / b if a and b else None, 7, '{:.2f}')}{_fmt(ceiling, 11, '{:,.0f}')}"
               f"{_fmt(100 * a / ceiling if a and ceiling else None, 7, '{:.0f}%')}")
     print(f"\n{'shape':22}{'prompt':>8}{'FT TTFT s':>11}{'FT tok/s':>11}{'llama.cpp':>11}"
@@ -373,7 +390,7 @@ def report(rows: list[dict], bandwidth: float) -> None:
     for r in (r for r in rows if r["kind"] == "prefill"):
         ours = r.get("freetoken") or {}
         a, b = _tok_s(ours), _tok_s(r.get("llama.cpp"))
-        print(f"{r['shape']:22}{r['prompt']:8d}{_fmt(ours.get('ttft_s'), 11, '{:.3f}')}"
+        print(f"{_label(r):22}{r['prompt']:8d}{_fmt(ours.get('ttft_s'), 11, '{:.3f}')}"
               f"{_fmt(a, 11, '{:,.0f}')}{_fmt(b, 11, '{:,.0f}')}"
               f"{_fmt(a / b if a and b else None, 7, '{:.2f}')}")
     for why, keys in reasons.items():
@@ -401,6 +418,8 @@ def parse_args(argv: list[str] | None = None):
                    help="prompt lengths of the prefill rows, comma-separated")
     p.add_argument("--gen", type=int, default=64, help="decode tokens timed per request")
     p.add_argument("--engines", default="freetoken,llama.cpp")
+    p.add_argument("--kv-dtype", default="auto",
+                   help="FreeToken's KV pool (fp8: llama.cpp runs -ctk/-ctv q8_0 beside it)")
     p.add_argument("--results", type=Path, default=None,
                    help="JSON of every row, read first and updated")
     p.add_argument("--work", type=Path, default=None,
@@ -417,6 +436,8 @@ def parse_args(argv: list[str] | None = None):
     args.engines = {e for e in args.engines.split(",") if e}
     if not args.engines or args.engines - set(ENGINES):
         raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
+    if args.kv_dtype not in ("auto", "fp8"):
+        raise SystemExit(f"--kv-dtype: auto or fp8, got {args.kv_dtype!r}")
     args.depths = _sizes(args.depths, "--depths")
     args.batch_sizes = _sizes(args.batch_sizes, "--batch-sizes", empty_ok=False)
     args.prefills = _sizes(args.prefills, "--prefills")
@@ -429,12 +450,15 @@ def parse_args(argv: list[str] | None = None):
 
 def shape_rows(shape: str, args) -> dict[str, dict]:
     rows = {}
+    kv = {} if args.kv_dtype == "auto" else {"kv_dtype": args.kv_dtype}
+    tag = "" if args.kv_dtype == "auto" else f" kv-{args.kv_dtype}"
     for depth in args.depths:
         for batch in args.batch_sizes:
-            rows[f"{shape} bs{batch} d{depth}"] = dict(shape=shape, kind="decode", batch=batch,
-                                                       depth=depth, gen=args.gen)
+            rows[f"{shape} bs{batch} d{depth}{tag}"] = dict(
+                shape=shape, kind="decode", batch=batch, depth=depth, gen=args.gen, **kv)
     for prompt in args.prefills:
-        rows[f"{shape} prefill {prompt}"] = dict(shape=shape, kind="prefill", prompt=prompt)
+        rows[f"{shape} prefill {prompt}{tag}"] = dict(shape=shape, kind="prefill",
+                                                      prompt=prompt, **kv)
     return rows
 
 

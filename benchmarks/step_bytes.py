@@ -84,14 +84,25 @@ def safetensors_weight_bytes(folder: Path) -> dict:
             "by_type": {k: int(v) for k, v in sorted(by_type.items())}}
 
 
-def context_bytes(config: dict, context: int) -> int:
+def kv_item_bytes(config: dict, kv_dtype: str) -> float:
+    """Bytes an element of the KV pool takes: 2 for a 16-bit pool; 1 for `fp8`, plus its
+    float32 scale per token and KV head spread over the head's elements."""
+    if kv_dtype != "fp8":
+        return KV_ITEM
+    cfg = text_config(config)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 1 + 4 / head_dim
+
+
+def context_bytes(config: dict, context: int, kv_item: float = KV_ITEM) -> float:
     """KV of `context` positions in every attention layer, plus each Gated DeltaNet layer's
-    float32 state and conv window read and written (`config`: an HF config.json dict)."""
+    float32 state and conv window read and written (`config`: an HF config.json dict).
+    `kv_item`: the pool's bytes an element (kv_item_bytes)."""
     cfg = text_config(config)
     layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types") or ["full_attention"] * layers
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv = 2 * cfg["num_key_value_heads"] * head_dim * KV_ITEM * context
+    kv = 2 * cfg["num_key_value_heads"] * head_dim * kv_item * context
     total = 0
     for kind in kinds:
         if kind == "linear_attention":

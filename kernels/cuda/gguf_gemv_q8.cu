@@ -164,13 +164,20 @@ int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t 
  * slot s = expert_map[topk_ids[t, k]] (zeros for a pair without a slot); x bf16 [T, H] (rows
  * 16-byte aligned), w13 uint8 [S, 2I, row_bytes] (gate rows, then up rows) of qtype, act
  * bf16 [T * K, I] contiguous. H a multiple of the block's weights, H <= the type's staging.
- * rows: Q4_K weight rows per warp (0 or 1: one; 2: two, half the blocks).
+ * rows: Q4_K weight rows per warp (0 or 1: one; 2: two, half the blocks). group: the most
+ * pairs of one expert a block row computes, streaming the expert once for all of them (1: a
+ * block row per pair; up to 8, and to the tokens x the type's staging holds; Q4_K, Q6_K and
+ * Q8_0 experts group, others take one pair a row).
  */
 void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
-                    TensorView topk_ids, TensorView expert_map, int64_t rows, bool pdl) {
+                    TensorView topk_ids, TensorView expert_map, int64_t rows, bool pdl,
+                    int64_t group) {
   const int dev = w13.device().device_id;
   TVM_FFI_ICHECK(rows >= 0 && rows <= 2)
       << "rows (Q4_K weight rows per warp) must be 0 (one), 1 or 2, got " << rows;
+  TVM_FFI_ICHECK(group >= 1 && group <= kMaxTokens)
+      << "group (pairs of one expert a block row takes) must be in 1.." << kMaxTokens
+      << ", got " << group;
   check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
   check_ndim(x, 2, "x");
   const int64_t tokens = x.size(0), h = x.size(1);
@@ -200,6 +207,7 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
   a.ldo = inter;
   a.tokens = 1;
   a.gather = kExpertGateUp;
+  a.group = grouped_pairs(static_cast<int>(qtype), h, group);
   a.slots = static_cast<int>(w13.size(0));
   a.expert_bytes = slot_bytes;
   DeviceGuard guard(dev);

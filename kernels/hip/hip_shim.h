@@ -127,6 +127,8 @@ __device__ inline unsigned int __ballot_sync(unsigned int, int predicate) {
 
 __device__ inline int __ffs(unsigned int x) { return __builtin_ffs(static_cast<int>(x)); }
 
+__device__ inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+
 __device__ inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
   return __hip_atomic_fetch_add(address, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }

@@ -43,6 +43,39 @@ def test_hybrid_ceiling_counts_two_kv_layers_six_states_and_the_experts_a_batch_
     assert lc.kv_bytes(QWEN36, 1000) == 1000 * kv_per_token
 
 
+def test_fp8_kv_rows_count_one_byte_an_element_plus_a_scale_per_token_and_head():
+    # a token of Qwen3-8B's pool: layers x (K, V) x kv heads x (128 codes + a float32 scale)
+    kv_per_token = 8 * 2 * 8 * (128 + 4)
+    weights = {"weights": 3_200_000_000, "experts": 0}
+    row = {"kind": "decode", "batch": 1, "depth": 65536, "kv_dtype": "fp8"}
+    item = lc.row_kv_item(QWEN3_8B, row)
+    assert lc.kv_bytes(QWEN3_8B, 1000, item) == pytest.approx(1000 * kv_per_token)
+    step = 3_200_000_000 + kv_per_token * (65536 + 32)
+    assert lc.ceiling_tok_s(weights, QWEN3_8B, 1, 65536, 64, BANDWIDTH, item) == \
+        pytest.approx(BANDWIDTH / step)
+    need = (65536 + 64 + 16) * kv_per_token
+    assert lc.too_big(QWEN3_8B, row, 64, int(need) + lc.MARGIN + 1) is None
+    assert lc.too_big(QWEN3_8B, row, 64, int(need) + lc.MARGIN - 1)
+
+
+def test_fp8_rows_have_their_own_keys_and_llama_cpp_runs_its_8_bit_cache(tools):
+    args = lc.parse_args(["--shapes", "qwen3-8b", "--depths", "65536", "--batch-sizes", "1",
+                          "--prefills", "", "--kv-dtype", "fp8"])
+    rows = lc.shape_rows("qwen3-8b", args)
+    assert list(rows) == ["qwen3-8b bs1 d65536 kv-fp8"]
+    row = dict(rows["qwen3-8b bs1 d65536 kv-fp8"], key="k")
+    assert row["kv_dtype"] == "fp8"
+    lc.llamacpp(Path("/w/m.gguf"), [row], 64)
+    command = tools[0]
+    assert command[command.index("-ctk") + 1] == "q8_0"
+    assert command[command.index("-ctv") + 1] == "q8_0"
+    plain = dict(lc.shape_rows("qwen3-8b", lc.parse_args(["--depths", "65536", "--prefills", "",
+                                                         "--batch-sizes", "1"]))
+                 ["qwen3-8b bs1 d65536"], key="p")
+    lc.llamacpp(Path("/w/m.gguf"), [plain], 64)
+    assert "-ctk" not in tools[1]
+
+
 def test_a_row_too_big_for_the_gpu_says_how_big():
     row = {"kind": "decode", "batch": 8, "depth": 131072}
     need = 8 * (131072 + 64 + 16) * 8 * 2 * 8 * 128 * 2
@@ -130,7 +163,8 @@ def test_llama_cpp_rows_are_parsed_from_its_json_lines(tools):
 @pytest.mark.parametrize("flags", [["--depths", "4096,abc"], ["--depths", "0,4096"],
                                    ["--batch-sizes", "1,x"], ["--batch-sizes", ""],
                                    ["--prefills", "-5"], ["--shapes", "qwen3-8b,llama-70b"],
-                                   ["--engines", "freetoken,vllm"], ["--gen", "1"]])
+                                   ["--engines", "freetoken,vllm"], ["--gen", "1"],
+                                   ["--kv-dtype", "int4"]])
 def test_bad_arguments_exit_naming_the_flag(flags, monkeypatch):
     def no_gpu():
         raise AssertionError("GPU work before the arguments were checked")

@@ -68,18 +68,19 @@ extern "C" int ft_gguf_gemv_q8_emu(void* out, int out_f32, const void* x, const 
 // x bf16 [tokens, h]; ids int32 [tokens, top_k]; map int32 [experts]; w13 [slots, 2i, rb13];
 // w2 [slots, h, rb2]; act bf16 [tokens * top_k, i]; out bf16 [tokens, ldo]. slot13 / slot2:
 // the bytes from one slot to the next (0: one matrix, packed), as an offload pool lays them out.
-// Returns 0 for what the real entry points refuse.
+// group: gate/up's pairs of one expert a block row takes (1..8). Returns 0 for what the real
+// entry points refuse.
 extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w13,
                              const void* w2, const int* ids, const float* weights,
                              const int* map, int tokens, int top_k, int experts, int slots,
                              long h, long i, long ldo, int qtype13, int qtype2, int accumulate,
-                             int rows, long slot13, long slot2) {
+                             int rows, long slot13, long slot2, int group) {
   int rb13 = 0, rb2 = 0;
   if (!block_rows(qtype13, h, &rb13) || !block_rows(qtype2, i, &rb2) || tokens < 1 ||
       tokens > q8::kMaxMoETokens || top_k < 1 || top_k > q8::kMaxTopK ||
       h > q8::capacity(qtype13) || top_k * i > q8::capacity(qtype2) ||
       (qtype2 == freetoken::gguf::kQ4_K && i % q8::kBlockWeights != 0) || rows < 0 ||
-      rows > 2) {
+      rows > 2 || group < 1 || group > q8::kMaxTokens) {
     return 0;
   }
   q8::Args g{};
@@ -99,6 +100,7 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   g.experts = experts;
   g.slots = slots;
   g.expert_bytes = slot13 ? slot13 : 2 * i * rb13;
+  g.group = q8::grouped_pairs(qtype13, h, group);
   if (!run_mode<q8::kSwiGLU, q8::kExpertGateUp>(g, qtype13, rows, tokens * top_k)) return 0;
   q8::Args d = g;
   d.out = out;

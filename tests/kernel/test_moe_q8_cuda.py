@@ -5,11 +5,13 @@ replayed from a CUDA graph."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from tests.kernel.test_gguf_gemv_q8_emulated import (EXPERT_MAP, MOE_CASES, TYPES, check_moe,
-                                                      moe_case)
+from tests.kernel.gguf_random import random_blocks
+from tests.kernel.test_gguf_gemv_q8_emulated import (EXPERT_MAP, MOE_CASES, TYPES, _batch_routing,
+                                                      check_moe, moe_case, padded)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 BF16 = torch.bfloat16
 
 
-def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1):
+def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1, group=1):
     dev = torch.device("cuda")
     tokens, k = ids.shape
     w13, w2 = torch.from_numpy(p13).to(dev), torch.from_numpy(p2).to(dev)
@@ -26,7 +28,7 @@ def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1):
     inter = w13.shape[1] // 2
     act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
     xd = x.to(dev)
-    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, rows, pdl)
+    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, rows, pdl, group)
     ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, accumulate, rows, pdl)
     return act
 
@@ -36,9 +38,9 @@ def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1):
 @pytest.mark.parametrize("tokens", (1, 2, 3))
 @pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
 @pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
-@pytest.mark.parametrize("rows", (1, 2), ids=("r1", "r2"))
+@pytest.mark.parametrize("rows,group", [(1, 1), (2, 1), (1, 8)], ids=("r1", "r2", "grouped"))
 def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accumulate, pdl,
-                                                rows):
+                                                rows, group):
     from freetoken.kernel import ops
 
     x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
@@ -46,7 +48,7 @@ def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accum
     residual = whole[:, :h].clone()
     whole = whole.cuda()
     out = whole[:, :h]
-    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out, rows)
+    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out, rows, group)
     torch.cuda.synchronize()
     check_moe(act.cpu(), out.cpu(), x, b13, b2, q13, q2, ids, wts,
               residual if accumulate else None)
@@ -88,6 +90,43 @@ def test_moe_halves_replay_from_a_cuda_graph():
     assert torch.equal(replayed, out) and replayed.abs().max() > 0
 
 
+@pytest.mark.parametrize("q13,h,inter,tokens", [(12, 2048, 768, 32), (12, 4096, 1024, 8),
+                                                (8, 2048, 512, 32), (14, 2048, 512, 16)],
+                         ids=["Q4_K-30B-32", "Q4_K-long-8", "Q8_0-32", "Q6_K-16"])
+@pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
+def test_grouped_gate_up_is_the_row_per_pair_kernel_term_for_term(q13, h, inter, tokens, pdl):
+    """A batch's routes (experts shared by many pairs, some unmapped): grouping each expert's
+    pairs, 8 or 3 a block row, gives every pair's act bit for bit as a row per pair does, at
+    real shapes (Qwen3-30B-A3B's H and I; H = 4096 takes Q4_K's long-row kernel), eagerly and
+    replayed from a graph on new routes."""
+    from freetoken.kernel import ops
+
+    ids, emap = _batch_routing(tokens)
+    k, slots = ids.shape[1], int(emap.max()) + 1
+    rng, dev = np.random.default_rng(h), torch.device("cuda")
+    w13 = torch.from_numpy(padded(np.stack([random_blocks(q13, 2 * inter, h, rng)
+                                            for _ in range(slots)]))).to(dev)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(inter)).to(BF16).to(dev)
+    ids_d, emap_d = torch.from_numpy(ids).to(dev), torch.from_numpy(emap).to(dev)
+
+    def act_of(group):
+        act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
+        ops.moe_q8_gate_up(act, x, w13, q13, ids_d, emap_d, 1, pdl, group)
+        return act
+
+    base = act_of(1)
+    assert torch.isfinite(base).all()
+    for group in (3, 8):
+        assert torch.equal(act_of(group).view(torch.int16), base.view(torch.int16)), group
+    act = torch.empty_like(base)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.moe_q8_gate_up(act, x, w13, q13, ids_d, emap_d, 1, pdl, 8)
+    ids_d.copy_(ids_d.flip(0))
+    graph.replay()
+    assert torch.equal(act.view(torch.int16), act_of(1).view(torch.int16))
+
+
 def test_moe_halves_refuse_bad_operands():
     from freetoken.kernel import ops
 
@@ -100,6 +139,8 @@ def test_moe_halves_refuse_bad_operands():
     act = torch.empty(3, inter, dtype=BF16, device=dev)
     with pytest.raises(Exception, match="act must be"):
         ops.moe_q8_gate_up(act[:2], x.to(dev), w13, q13, ids_d, emap)
+    with pytest.raises(Exception, match="group"):
+        ops.moe_q8_gate_up(act, x.to(dev), w13, q13, ids_d, emap, 1, False, 9)
     with pytest.raises(Exception, match="w13 must be"):
         ops.moe_q8_gate_up(act, x.to(dev), w13[:, :, :-16].contiguous(), q13, ids_d, emap)
     out = torch.empty(1, h, dtype=BF16, device=dev)

@@ -30,7 +30,12 @@
 // MoE decode (Args::gather), ids and weights staying on the device (graph-capturable):
 //  kExpertGateUp  block row (pair p = t * K + k): act[p] = silu(gate_s . x_t) * (up_s . x_t),
 //                 w13 of slot s = expert_map[topk_ids[p]] (the SwiGLU mode on that expert's
-//                 [2I, K] rows); a pair without a slot writes zeros.
+//                 [2I, K] rows); a pair without a slot writes zeros. Grouped (Args::group > 1,
+//                 the 8-token kernels): the pairs of one slot, in pair order, form groups of up
+//                 to `group`; the block row of each group's first pair streams the expert's
+//                 rows once for all of them (expert_group) and the others' rows exit. A batch
+//                 of B tokens whose pairs share experts then reads each expert once, not once
+//                 a pair; every pair's sums are the ungrouped kernel's, term for term.
 //  kExpertDown    block row (token t): y_t = sum_k w_k * (down_{s_k} . act[t * K + k]) as ONE
 //                 dot product over the K * I values of the token's activations, which lie
 //                 together in act: row h of that virtual [H, K * I] matrix is row h of each
@@ -90,6 +95,7 @@ struct Args {
   const float* topk_w = nullptr;    // [T, top_k] (kExpertDown)
   const int* expert_map = nullptr;  // [experts] -> slot, or < 0
   int top_k = 1, experts = 0, slots = 0;
+  int group = 1;                    // kExpertGateUp: pairs of one slot a block row takes
   int64_t expert_bytes = 0;
   int64_t seg = 0;                  // kExpertDown: weights per expert row (I); k = top_k * seg
   // The launch: the grid's y extent (1, pairs or tokens) and the SMs its x extent is sized
@@ -122,6 +128,50 @@ __device__ __forceinline__ int expert_slot(const Args& a, int64_t p) {
   if (e < 0 || e >= a.experts) return -1;
   const int s = a.expert_map[e];
   return s >= 0 && s < a.slots ? s : -1;
+}
+
+/*! \brief kExpertGateUp grouped: the pairs block row p = blockIdx.y computes, of slot `slot`
+ * (>= 0). The pairs of one slot, in pair order, form groups of `limit` (<= the kernel's
+ * tokens); the row of a group's first pair computes the group. Returns its size, with the pair
+ * ids in `members` (shared), or 0 where another row leads p's group. Uniform over the block.
+ * One pass over the pairs, THREADS at a time: a pair's rank among its slot's is the matches
+ * before it (ballots of the warps, summed in warp order). */
+template <int THREADS>
+__device__ int expert_group(const Args& a, int slot, int limit, int* members) {
+  constexpr int kWarps_ = THREADS / kWarp;
+  __shared__ int warp_counts[kWarps_];
+  __shared__ int seen, lead;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / kWarp, lane = tid % kWarp;
+  const int pairs = static_cast<int>(gridDim.y), p = static_cast<int>(blockIdx.y);
+  if (tid == 0) {
+    seen = 0;
+    lead = -1;
+  }
+  __syncthreads();
+  for (int c0 = 0; c0 < pairs; c0 += THREADS) {
+    const int q = c0 + tid;
+    const bool match = q < pairs && expert_slot(a, q) == slot;
+    const unsigned mask = __ballot_sync(0xffffffffu, match);
+    if (lane == 0) warp_counts[warp] = __popc(mask);
+    __syncthreads();
+    int rank = seen, total = 0;
+    for (int w = 0; w < kWarps_; ++w) {
+      rank += w < warp ? warp_counts[w] : 0;
+      total += warp_counts[w];
+    }
+    rank += __popc(mask & ((1u << lane) - 1u));
+    if (q == p) lead = rank;
+    __syncthreads();
+    const int first = lead;
+    if (match && first >= 0 && rank >= first && rank < first + limit) members[rank - first] = q;
+    __syncthreads();  // every thread has read seen and warp_counts
+    if (tid == 0) seen += total;
+    __syncthreads();
+    if (first >= 0 && seen >= first + limit) break;
+  }
+  const int first = lead;
+  if (first % limit != 0) return 0;
+  return seen - first < limit ? seen - first : limit;
 }
 
 // What one block reads and writes: the dense product's operands, or a MoE half's gathered ones.
@@ -160,10 +210,11 @@ __device__ __forceinline__ View block_view(const Args& a, const uint8_t** seg_w,
 // x of the block's NT tokens as int8 groups of 32 in shared memory: xq[t * K + i], and per
 // group (d, d * sum(q)) at xds[2 * (t * K / 32 + g)]; RMS-normed first when a.norm is set
 // (rounded to bf16 where the unfused rms_norm stores it). seg_scale (kExpertDown) multiplies
-// the scales of each expert segment's groups by its routing weight.
+// the scales of each expert segment's groups by its routing weight. members (grouped gate/up):
+// token t is x row members[t] / top_k (never normed), else row t.
 template <int NT, int THREADS>
 __device__ void stage_x(const Args& a, const bf16* x, int8_t* xq, float* xds,
-                        const float* seg_scale = nullptr) {
+                        const float* seg_scale = nullptr, const int* members = nullptr) {
   __shared__ float inv_rms[NT];
   if (a.norm != nullptr) {
     block_inv_rms<bf16, NT, THREADS>(x, a.ldx, a.k, a.tokens, a.eps, inv_rms);
@@ -172,7 +223,8 @@ __device__ void stage_x(const Args& a, const bf16* x, int8_t* xq, float* xds,
   for (int64_t gi = threadIdx.x; gi < a.tokens * groups; gi += THREADS) {
     const int t = static_cast<int>(gi / groups);
     const int64_t g = gi % groups;
-    const bf16* xp = x + t * a.ldx + 32 * g;
+    const int64_t row = members != nullptr ? members[t] / a.top_k : t;
+    const bf16* xp = x + row * a.ldx + 32 * g;
     float v[32], amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -275,10 +327,12 @@ __device__ __forceinline__ void load_units(const Q4kRows<GATHER, NW>& rows, int 
   }
 }
 
-// The warp's sums of its R output rows reduced and stored through the mode's epilogue (lane 0).
+// The warp's sums of its R output rows reduced and stored through the mode's epilogue (lane 0);
+// token t's output row is out_row + t rows on, or row members[t] (grouped gate/up).
 template <int R, int MODE, int NW, int NT>
 __device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int64_t n0,
-                                       int64_t out_row, int lane) {
+                                       int64_t out_row, int lane,
+                                       const int* members = nullptr) {
   static_assert(NW == (MODE == kSwiGLU ? 2 * R : R), "SwiGLU reads R gate and R up rows");
 #pragma unroll
   for (int r = 0; r < NW; ++r)
@@ -293,7 +347,7 @@ __device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int6
     for (int t = 0; t < NT; ++t) {
       if (t >= a.tokens) break;
       const float v = acc[r][t];
-      const int64_t at = out_row + t * a.ldo + n;
+      const int64_t at = (members != nullptr ? members[t] * a.ldo : out_row + t * a.ldo) + n;
       if (MODE == kStore) {
         const float b = a.bias != nullptr ? to_float(a.bias[n]) : 0.f;
         if (a.out_f32) {
@@ -346,6 +400,15 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
   // stream early too; gate/up waits first.
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
+  __shared__ int members[NT];
+  const int* grouped = nullptr;
+  if constexpr (GATHER == kExpertGateUp && NT > 1) {
+    if (!view.skip) {
+      a.tokens = expert_group<kThreads>(a, expert_slot(a, blockIdx.y), a.group, members);
+      if (a.tokens == 0) return;  // another block row computes this pair
+      grouped = members;
+    }
+  }
   Q4kRows<GATHER, NW> rows;
   rows.base = view.w;
   rows.seg_w = seg_w;
@@ -366,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
     for (; n0 < a.n; n0 += step) zero_rows<R>(a, n0, view.out_row, lane);
     return;
   }
-  stage_x<NT, kThreads>(a, view.x, xq, xds, GATHER == kExpertDown ? seg_scale : nullptr);
+  stage_x<NT, kThreads>(a, grouped != nullptr ? a.x : view.x, xq, xds,
+                        GATHER == kExpertDown ? seg_scale : nullptr, grouped);
   // this lane's place in every block it reads: word j = 2c + h (see the file comment)
   const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
   const int64_t groups = a.k / 32;
@@ -423,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
       }
     }
     if (n0 + step >= a.n) allow_dependents();  // the warp's last row group
-    finish<R, MODE>(a, acc, n0, view.out_row, lane);
+    finish<R, MODE>(a, acc, n0, view.out_row, lane, grouped);
   }
 }
 
@@ -447,6 +511,15 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
   int64_t n0 = static_cast<int64_t>(blockIdx.x) * kStagedWarps + warp;
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
+  __shared__ int members[NT];
+  const int* grouped = nullptr;
+  if constexpr (GATHER == kExpertGateUp && NT > 1) {
+    if (!view.skip) {
+      a.tokens = expert_group<kStagedThreads>(a, expert_slot(a, blockIdx.y), a.group, members);
+      if (a.tokens == 0) return;  // another block row computes this pair
+      grouped = members;
+    }
+  }
   const uint8_t* rows[NW];
   int64_t row = 0;
   auto set_row = [&](int64_t n) {
@@ -465,7 +538,8 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
     for (; n0 < a.n; n0 += step) zero_rows<1>(a, n0, view.out_row, lane);
     return;
   }
-  stage_x<NT, kStagedThreads>(a, view.x, xq, xds, GATHER == kExpertDown ? seg_scale : nullptr);
+  stage_x<NT, kStagedThreads>(a, grouped != nullptr ? a.x : view.x, xq, xds,
+                              GATHER == kExpertDown ? seg_scale : nullptr, grouped);
   const int64_t groups = a.k / 32;
   uint8_t* mine = staged[warp];
   const int segments = GATHER == kExpertDown ? a.top_k : 1;
@@ -502,7 +576,7 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
       });
     }
     if (n0 + step >= a.n) allow_dependents();  // the warp's last row
-    finish<1, MODE>(a, acc, n0, view.out_row, lane);
+    finish<1, MODE>(a, acc, n0, view.out_row, lane, grouped);
   }
 }
 
@@ -516,13 +590,23 @@ constexpr bool takes_eight(int qtype) {
   return qtype == gguf::kQ4_K || qtype == gguf::kQ6_K || qtype == gguf::kQ8_0;
 }
 
+/*! \brief The pairs a grouped gate/up block row takes (Args::group) when `group` (1..8) are
+ * asked for: at most what the type's staging holds of H-value tokens; 1 (ungrouped) for the
+ * types without 8-token kernels. */
+inline int grouped_pairs(int qtype, int64_t h, int64_t group) {
+  if (!takes_eight(qtype)) return 1;
+  const int64_t fits = capacity(qtype) / h;
+  return static_cast<int>(group < fits ? group : fits);
+}
+
 /*! \brief The most tokens one dense call over `qtype` rows takes. */
 inline int max_tokens(int qtype) { return takes_eight(qtype) ? kMaxTokens : kMaxTokensOther; }
 
 // Which kernel one call runs: go(kernel, blocks, threads) with the instantiation that the type,
 // the weight rows per warp (Q4_K: 1 or 2, 0 = by the tokens for the dense product and 1 for the
 // MoE halves; the staged types take one), the tokens (1, 2, 4 or 8 a kernel), the row length
-// (Q4_K rows of K <= 2048 take the short-row kernel), the mode and the gather select. False
+// (Q4_K rows of K <= 2048 take the short-row kernel), the mode, the gather and, for gate/up,
+// the grouping (a.group > 1: the 8-token kernels, Q4_K, Q6_K and Q8_0) select. False
 // for a type none reads. The launch part and the emulated tests both launch through it; the
 // grid's x extent follows kResident where a.sms is set, its y extent (a.grid_y) is the
 // caller's.
@@ -542,7 +626,13 @@ bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
   auto staged = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     const unsigned x = grid(kStagedWarps, kResidentStaged);
-    if constexpr (GATHER != kDense) {
+    if constexpr (GATHER == kExpertGateUp && takes_eight(QT)) {
+      if (a.group > 1) {
+        go(staged_gemv_kernel<QT, kMaxTokens, MODE, GATHER>, x, kStagedThreads);
+      } else {
+        go(staged_gemv_kernel<QT, 1, MODE, GATHER>, x, kStagedThreads);
+      }
+    } else if constexpr (GATHER != kDense) {
       go(staged_gemv_kernel<QT, 1, MODE, GATHER>, x, kStagedThreads);
     } else if (tokens == 1) {
       go(staged_gemv_kernel<QT, 1, MODE>, x, kStagedThreads);
@@ -559,6 +649,16 @@ bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
     }
     return true;
   };
+  if constexpr (GATHER == kExpertGateUp) {  // grouped: a group of one slot's pairs a block row
+    if (a.group > 1 && qtype == gguf::kQ4_K) {
+      if (short_rows) {
+        go(q4k_gemv_kernel<1, kMaxTokens, MODE, GATHER, kShortUnroll>, blocks(kWarps), kThreads);
+      } else {
+        go(q4k_gemv_kernel<1, kMaxTokens, MODE, GATHER>, blocks(kWarps), kThreads);
+      }
+      return true;
+    }
+  }
   switch (qtype) {
     case gguf::kQ4_K:
       if constexpr (GATHER != kDense) {  // one token per block row; rows: 1 (0) or 2 a warp

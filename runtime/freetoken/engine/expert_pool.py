@@ -145,6 +145,7 @@ class BlockPool:
         self.decode_tokens = moe_decode_quant.MAX_TOKENS
         self.gate_up_rows, self.down_rows = (moe_decode_quant.GATE_UP_ROWS,
                                              moe_decode_quant.DOWN_ROWS)
+        self.gate_up_group = moe_decode_quant.gate_up_group
         self.pool = None
         self._identity = None
         self._views: dict[int, tuple[Any, Any]] = {}
@@ -210,7 +211,8 @@ class BlockPool:
         q13, q2 = self.qtypes[layer]
         pairs = x.shape[0] * topk_ids.shape[1]
         act = workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
-        self.kernels.gate_up(act, x, w13, q13, topk_ids, expert_map, self.gate_up_rows, False)
+        self.kernels.gate_up(act, x, w13, q13, topk_ids, expert_map, self.gate_up_rows, False,
+                             self.gate_up_group(x.shape[0]))
         self.kernels.down(out, act, w2, q2, topk_ids, topk_weights, expert_map, accumulate,
                           self.down_rows, True)
 

@@ -214,12 +214,14 @@ def gguf_gemv_q8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtyp
 
 def moe_q8_gate_up(act: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, qtype: int,
                    topk_ids: torch.Tensor, expert_map: torch.Tensor, rows: int = 0,
-                   pdl: bool = False) -> None:
+                   pdl: bool = False, group: int = 1) -> None:
     """GPU MoE decode, first half: act[t * K + k] (bf16 [T * K, I]) = silu(gate) * up of
     token t's k-th routed expert (slot expert_map[topk_ids[t, k]]; zeros without a slot) over
     GGUF experts w13 uint8 [S, 2I, row_bytes] of qtype, on int8 activations of x (bf16 [T, H],
-    any T). rows: Q4_K weight rows per warp (0/1 one, 2 two)."""
-    _fn("moe_q8_gate_up", x.device)(act, x, w13, qtype, topk_ids, expert_map, rows, pdl)
+    any T). rows: Q4_K weight rows per warp (0/1 one, 2 two). group (1..8): the most pairs of
+    one expert a block row computes, reading the expert once for them (the same sums)."""
+    _fn("moe_q8_gate_up", x.device)(act, x, w13, qtype, topk_ids, expert_map, rows, pdl,
+                                    group)
 
 
 def moe_q8_down(out: torch.Tensor, act: torch.Tensor, w2: torch.Tensor, qtype: int,

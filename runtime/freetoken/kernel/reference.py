@@ -368,9 +368,13 @@ def _expert_slots(topk_ids, expert_map):
     return slots
 
 
-def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, rows=0, pdl=False):
+def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, rows=0, pdl=False, group=1):
     """act[p] = silu(gate) * up of pair p's expert on int8 activations of x (zeros for a pair
-    without a slot), rounded where the unfused chain stores."""
+    without a slot), rounded where the unfused chain stores. `group` changes which GPU block
+    computes a pair, not its value."""
+    if not 1 <= group <= 8:
+        raise ValueError(f"group (pairs of one expert a block row takes) must be in 1..8, "
+                         f"got {group}")
     k = topk_ids.shape[1]
     xq = quantize_activations(x)
     for p, slot in enumerate(_expert_slots(topk_ids, expert_map).tolist()):

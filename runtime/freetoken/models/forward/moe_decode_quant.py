@@ -49,6 +49,16 @@ GEMV_MAX_TOKENS = 8     # decode_gemv's rows (the router; wider steps take the l
 # both against the bandwidth
 GATE_UP_ROWS = 1
 DOWN_ROWS = 1
+# The most pairs of one expert a gate/up block row computes in a step of several tokens,
+# streaming the expert once for them (1: a block row per pair, each pair re-reading its
+# expert). benchmarks/moe_q8_sweep.py --groups times both; 1 until it measures the grouping
+# faster.
+GATE_UP_GROUP = 1
+
+
+def gate_up_group(tokens: int) -> int:
+    """moe_q8_gate_up's group for a step of `tokens` tokens (one token has no shared experts)."""
+    return GATE_UP_GROUP if tokens > 1 else 1
 
 
 def eligible(cfg: ModelConfig, mlp: MoEMLP, dtype: str, device) -> bool:
@@ -103,7 +113,8 @@ class QuantMoEDecode:
         else:
             pairs = t * self.top_k
             act = w.moe_workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
-            self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL)
+            self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL,
+                         gate_up_group(t))
             self.down(out, act, m.w2, self.q2, w.topk_ids, w.topk_weights, m.expert_map,
                       accumulate, DOWN_ROWS, PDL)
         if m.shared is not None:

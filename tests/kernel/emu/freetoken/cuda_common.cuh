@@ -2,7 +2,8 @@
 // kernels use, on CPU threads, so tests/kernel/moe_gguf_emu.cc runs the real kernel bodies
 // without a GPU. One std::thread per GPU thread of a block, blocks one after another:
 // __shared__ is a function-static (shared by the threads of the running block),
-// __syncthreads a barrier of the block, __syncwarp and warp_sum barriers of the warp.
+// __syncthreads a barrier of the block, __syncwarp, warp_sum and __ballot_sync barriers of the
+// warp.
 // Misaligned vector accesses abort, as they would fault on the GPU. The HIP paths are taken (no wmma here).
 #pragma once
 
@@ -121,5 +122,21 @@ inline float warp_sum(float v) {
   (*emu::block->warps)[w]->arrive_and_wait();
   return s;
 }
+
+// A warp's lane mask of `predicate` (lanes past a short last warp read as 0).
+inline unsigned __ballot_sync(unsigned, int predicate) {
+  const int t = static_cast<int>(threadIdx.x), w = t / kWarp;
+  emu::block->lanes[t] = predicate ? 1.f : 0.f;
+  (*emu::block->warps)[w]->arrive_and_wait();
+  const int first = w * kWarp, last = std::min<int>(first + kWarp, blockDim.x);
+  unsigned mask = 0;
+  for (int i = first; i < last; ++i) {
+    if (emu::block->lanes[i] != 0.f) mask |= 1u << (i - first);
+  }
+  (*emu::block->warps)[w]->arrive_and_wait();
+  return mask;
+}
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
 
 }  // namespace freetoken
