@@ -10,8 +10,9 @@ or Q6_K down, rows padded to 16-byte words as the loader keeps them), random zer
 For each token count and each Q4_K rows-per-warp value of the halves (models/forward/
 moe_decode_quant.py GATE_UP_ROWS / DOWN_ROWS), `--layers` layers with their own experts run in
 one graph, so one layer's blocks are not in L2 for the next; the routes are random top-k ids.
-Gate/up also runs grouped (moe_q8_gate_up's group, each of --groups: one block row computes up
-to that many pairs of one expert, reading it once; moe_decode_quant.GATE_UP_GROUP). Bytes per
+Both halves also run grouped (their `group`, each of --groups: one block row computes up to that
+many pairs of one expert, reading it once; the down's products then summed per token by a
+second launch; moe_decode_quant.GATE_UP_GROUP / DOWN_GROUP). Bytes per
 layer: the distinct experts the routes reach (what a step must read at least: the rate column),
 and, for the row-per-pair kernels, every (pair, expert) gate/up read and every (token, expert)
 down read they make (the "reads" column), at the blocks' bytes.
@@ -74,6 +75,7 @@ def sweep(name: str, tokens: int, q2: int, layers: int, reps: int, bandwidth: fl
     emap = torch.arange(e, device="cuda", dtype=torch.int32)
     act = torch.empty(tokens * k, inter, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(tokens, h, device="cuda", dtype=torch.bfloat16)
+    partial = torch.empty(tokens * k, h, device="cuda", dtype=torch.float32)
     distinct = len(torch.unique(ids))
     variants = [(f"rows {rows}", rows, 1) for rows in ROWS] + \
         [(f"group {g}", 1, g) for g in groups if g > 1]
@@ -84,11 +86,10 @@ def sweep(name: str, tokens: int, q2: int, layers: int, reps: int, bandwidth: fl
 
         def down():
             for layer in range(layers):
-                ops.moe_q8_down(out, act, w2[layer], q2, ids, wts, emap, True, rows, True)
+                ops.moe_q8_down(out, act, w2[layer], q2, ids, wts, emap, True, rows, True,
+                                group, partial)
 
-        halves = [("gate/up", gate_up, w13[0][0].nbytes)]
-        if group == 1:
-            halves.append(("down", down, w2[0][0].nbytes))
+        halves = [("gate/up", gate_up, w13[0][0].nbytes), ("down", down, w2[0][0].nbytes)]
         for half, fn, expert_bytes in halves:
             ms = _time(fn, reps) / layers
             rate = distinct * expert_bytes / (ms * 1e-3)
@@ -105,7 +106,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--groups", default="8", help="gate/up groups to time beside a row per pair")
+    p.add_argument("--groups", default="8", help="groups of both halves, beside a row per pair")
     args = p.parse_args()
     try:
         groups = [int(g) for g in args.groups.split(",") if g]

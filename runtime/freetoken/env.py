@@ -83,6 +83,7 @@ class Env:
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
+    moe_group: int              # FREETOKEN_MOE_GROUP: GGUF MoE decode pairs of one expert a row
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
     cpu_pack: bool              # FREETOKEN_CPU_PACK: GGUF rows packed 16 wide for AVX-512 VNNI
@@ -112,6 +113,10 @@ VARIABLES = {
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
     "FREETOKEN_MOE_DECODE": "MoE layers' 1-token GPU steps run the small-step moe_decode kernels "
                             "(default on; off: the general fused-MoE path)",
+    "FREETOKEN_MOE_GROUP": "GGUF MoE decode steps of several tokens: the most pairs routed to "
+                           "one expert that one block row of each half computes, reading the "
+                           "expert once for them (1-8; default 1: a block row per pair, each "
+                           "re-reading its expert)",
     "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v3 (default: gguf_gemv_q8 "
                             "on int8 activations and the fused decode chain for GGUF and FP8 "
                             "models, gguf_gemv / fp8_gemv for the rest), v2 (gguf_gemv / "
@@ -127,6 +132,13 @@ VARIABLES = {
 }
 
 QUANT_GEMV_VARIANTS = ("v1", "v2", "v3")
+
+
+def _moe_group(raw: str | None) -> int:
+    value = _int("FREETOKEN_MOE_GROUP", raw, 1, minimum=1)
+    if value > 8:
+        raise EnvError(f"FREETOKEN_MOE_GROUP={raw!r} must be in 1..8")
+    return value
 
 
 def read(environ: dict[str, str] | None = None) -> Env:
@@ -157,6 +169,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), True),
+        moe_group=_moe_group(e.get("FREETOKEN_MOE_GROUP")),
         quant_gemv=quant_gemv,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),

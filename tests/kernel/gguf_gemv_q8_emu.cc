@@ -5,6 +5,7 @@
 // rows, launched through the kernel's own dispatch; checked by
 // tests/kernel/test_gguf_gemv_q8_emulated.py. dp4a runs as 4 byte products (the HIP form).
 #include <cmath>
+#include <vector>
 
 #include "emu_launch.h"  // the host stand-in (tests/kernel/emu first on the path)
 
@@ -68,8 +69,9 @@ extern "C" int ft_gguf_gemv_q8_emu(void* out, int out_f32, const void* x, const 
 // x bf16 [tokens, h]; ids int32 [tokens, top_k]; map int32 [experts]; w13 [slots, 2i, rb13];
 // w2 [slots, h, rb2]; act bf16 [tokens * top_k, i]; out bf16 [tokens, ldo]. slot13 / slot2:
 // the bytes from one slot to the next (0: one matrix, packed), as an offload pool lays them out.
-// group: gate/up's pairs of one expert a block row takes (1..8). Returns 0 for what the real
-// entry points refuse.
+// group: the pairs of one expert a block row of either half takes (1..8; down's grouped
+// products go through a partial buffer of the harness, then the combine). Returns 0 for what
+// the real entry points refuse.
 extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w13,
                              const void* w2, const int* ids, const float* weights,
                              const int* map, int tokens, int top_k, int experts, int slots,
@@ -115,6 +117,31 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   d.topk_w = weights;
   d.expert_bytes = slot2 ? slot2 : h * rb2;
   d.seg = i;
+  const int down_group = q8::grouped_pairs(qtype2, i, group);
+  if (down_group > 1) {  // moe_q8_down's grouped path: products per pair, then the combine
+    std::vector<float> partial(static_cast<size_t>(tokens) * top_k * h, NAN);
+    q8::Args pd = d;
+    pd.out = partial.data();
+    pd.out_f32 = true;
+    pd.k = i;
+    pd.ldx = i;
+    pd.ldo = h;
+    pd.gather = q8::kExpertDownPairs;
+    pd.group = down_group;
+    pd.seg = 0;
+    if (!run_mode<q8::kStore, q8::kExpertDownPairs>(pd, qtype2, rows, tokens * top_k)) return 0;
+    q8::Args c = d;
+    c.x = reinterpret_cast<const bf16*>(partial.data());
+    const unsigned chunks = static_cast<unsigned>((h + q8::kThreads - 1) / q8::kThreads);
+    launch(chunks, static_cast<unsigned>(tokens), q8::kThreads, [&] {
+      if (accumulate) {
+        q8::combine_pairs_kernel<q8::kAddResidual>(c);
+      } else {
+        q8::combine_pairs_kernel<q8::kStore>(c);
+      }
+    });
+    return 1;
+  }
   return accumulate ? run_mode<q8::kAddResidual, q8::kExpertDown>(d, qtype2, rows, tokens)
                     : run_mode<q8::kStore, q8::kExpertDown>(d, qtype2, rows, tokens);
 }

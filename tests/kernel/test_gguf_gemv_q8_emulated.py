@@ -276,7 +276,7 @@ def moe_case(q13, q2, h, inter, tokens):
     return x, padded(b13), padded(b2), b13, b2, ids, wts
 
 
-def check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual=None):
+def check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual=None, emap=EXPERT_MAP):
     """act (bf16 [T * K, I]) and out (bf16 [T, H], after residual when given) of the two MoE
     halves against gguf's dequantized experts and the documented int8 activations; the down
     half from the kernel's own act, so the halves are checked apart."""
@@ -289,7 +289,7 @@ def check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual=None):
     want = residual.double().numpy().copy() if residual is not None else np.zeros(out.shape)
     bound = np.zeros(out.shape)
     for p in range(tokens * k):
-        t, slot = p // k, EXPERT_MAP[ids[p // k, p % k]]
+        t, slot = p // k, emap[ids[p // k, p % k]]
         if slot < 0:
             assert (got_act[p] == 0).all(), "an unmapped pair's act is zeros"
             continue
@@ -416,25 +416,29 @@ def test_grouped_gate_up_is_the_row_per_pair_kernel_term_for_term(emulated_moe, 
                                                                    inter, tokens, groups):
     """Grouping one expert's pairs into a block row (up to 8, or 3 to split the groups more)
     changes which block computes a pair, not its sums: act bit-equal to a row per pair's for
-    every pair, unmapped ones zeros."""
+    every pair, unmapped ones zeros. The grouped down (each pair's product, then the per-token
+    combine) sums in another order: its out is checked against the experts (check_moe)."""
     ids, emap = _batch_routing(tokens)
     k = ids.shape[1]
     slots = int(emap.max()) + 1
     rng, g = np.random.default_rng(h + inter), torch.Generator().manual_seed(inter)
-    p13 = padded(np.stack([random_blocks(q13, 2 * inter, h, rng) for _ in range(slots)]))
-    p2 = padded(np.stack([random_blocks(q2, h, inter, rng) for _ in range(slots)]))
+    unpadded13 = np.stack([random_blocks(q13, 2 * inter, h, rng) for _ in range(slots)])
+    unpadded2 = np.stack([random_blocks(q2, h, inter, rng) for _ in range(slots)])
+    p13, p2 = padded(unpadded13), padded(unpadded2)
     x = torch.randn(tokens, h, generator=g).to(BF16)
-    wts = np.full((tokens, k), 0.125, dtype=np.float32)
+    wts = np.random.default_rng(tokens).uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
     counts = np.bincount(emap[ids.reshape(-1)] + 1)
     assert counts[0] > 0 and counts[1:].max() > max(groups)   # unmapped pairs; split groups
     acts = {}
     for group in groups:
         act = torch.full((tokens * k, inter), float("nan"), dtype=BF16)
-        out = torch.zeros(tokens, h, dtype=BF16)
+        out = torch.full((tokens, h), float("nan"), dtype=BF16)
         assert emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
                             ids.ctypes.data, wts.ctypes.data, emap.ctypes.data, tokens, k,
                             len(emap), slots, h, inter, h, q13, q2, 0, 1, 0, 0, group)
         acts[group] = act
+        if group == 8:
+            check_moe(act, out, x, unpadded13, unpadded2, q13, q2, ids, wts, emap=emap)
     unmapped = torch.from_numpy(emap[ids.reshape(-1)] < 0)
     assert (acts[8][unmapped] == 0).all() and torch.isfinite(acts[1]).all()
     for group in groups[1:]:

@@ -145,7 +145,8 @@ class BlockPool:
         self.decode_tokens = moe_decode_quant.MAX_TOKENS
         self.gate_up_rows, self.down_rows = (moe_decode_quant.GATE_UP_ROWS,
                                              moe_decode_quant.DOWN_ROWS)
-        self.gate_up_group = moe_decode_quant.gate_up_group
+        self.step_operands = moe_decode_quant.step_operands
+        self.pair_group = moe_decode_quant.pair_group()
         self.pool = None
         self._identity = None
         self._views: dict[int, tuple[Any, Any]] = {}
@@ -209,12 +210,13 @@ class BlockPool:
         """moe_q8_gate_up then moe_q8_down, as moe_decode_quant.QuantMoEDecode launches them.
         gate/up is not a programmatic dependent: copies on another stream come before it."""
         q13, q2 = self.qtypes[layer]
-        pairs = x.shape[0] * topk_ids.shape[1]
-        act = workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
+        tokens = x.shape[0]
+        act, group, partial = self.step_operands(workspace, tokens * topk_ids.shape[1],
+                                                 self.inter, x.shape[1], tokens, self.pair_group)
         self.kernels.gate_up(act, x, w13, q13, topk_ids, expert_map, self.gate_up_rows, False,
-                             self.gate_up_group(x.shape[0]))
+                             group)
         self.kernels.down(out, act, w2, q2, topk_ids, topk_weights, expert_map, accumulate,
-                          self.down_rows, True)
+                          self.down_rows, True, group, partial)
 
     def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
                    accumulate=False) -> None:

@@ -226,12 +226,15 @@ def moe_q8_gate_up(act: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, qtype:
 
 def moe_q8_down(out: torch.Tensor, act: torch.Tensor, w2: torch.Tensor, qtype: int,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor,
-                accumulate: bool = False, rows: int = 0, pdl: bool = False) -> None:
+                accumulate: bool = False, rows: int = 0, pdl: bool = False, group: int = 1,
+                partial: torch.Tensor | None = None) -> None:
     """GPU MoE decode, second half: out[t] (bf16 [T, H]; += with accumulate) = sum over k of
     topk_weights[t, k] * w2[slot] @ act[t * K + k], w2 uint8 [S, H, row_bytes] of qtype (I a
-    multiple of 256 for Q4_K; K * I within the kernel's staging)."""
+    multiple of 256 for Q4_K; K * I within the kernel's staging). group > 1 (Q4_K, Q6_K, Q8_0):
+    up to `group` pairs of one expert a block row, read once, each pair's product into partial
+    (f32 [T * K, H]), then summed per token."""
     _fn("moe_q8_down", act.device)(out, act, w2, qtype, topk_ids, topk_weights, expert_map,
-                                   accumulate, rows, pdl)
+                                   accumulate, rows, pdl, group, partial)
 
 
 def gguf_dequantize(out: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:

@@ -49,16 +49,31 @@ GEMV_MAX_TOKENS = 8     # decode_gemv's rows (the router; wider steps take the l
 # both against the bandwidth
 GATE_UP_ROWS = 1
 DOWN_ROWS = 1
-# The most pairs of one expert a gate/up block row computes in a step of several tokens,
-# streaming the expert once for them (1: a block row per pair, each pair re-reading its
-# expert). benchmarks/moe_q8_sweep.py --groups times both; 1 until it measures the grouping
-# faster.
-GATE_UP_GROUP = 1
 
 
-def gate_up_group(tokens: int) -> int:
-    """moe_q8_gate_up's group for a step of `tokens` tokens (one token has no shared experts)."""
-    return GATE_UP_GROUP if tokens > 1 else 1
+def pair_group() -> int:
+    """The most pairs of one expert a block row of each half computes in a step of several
+    tokens, streaming the expert once for them (FREETOKEN_MOE_GROUP; 1: gate/up takes a block
+    row per pair, each pair re-reading its expert, and down a row per token over its K
+    experts). benchmarks/moe_q8_sweep.py --groups times both; 1 until it measures faster."""
+    from freetoken import env
+
+    return env.read().moe_group
+
+
+def step_operands(workspace, pairs: int, inter: int, hidden: int, tokens: int, group: int):
+    """(act, group, partial) of a step's two halves in the MoE workspace (uint8): act bf16
+    [pairs, I] first; then, where `group` > 1 applies (several tokens) and the workspace holds
+    them, the grouped down's f32 [pairs, H] products (else group 1 and no partial)."""
+    import torch
+
+    act_bytes = 2 * pairs * inter
+    act = workspace[:act_bytes].view(torch.bfloat16).view(pairs, inter)
+    start = -(-act_bytes // 256) * 256
+    if group == 1 or tokens == 1 or start + 4 * pairs * hidden > workspace.numel():
+        return act, 1, None
+    partial = workspace[start:start + 4 * pairs * hidden].view(torch.float32).view(pairs, hidden)
+    return act, group, partial
 
 
 def eligible(cfg: ModelConfig, mlp: MoEMLP, dtype: str, device) -> bool:
@@ -98,6 +113,7 @@ class QuantMoEDecode:
                                  and router.shape[0] % 8 == 0 and router.is_contiguous()
                                  and str(router.dtype) == "torch.bfloat16") else None
         self.group = router_group(cfg.moe.num_experts, cfg.hidden_size, sms)
+        self.pair_group = pair_group()
         self.variant = ROUTER_GEMV_VARIANT
 
     def __call__(self, out: Array, x: Array, w: WorkViews, accumulate: bool) -> None:
@@ -111,11 +127,11 @@ class QuantMoEDecode:
         if m.offload is not None:     # an in-format expert cache: the same two kernels
             m.offload(out, x, w.topk_ids, w.topk_weights, w.moe_workspace, accumulate)
         else:
-            pairs = t * self.top_k
-            act = w.moe_workspace[:2 * pairs * self.inter].view(x.dtype).view(pairs, self.inter)
+            act, group, partial = step_operands(w.moe_workspace, t * self.top_k, self.inter,
+                                                x.shape[1], t, self.pair_group)
             self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL,
-                         gate_up_group(t))
+                         group)
             self.down(out, act, m.w2, self.q2, w.topk_ids, w.topk_weights, m.expert_map,
-                      accumulate, DOWN_ROWS, PDL)
+                      accumulate, DOWN_ROWS, PDL, group, partial)
         if m.shared is not None:
             m.add_shared(out, x, w)
