@@ -16,8 +16,9 @@ import torch
 from freetoken.engine.config import EngineConfig, EngineConfigError
 from freetoken.engine.engine import Engine
 from freetoken.engine.request import SamplingParams
-from freetoken.engine.speculative import (NGRAM_MAX, NGRAM_MIN, DraftControl, NgramIndex,
-                                          Governor, accept_greedy, speculation_blocker, verify)
+from freetoken.engine.speculative import (MIN_DRAFT_CHANCE, NGRAM_MAX, NGRAM_MIN, DraftControl,
+                                          Governor, NgramIndex, accept_greedy,
+                                          speculation_blocker, verify)
 from tests.engine.fakes import CharTokenizer, FakeModel, expected_continuation, repeating_token
 
 TOK = CharTokenizer()
@@ -81,6 +82,24 @@ def test_draft_control_pauses_after_failures_and_resumes_after_a_probe():
     control.record(4, 4)
     control.record(4, 4)
     assert control.allows() and control.pause == 1
+
+
+def test_draft_length_follows_the_per_token_acceptance():
+    """Drafts are accepted as runs: with per-token acceptance alpha the j-th draft token lands
+    with chance alpha^j; a draft stops where that falls below MIN_DRAFT_CHANCE."""
+    control = DraftControl()
+    assert control.length(4) == 4                      # a new request drafts in full
+    for _ in range(30):                                # 1 of 4 accepted: alpha -> 1/2
+        control.record(4, 1)
+    alpha = control.accepted_tokens / (control.accepted_tokens + control.rejections)
+    assert alpha == pytest.approx(0.5, abs=0.02)
+    assert control.length(4) == 1                      # 0.5^2 = 0.25 < MIN_DRAFT_CHANCE
+    for _ in range(30):                                # 2 of 4: alpha -> 2/3 (from below)
+        control.record(4, 2)
+    assert MIN_DRAFT_CHANCE == 0.3 and control.length(4) == 2    # (2/3)^3 < 0.3 <= (2/3)^2
+    for _ in range(30):                                # every draft accepted: alpha -> 1
+        control.record(4, 4)
+    assert control.length(4) == 4 and control.length(2) == 2
 
 
 # ---- the engine, with a model whose next token is known ----------------------------------
@@ -349,10 +368,14 @@ def test_steps_wider_than_max_drafting_draft_nothing():
                                       for p in batch))
 
     try:
-        engine.model.batches.clear()
-        asyncio.run(run(prompts))       # three decode together: no step of all three drafts
-        # (a step where one still prefills has two decoding sequences, which may draft)
-        wide = [rows for rows in map(decoding_rows, engine.model.batches) if len(rows) == 3]
+        wide = []
+        for _ in range(5):    # the three must meet in a step: the engine may run one ahead
+            engine.model.batches.clear()
+            asyncio.run(run(prompts))       # three decode together: no step of all three drafts
+            # (a step where one still prefills has two decoding sequences, which may draft)
+            wide += [rows for rows in map(decoding_rows, engine.model.batches) if len(rows) == 3]
+            if wide:
+                break
         assert wide and all(rows == [1, 1, 1] for rows in wide), wide
         engine.model.batches.clear()
         asyncio.run(run(prompts[:2]))   # two: both draft

@@ -35,6 +35,12 @@ NGRAM_MIN, NGRAM_MAX = 2, 4
 # DraftControl: drafting pauses when the recent share of accepted draft tokens falls below this
 MIN_ACCEPTANCE = 0.3
 MAX_PAUSE_STEPS = 64
+# ... and a prompt-lookup draft stops at the token whose chance of being reached and accepted
+# (alpha^j, alpha the request's measured per-token acceptance) falls below this: verifying it
+# costs a row of the step for less than this share of a token
+MIN_DRAFT_CHANCE = 0.3
+# weight of past steps in the per-token acceptance estimate (recent steps count most)
+ACCEPTANCE_MEMORY = 0.9
 # GPU verify steps run in CUDA graphs up to this many sequences (engine/cuda_graph.py); wider
 # steps draft nothing (Scheduler.max_drafting): such a batch keeps the GPU busy on its own
 VERIFY_MAX_BATCH = 16
@@ -71,11 +77,19 @@ class NgramIndex:
 class DraftControl:
     """Per request: after a draft step, the share of its draft tokens accepted feeds a moving
     average; below MIN_ACCEPTANCE drafting pauses for `pause` steps, doubling (up to
-    MAX_PAUSE_STEPS) each time it fails again, and a good step resets the pause."""
+    MAX_PAUSE_STEPS) each time it fails again, and a good step resets the pause.
+
+    It also sets how long a draft is worth verifying (length): drafts are accepted as a run
+    that stops at the first rejected token, so with per-token acceptance alpha the j-th draft
+    token is accepted with chance alpha^j. alpha is estimated as accepted / (accepted +
+    rejections) over recent steps (the estimate of a geometric run's parameter), starting from
+    one accepted token, so a new request drafts in full."""
 
     acceptance: float = 1.0
     pause: int = 1
     skip: int = 0
+    accepted_tokens: float = 1.0
+    rejections: float = 0.0
 
     def allows(self) -> bool:
         if self.skip > 0:
@@ -83,7 +97,19 @@ class DraftControl:
             return False
         return True
 
+    def length(self, k: int) -> int:
+        """Draft tokens worth verifying, of at most k: the longest run whose last token is
+        reached and accepted with chance >= MIN_DRAFT_CHANCE (at least 1)."""
+        alpha = self.accepted_tokens / (self.accepted_tokens + self.rejections)
+        chance, n = alpha, 1
+        while n < k and chance * alpha >= MIN_DRAFT_CHANCE:
+            chance *= alpha
+            n += 1
+        return n
+
     def record(self, drafted: int, accepted: int) -> None:
+        self.accepted_tokens = ACCEPTANCE_MEMORY * self.accepted_tokens + accepted
+        self.rejections = ACCEPTANCE_MEMORY * self.rejections + (accepted < drafted)
         self.acceptance = 0.6 * self.acceptance + 0.4 * accepted / drafted
         if self.acceptance < MIN_ACCEPTANCE:
             self.skip = self.pause
@@ -221,7 +247,9 @@ class Drafter:
             return draft[:room] if state.control.allows() else ()
         if not state.control.allows():
             return ()
-        return tuple(state.index.propose(request.token_ids, room))
+        # prompt lookup: as long a draft as the request's acceptance makes worth verifying
+        # (MTP drafts keep K: the block made them already, and hybrid verify graphs take K)
+        return tuple(state.index.propose(request.token_ids, state.control.length(room)))
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         self.stats.steps += 1
