@@ -293,19 +293,10 @@ void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
     check_contiguous(part, "partial");
     TVM_FFI_ICHECK(part.ndim() == 2 && part.size(0) == tokens * a.top_k && part.size(1) == h)
         << "partial must be [T * K, H] = [" << tokens * a.top_k << ", " << h << "]";
-    Args d = a;  // each pair's product over its expert's rows, a group of pairs a block row
-    d.out = data_of<void>(part);
-    d.out_f32 = true;
-    d.k = inter;
-    d.ldx = inter;
-    d.ldo = h;
-    d.gather = kExpertDownPairs;
-    d.group = pairs_per_row;
-    d.seg = 0;
-    launch_mode<kStore, kExpertDownPairs>(d, qt, rows, pdl, dev, stream_for(w2),
+    launch_mode<kStore, kExpertDownPairs>(pairs_args(a, data_of<float>(part), pairs_per_row),
+                                          qt, rows, pdl, dev, stream_for(w2),
                                           static_cast<unsigned>(tokens * a.top_k));
-    Args c = a;  // then each token's pairs summed into out
-    c.x = reinterpret_cast<const bf16*>(data_of<float>(part));
+    const Args c = combine_args(a, data_of<float>(part));  // each token's pairs summed
     const dim3 grid(static_cast<unsigned>(ceil_div(h, kThreads)), static_cast<unsigned>(tokens));
     if (accumulate) {
       launch_maybe_pdl(combine_pairs_kernel<kAddResidual>, grid, dim3(kThreads), stream_for(w2),

@@ -120,18 +120,11 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   const int down_group = q8::grouped_pairs(qtype2, i, group);
   if (down_group > 1) {  // moe_q8_down's grouped path: products per pair, then the combine
     std::vector<float> partial(static_cast<size_t>(tokens) * top_k * h, NAN);
-    q8::Args pd = d;
-    pd.out = partial.data();
-    pd.out_f32 = true;
-    pd.k = i;
-    pd.ldx = i;
-    pd.ldo = h;
-    pd.gather = q8::kExpertDownPairs;
-    pd.group = down_group;
-    pd.seg = 0;
-    if (!run_mode<q8::kStore, q8::kExpertDownPairs>(pd, qtype2, rows, tokens * top_k)) return 0;
-    q8::Args c = d;
-    c.x = reinterpret_cast<const bf16*>(partial.data());
+    if (!run_mode<q8::kStore, q8::kExpertDownPairs>(q8::pairs_args(d, partial.data(), down_group),
+                                                    qtype2, rows, tokens * top_k)) {
+      return 0;
+    }
+    const q8::Args c = q8::combine_args(d, partial.data());
     const unsigned chunks = static_cast<unsigned>((h + q8::kThreads - 1) / q8::kThreads);
     launch(chunks, static_cast<unsigned>(tokens), q8::kThreads, [&] {
       if (accumulate) {

@@ -606,6 +606,29 @@ constexpr bool takes_eight(int qtype) {
   return qtype == gguf::kQ4_K || qtype == gguf::kQ6_K || qtype == gguf::kQ8_0;
 }
 
+/*! \brief The grouped down's two launches from the ungrouped down's Args (kExpertDown: x the
+ * act [T * K, I], k = K * I, seg = I): each pair's product over its expert's rows into
+ * `partial` (f32 [T * K, H]), a group of up to `group` pairs a block row (pairs_args), then
+ * the per-token sum into the down's out (combine_args). */
+inline Args pairs_args(const Args& down, float* partial, int group) {
+  Args d = down;
+  d.out = partial;
+  d.out_f32 = true;
+  d.k = down.seg;
+  d.ldx = down.seg;
+  d.ldo = down.n;
+  d.gather = kExpertDownPairs;
+  d.group = group;
+  d.seg = 0;
+  return d;
+}
+
+inline Args combine_args(const Args& down, const float* partial) {
+  Args c = down;
+  c.x = reinterpret_cast<const bf16*>(partial);  // read back as f32 (combine_pairs_kernel)
+  return c;
+}
+
 /*! \brief After kExpertDownPairs: out[t, h] = sum over token t's mapped pairs p of
  * topk_w[p] * partial[p, h], rounded to bf16 (kAddResidual: added to out, rounded again, as
  * kExpertDown's epilogue). Block (h chunk, token t); a.out bf16 [T, ldo], a.x holds partial as
