@@ -12,10 +12,10 @@ moe_decode_quant.py GATE_UP_ROWS / DOWN_ROWS), `--layers` layers with their own 
 one graph, so one layer's blocks are not in L2 for the next; the routes are random top-k ids.
 Both halves also run grouped (their `group`, each of --groups: one block row computes up to that
 many pairs of one expert, reading it once; the down's products then summed per token by a
-second launch; moe_decode_quant.GATE_UP_GROUP / DOWN_GROUP). Bytes per
-layer: the distinct experts the routes reach (what a step must read at least: the rate column),
-and, for the row-per-pair kernels, every (pair, expert) gate/up read and every (token, expert)
-down read they make (the "reads" column), at the blocks' bytes.
+second launch; what FREETOKEN_MOE_GROUP sets in the model). Bytes per layer: the distinct
+experts the routes reach (what a step must read at least: the rate column), and, for the
+row-per-pair kernels, every (pair, expert) gate/up read and every (token, expert) down read
+they make (the "reads" column), at the blocks' bytes.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ def _bool(name: str, raw: str | None, default: bool) -> bool:
     raise EnvError(f"{name}={raw!r} is not a boolean; use 1/true/yes or 0/false/no")
 
 
-def _int(name: str, raw: str | None, default: int, minimum: int = 0) -> int:
+def _int(name: str, raw: str | None, default: int, minimum: int = 0,
+         maximum: int | None = None) -> int:
     if raw is None or raw.strip() == "":
         return default
     try:
@@ -38,6 +39,8 @@ def _int(name: str, raw: str | None, default: int, minimum: int = 0) -> int:
         raise EnvError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
         raise EnvError(f"{name}={raw!r} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise EnvError(f"{name}={raw!r} must be <= {maximum}")
     return value
 
 
@@ -134,13 +137,6 @@ VARIABLES = {
 QUANT_GEMV_VARIANTS = ("v1", "v2", "v3")
 
 
-def _moe_group(raw: str | None) -> int:
-    value = _int("FREETOKEN_MOE_GROUP", raw, 1, minimum=1)
-    if value > 8:
-        raise EnvError(f"FREETOKEN_MOE_GROUP={raw!r} must be in 1..8")
-    return value
-
-
 def read(environ: dict[str, str] | None = None) -> Env:
     e = os.environ if environ is None else environ
     cache_root = _path(e.get("FREETOKEN_CACHE_ROOT"), None) or _default_cache_root()
@@ -169,7 +165,8 @@ def read(environ: dict[str, str] | None = None) -> Env:
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), True),
-        moe_group=_moe_group(e.get("FREETOKEN_MOE_GROUP")),
+        moe_group=_int("FREETOKEN_MOE_GROUP", e.get("FREETOKEN_MOE_GROUP"), 1, minimum=1,
+                       maximum=8),
         quant_gemv=quant_gemv,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),

@@ -218,6 +218,23 @@ __device__ __forceinline__ View block_view(const Args& a, const uint8_t** seg_w,
   }
 }
 
+/*! \brief The block row's group in the grouped kernels (by_pairs, NT > 1): its pairs in
+ * `members` (shared) and their count in a.tokens (expert_group). nullptr where the kernel is
+ * not grouped or the row's pair has no slot (view.skip); *leave where another row computes
+ * this pair. */
+template <int NT, int GATHER, int THREADS>
+__device__ __forceinline__ const int* row_group_of_pairs(Args& a, const View& view,
+                                                         int* members, bool* leave) {
+  if constexpr (by_pairs(GATHER) && NT > 1) {
+    if (!view.skip) {
+      a.tokens = expert_group<THREADS>(a, expert_slot(a, blockIdx.y), a.group, members);
+      *leave = a.tokens == 0;
+      return members;
+    }
+  }
+  return nullptr;
+}
+
 // x of the block's NT tokens as int8 groups of 32 in shared memory: xq[t * K + i], and per
 // group (d, d * sum(q)) at xds[2 * (t * K / 32 + g)]; RMS-normed first when a.norm is set
 // (rounded to bf16 where the unfused rms_norm stores it). seg_scale (kExpertDown) multiplies
@@ -413,14 +430,9 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
   __shared__ int members[NT];
-  const int* grouped = nullptr;
-  if constexpr (by_pairs(GATHER) && NT > 1) {
-    if (!view.skip) {
-      a.tokens = expert_group<kThreads>(a, expert_slot(a, blockIdx.y), a.group, members);
-      if (a.tokens == 0) return;  // another block row computes this pair
-      grouped = members;
-    }
-  }
+  bool leave = false;
+  const int* grouped = row_group_of_pairs<NT, GATHER, kThreads>(a, view, members, &leave);
+  if (leave) return;  // another block row computes this pair
   Q4kRows<GATHER, NW> rows;
   rows.base = view.w;
   rows.seg_w = seg_w;
@@ -526,14 +538,9 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
   __shared__ int members[NT];
-  const int* grouped = nullptr;
-  if constexpr (by_pairs(GATHER) && NT > 1) {
-    if (!view.skip) {
-      a.tokens = expert_group<kStagedThreads>(a, expert_slot(a, blockIdx.y), a.group, members);
-      if (a.tokens == 0) return;  // another block row computes this pair
-      grouped = members;
-    }
-  }
+  bool leave = false;
+  const int* grouped = row_group_of_pairs<NT, GATHER, kStagedThreads>(a, view, members, &leave);
+  if (leave) return;  // another block row computes this pair
   const uint8_t* rows[NW];
   int64_t row = 0;
   auto set_row = [&](int64_t n) {
