@@ -1,9 +1,10 @@
-"""CPU MoE kernel benchmark: one MoE layer's routed experts (moe_experts / moe_experts_quant)
-at decode (T=1) and prefill (T=64), beside the memory bandwidth of a plain large copy measured
-in the same run.
+"""CPU MoE kernel benchmark: one MoE layer's routed experts (moe_experts / moe_experts_quant /
+moe_experts_scaled) at decode (T=1) and prefill (T=64), beside the memory bandwidth of a plain
+large copy measured in the same run.
 
 Shapes: a Qwen3-30B-A3B-like layer (hidden 2048, moe_intermediate 768, 128 experts, top-8) and
-a small one (512, 256, 32, top-4); weights f32, Q8_0 and Q4_0. Every call routes the tokens
+a small one (512, 256, 32, top-4); weights f32 (what an FP8 checkpoint became on the CPU before
+its kernel), bf16, FP8 e4m3 in 128x128 scale blocks, Q8_0 and Q4_0. Every call routes the tokens
 anew (random logits through moe_topk_softmax), and the layer is copied until the copies exceed
 the last-level cache, so expert weights come from memory as in a model. GB/s counts the bytes
 of the distinct experts a call touches, beside the copy's memory traffic (every byte copied is
@@ -11,7 +12,7 @@ read once and written once). "cpu" is the CPU time of all threads per call (best
 machine it shows the work a call needs when wall times are stretched by other load.
 
     python benchmarks/cpu_moe.py [--threads N] [--reps 20] [--max-mib 1024]
-        [--shapes qwen,small] [--formats f32,q8_0,q4_0] [--tokens 1,64]
+        [--shapes qwen,small] [--formats f32,bf16,fp8,q8_0,q4_0] [--tokens 1,64]
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from freetoken.kernel import ops
 from freetoken.kernel.loader import get_function
 
 SHAPES = {"qwen": (2048, 768, 128, 8), "small": (512, 256, 32, 4)}   # H, I, E, K
-# format -> (GGML type, bytes per 32 weights); f32 goes through moe_experts
-FORMATS = {"f32": (0, 128), "q8_0": (8, 34), "q4_0": (2, 18)}
+# format -> (GGML type, bytes per 32 weights); f32 goes through moe_experts, fp8 (no GGML
+# type) through moe_experts_scaled with a float32 scale per 128x128 block
+FORMATS = {"f32": (0, 128), "bf16": (30, 64), "fp8": (None, 32), "q8_0": (8, 34),
+           "q4_0": (2, 18)}
+FP8_BLOCK = 128
 COPY_MIB = 512
 MEMORY_MIB = 256          # at least this much distinct weight memory, so reads miss the caches
 
@@ -63,6 +67,13 @@ def random_rows(shape: tuple[int, ...], fmt: str, rng: np.random.Generator) -> n
     f16 block scales are set to a normal value (random scale bits could be inf or subnormal)."""
     if fmt == "f32":
         return rng.standard_normal(shape, dtype=np.float32) * 0.02
+    if fmt == "bf16":
+        values = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(
+            *shape[:-1], -1)
+    if fmt == "fp8":        # any finite e4m3 code (0x7F and 0xFF are NaN)
+        codes = rng.integers(0, 0x7F, size=shape, dtype=np.uint8)
+        return codes | (rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)
     _, block = FORMATS[fmt]
     blocks = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // 32, block), dtype=np.uint8)
     blocks[..., :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
@@ -70,7 +81,17 @@ def random_rows(shape: tuple[int, ...], fmt: str, rng: np.random.Generator) -> n
 
 
 def expert_bytes(h: int, i: int, fmt: str) -> int:
-    return 3 * h * i // 32 * FORMATS[fmt][1]
+    grids = 0
+    if fmt == "fp8":        # float32 grids over gate/up [2I, H] and down [H, I]
+        blocks = lambda rows, cols: -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
+        grids = 4 * (blocks(2 * i, h) + blocks(h, i))
+    return 3 * h * i // 32 * FORMATS[fmt][1] + grids
+
+
+def fp8_scales(slots: int, rows: int, cols: int) -> tuple:
+    """A block grid of 1/64 (codes up to 448 give weights up to 7) and row scales of ones."""
+    grid = torch.full((slots, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)), 1 / 64)
+    return tvm_ffi.from_dlpack(grid), tvm_ffi.from_dlpack(torch.ones(slots, rows))
 
 
 def make_layers(h, i, e, fmt, max_mib, rng):
@@ -108,6 +129,8 @@ def bench_case(name, fmt, t, args, rng) -> None:
     qtype = FORMATS[fmt][0]
     experts = get_function("moe", "moe_experts", "cpu")
     quant = get_function("moe", "moe_experts_quant", "cpu")
+    fp8 = get_function("moe_scaled", "moe_experts_scaled", "cpu")
+    grids = (fp8_scales(slots, 2 * i, h), fp8_scales(slots, h, i)) if fmt == "fp8" else None
     step = iter(range(1 << 62))
     touched = []
 
@@ -118,6 +141,9 @@ def bench_case(name, fmt, t, args, rng) -> None:
         touched.append(distinct)
         if fmt == "f32":
             experts(out, x, w13, w2, ids, weights, expert_map, workspace)
+        elif fmt == "fp8":
+            fp8(out, x, w13, *grids[0], w2, *grids[1], 0, FP8_BLOCK, FP8_BLOCK, FP8_BLOCK,
+                FP8_BLOCK, ids, weights, expert_map, workspace)
         else:
             quant(out, x, w13, w2, qtype, qtype, ids, weights, expert_map, workspace)
 
@@ -136,7 +162,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--max-mib", type=int, default=1024, help="memory for one layer's experts")
     parser.add_argument("--shapes", default="qwen,small")
-    parser.add_argument("--formats", default="f32,q8_0,q4_0")
+    parser.add_argument("--formats", default="f32,bf16,fp8,q8_0,q4_0")
     parser.add_argument("--tokens", default="1,64")
     args = parser.parse_args()
     threads = get_function("quant_gemm", "set_num_threads", "cpu")(args.threads)

@@ -190,17 +190,20 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         name="scaled_gemm",
         functions=("scaled_gemv", "scaled_dequantize"),
+        cpu=("cpu/scaled_gemm.cc",),
         cuda=("cuda/scaled_gemm.cu",),
         rocm=True,
         doc="FP8 (block, channel, tensor scales) and NVFP4 weights: dequantizing GEMV for "
-            "decode, dequantize-to-float for the prefill GEMM",
+            "decode, dequantize-to-float for the prefill GEMM (the CPU: FP8 only, any batch)",
     ),
     Kernel(
         name="moe_scaled",
         functions=("moe_experts_scaled",),
+        cpu=("cpu/moe_scaled.cc",),
         cuda=("cuda/moe_scaled.cu",),
         rocm=True,
-        doc="routed SwiGLU experts over FP8/NVFP4 expert weights for decode batches",
+        doc="routed SwiGLU experts over FP8/NVFP4 expert weights for decode batches (the "
+            "CPU: FP8 only, any batch)",
     ),
     Kernel(
         name="moe_gguf",

@@ -25,10 +25,6 @@ int64_t weight_type(const TensorView& w) {
   return floatrows::kF32;
 }
 
-// Weight bytes a chunk holds at least: fewer chunks than that cost more in hand-offs than they
-// gain in balance (as quant_gemm's decode chunks).
-constexpr int64_t kChunkBytes = 65536;
-
 void float_matmul(TensorView out, TensorView x, TensorView w) {
   check_contiguous(x, "x");
   check_contiguous(w, "w");
@@ -50,25 +46,7 @@ void float_matmul(TensorView out, TensorView x, TensorView w) {
   const float* xp = data_of<float>(x);
   float* op = data_of<float>(out);
   const bool simd = quant::best_isa() != quant::Isa::kScalar;  // AVX2 + FMA + F16C
-  const int64_t threads = thread_pool().num_threads();
-  // Tasks of (row block of x, chunk of weight rows): decode splits the weights; a longer x
-  // (a prefill through a small weight, like an MoE router) splits its rows as well.
-  const int64_t chunks = std::clamp<int64_t>(n * row_bytes / kChunkBytes, 1, threads * 8);
-  // whole tiles of 4 weight rows
-  const int64_t grain = (std::max<int64_t>(4, (n + chunks - 1) / chunks) + 3) / 4 * 4;
-  const int64_t n_tasks = (n + grain - 1) / grain;
-  // x rows per task: about 4 tasks a thread, at least 8, even (float_rows takes 2 at a time)
-  const int64_t rows_per_task = (m + threads * 4 - 1) / (threads * 4);
-  const int64_t m_grain = std::max<int64_t>(8, (rows_per_task + 1) / 2 * 2);
-  const int64_t m_tasks = (m + m_grain - 1) / m_grain;
-  parallel_for(m_tasks * n_tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = t / n_tasks * m_grain, m1 = std::min(m, m0 + m_grain);
-      const int64_t n0 = t % n_tasks * grain, n1 = std::min(n, n0 + grain);
-      floatrows::float_rows(simd, wp, row_bytes, wtype, n0, n1, xp + m0 * k, k, m1 - m0, k,
-                            op + m0 * n, n);
-    }
-  });
+  floatrows::float_matmul_pool(simd, wp, row_bytes, wtype, n, xp, m, k, op);
 }
 
 }  // namespace

@@ -171,7 +171,8 @@ def test_cpu_block_experts_sums_the_chosen_experts_pairs(experts):
     """The CPU side of co-execution over blocks: the CPU experts kernel on the host blocks
     (rows padded as the GPU keeps them) for the pairs routed to the chosen experts only, against
     the dequantized experts in float64."""
-    from freetoken.engine.offload_policy import cpu_block_experts, measure_cpu_blocks
+    from freetoken.engine.offload_policy import block_runner, cpu_kernel_experts, \
+        measure_cpu_kernel
     from freetoken.kernel import ops
 
     kernel = ops.bind("moe_experts_quant", "cpu")
@@ -182,7 +183,8 @@ def test_cpu_block_experts_sums_the_chosen_experts_pairs(experts):
     x = torch.randn(5, H, generator=g)
     ids, weights = routing(5, 8)
     chosen = sorted({int(ids[0, 0]), int(ids[3, 1])})
-    got = cpu_block_experts(x, w13, w2, q13, q2, ids, weights, chosen, kernel)
+    run = block_runner(w13, w2, q13, q2, kernel)
+    got = cpu_kernel_experts(x, ids, weights, chosen, run)
     f13 = torch.stack([reference.dequantize(w13[e], q13) for e in range(E)]).double()
     f2 = torch.stack([reference.dequantize(w2[e], q2) for e in range(E)]).double()
     want = torch.zeros(5, H, dtype=torch.float64)
@@ -199,7 +201,8 @@ def test_cpu_block_experts_sums_the_chosen_experts_pairs(experts):
     # int8 activations (x, then act) and float32 sums: a few 1/127 steps of each magnitude
     assert (got.double() - want).abs().le(0.05 * scale + 1e-6).all()
     assert got[[t for t in range(5) if not set(ids[t].tolist()) & set(chosen)]].eq(0).all()
-    bandwidth, flops = measure_cpu_blocks(torch, kernel, w13, w2, q13, q2, repeats=1)
+    bandwidth, flops = measure_cpu_kernel(torch, run, H, I, w13[0].numel() + w2[0].numel(),
+                                          repeats=1)
     assert bandwidth > 0 and flops > 0
 
 

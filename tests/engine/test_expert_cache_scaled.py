@@ -31,10 +31,12 @@ def routed_slots_only(out, x, w13, s13, r13, w2, s2, r2, fmt, bn13, bk13, bn2, b
                       weights, expert_map, act):
     """reference.moe_experts_scaled over the slots the pairs read, renumbered (the reference
     dequantizes every slot it is given, up to S + 2E here, slowly): the same values."""
-    used = torch.unique(expert_map[ids.long()])
+    mapped = expert_map[ids.long()]
+    used = torch.unique(mapped[mapped >= 0])
     local = torch.full_like(expert_map, -1)
     for e in torch.unique(ids.long()).tolist():
-        local[e] = int(torch.searchsorted(used, expert_map[e]))
+        if expert_map[e] >= 0:        # -1: co-execution computes it on the CPU (skipped here)
+            local[e] = int(torch.searchsorted(used, expert_map[e]))
     picked = [t[used.long()] for t in (w13, s13, r13, w2, s2, r2)]
     reference.moe_experts_scaled(out, x, *picked[:3], *picked[3:], fmt, bn13, bk13, bn2, bk2,
                                  ids, weights, local, act)
@@ -195,17 +197,93 @@ def test_graph_segments_route_through_the_fp8_slots(experts):
     assert cache.stats.tokens == 4 * 2
 
 
-def test_co_execution_and_the_fused_residual_add_are_refused(experts):
+def test_co_execution_without_a_cpu_kernel_and_the_fused_residual_add_are_refused(experts):
     from freetoken.engine.offload_policy import CoExecPolicy, Throughput
 
     policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), 1000, 1000)
-    with pytest.raises(ValueError, match="float experts"):
+    with pytest.raises(ValueError, match="was given no CPU kernel"):
         make_cache(experts, 4, policy)
     cache = make_cache(experts, 4)
     x = torch.zeros(1, H, dtype=torch.bfloat16)
     ids, weights = routing(1, 7)
     with pytest.raises(AssertionError, match="no fused residual add"):
         cache.run(0, torch.zeros_like(x), x, ids, weights, None, accumulate=True)
+
+
+def decoded(weight) -> torch.Tensor:
+    """float64 values of stacked FP8 experts, bit by bit (numpy, not the module under test)."""
+    from tests.models.scaled_checkpoint import e4m3_values, expand
+
+    bn, bk = weight.block
+    _, rows, cols = weight.shape
+    values = e4m3_values(weight.data.view(torch.uint8).numpy()) * expand(
+        weight.scales.double().numpy(), bn, bk, rows, cols)
+    if weight.row_scale is not None:
+        values = values * weight.row_scale.double().numpy()[..., None]
+    return torch.from_numpy(values)
+
+
+def test_cpu_experts_sum_the_chosen_experts_pairs_over_the_fp8_bytes(experts):
+    """Co-execution's CPU side over FP8: the CPU's moe_experts_scaled on the host experts the
+    cache copies, for the pairs routed to the chosen experts only, against the decoded experts
+    in float64 (float32 sums through H then I terms)."""
+    from freetoken.engine.offload_policy import cpu_kernel_experts, measure_cpu_kernel, \
+        scaled_runner
+    from freetoken.kernel import ops
+    from tests.tolerances import assert_close
+
+    w13, w2 = experts[0][1], experts[1][1]
+    run = scaled_runner(w13, w2, ops.bind("moe_experts_scaled", "cpu"))
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(7))
+    ids, weights = routing(5, 8)
+    chosen = sorted({int(ids[0, 0]), int(ids[3, 1])})
+    got = cpu_kernel_experts(x, ids, weights, chosen, run)
+    f13, f2 = decoded(w13), decoded(w2)
+    want = torch.zeros(5, H, dtype=torch.float64)
+    scale = torch.zeros(5, H, dtype=torch.float64)
+    for t in range(5):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e in chosen:
+                gu = f13[e] @ x[t].double()
+                act = torch.nn.functional.silu(gu[:I]) * gu[I:]
+                want[t] += float(weights[t, k]) * (f2[e] @ act)
+                magnitude = (f13[e].abs() @ x[t].double().abs())
+                scale[t] += float(weights[t, k]) * (f2[e].abs() @ (magnitude[:I] * magnitude[I:]))
+    assert_close(got, want, torch.float32, magnitude=scale, terms=H + I)
+    assert got[[t for t in range(5) if not set(ids[t].tolist()) & set(chosen)]].eq(0).all()
+    bandwidth, flops = measure_cpu_kernel(torch, run, H, I, host_expert_bytes(w13) +
+                                          host_expert_bytes(w2), repeats=1)
+    assert bandwidth > 0 and flops > 0
+
+
+def test_co_execution_computes_some_fp8_misses_on_the_cpu(experts):
+    """A policy that finds the CPU fast hands it most misses: each layer's output is the
+    pool's part (copied and cached experts, through the reference kernels here) plus the CPU
+    kernel's part over the same host bytes, each rounded to bf16 before the sum: against the
+    resident layer (one rounding), a few bf16 roundings of the experts' outputs, never a
+    missing or doubled expert (which moves the result by a whole expert's output)."""
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput
+    from freetoken.kernel import ops
+    from tests.tolerances import assert_close
+
+    w13, w2 = experts
+    policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), 100_000, 6 * H * I)
+    pool = ScaledPool(w13, w2, K, KERNELS, ops.bind("moe_experts_scaled", "cpu"))
+    cache = ExpertCache(pool, "cpu", 4, policy)
+    cache.prefill = False
+    for seed in range(3):
+        for layer in range(LAYERS):
+            g = torch.Generator().manual_seed(seed * 10 + layer)
+            x = (torch.randn(2, H, generator=g) * 0.5).to(torch.bfloat16)
+            ids, weights = routing(2, 70 + seed * 10 + layer)
+            out = torch.full_like(x, float("nan"))
+            cache.run(layer, out, x, ids, weights, torch.empty(0))
+            want = resident(experts, layer, x, ids, weights).double()
+            assert_close(out, want, torch.bfloat16, ulps=3,
+                         magnitude=want.abs().amax(1, keepdim=True), msg=f"{seed} {layer}")
+    assert cache.stats.cpu_experts > 0 and cache.stats.misses > cache.stats.cpu_experts
+    cache.check_integrity()
 
 
 def test_the_pool_takes_one_fp8_layout_in_every_layer(experts):
@@ -315,10 +393,8 @@ def test_an_offloaded_fp8_model_gives_the_resident_logits(fp8_model_dir, monkeyp
     from freetoken.engine import offload_setup
     from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
     from freetoken.kernel import ops
-    from freetoken.models.checkpoint.weights import Placement
     from tests.models.helpers import PagedRunner
 
-    monkeypatch.setattr(Placement, "keeps_quantized", property(lambda self: False))
     monkeypatch.setattr(offload_setup, "pin", lambda t, total=0: t)
     for name in ("moe_experts_scaled", "moe_experts", "scaled_dequantize"):
         monkeypatch.setattr(ops, name, getattr(reference, name))

@@ -202,10 +202,10 @@ SCALED = dict(hidden_size=192, head_dim=48, num_attention_heads=4, num_key_value
               moe_intermediate_size=160)
 
 
-def safetensors_expected(directory) -> tuple[WeightBytes, int]:
+def safetensors_expected(directory, float_bytes: int = 2) -> tuple[WeightBytes, int]:
     """(bytes on a bf16 GPU, weights' elements) read off the file: FP8 values a byte each and
     their float32 grids; NVFP4 packed bytes, e4m3 scales and a float32 scale per row; floats at
-    bf16. NVFP4 experts are dequantized at load, so they count as bf16 floats."""
+    `float_bytes` (bf16). NVFP4 experts are dequantized at load, so they count as floats."""
     from safetensors import safe_open
 
     sizes, elements = {"other": 0, "experts": 0}, 0
@@ -231,11 +231,11 @@ def safetensors_expected(directory) -> tuple[WeightBytes, int]:
             values = 2 * count if is_nvfp4 else count      # two e2m1 values a byte
             elements += values
             if is_nvfp4 and pool == "experts":
-                sizes[pool] += 2 * values
+                sizes[pool] += float_bytes * values
             elif dtype in ("F8_E4M3", "U8"):
                 sizes[pool] += count
             else:
-                sizes[pool] += 2 * count
+                sizes[pool] += float_bytes * count
     return WeightBytes(sizes["other"], sizes["experts"]), elements
 
 
@@ -256,9 +256,15 @@ def test_scaled_weights_count_values_and_scales(tmp_path, arch, layout, fused):
     if arch == "qwen3_moe" and layout == "fp8-block":     # FP8 experts: FP8 offload slots too
         expected = replace(expected, expert_slot=fp8_slot(expected.experts, config))
     assert weight_bytes(tensors, config, gpu_placement()) == expected
-    # the CPU dequantizes every scaled weight: float32 throughout
     cpu = weight_bytes(tensors, config, Placement(HostArrays(), "float32"))
-    assert cpu.other + cpu.experts == 4 * elements
+    if layout == "modelopt-nvfp4":      # the CPU dequantizes NVFP4: float32 throughout
+        assert cpu.other + cpu.experts == 4 * elements
+    else:           # FP8 stays FP8 (values and grids), the rest is float32
+        in_format, _ = safetensors_expected(directory, float_bytes=4)
+        assert (cpu.other, cpu.experts) == (in_format.other, in_format.experts)
+    # a float16 CPU model dequantizes FP8 too
+    half = weight_bytes(tensors, config, Placement(HostArrays(), "float16"))
+    assert half.other + half.experts == 2 * elements
 
 
 def fp8_slot(expert_bytes: int, config) -> int:

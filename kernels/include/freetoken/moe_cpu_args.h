@@ -9,15 +9,17 @@
 #include "freetoken/cpu_common.h"
 #include "freetoken/float_rows.h"
 #include "freetoken/quant_blocks.h"
+#include "freetoken/scaled_cpu_args.h"
 
 namespace freetoken {
 namespace moe {
 
-/*! \brief How one weight tensor stores its rows: a GGML type id. */
+/*! \brief How one weight tensor stores its rows: a GGML type id, or floatrows::kE4M3. */
 struct Format {
   int64_t type = floatrows::kF32;
-  bool quantized = false;  // GGUF blocks (else plain float elements)
+  bool quantized = false;  // GGUF blocks (else float elements: f32/f16/bf16 or FP8 codes)
   bool packed = false;     // the blocks in quant_packed.h's 16-row layout (quant_pack)
+  scaled::Fp8Layout fp8;   // FP8 codes (type kE4M3): their scale grids and row scales
 
   /*! \brief Bytes of one row of k weights. */
   int64_t row_bytes(int64_t k) const {
@@ -46,6 +48,7 @@ inline const char* type_name(int64_t type) {
     case 12: return "Q4_K";
     case 13: return "Q5_K";
     case 14: return "Q6_K";
+    case floatrows::kE4M3: return "FP8 e4m3";
     default: return "unknown";
   }
 }
@@ -76,7 +79,8 @@ inline void check_weight(const TensorView& w, const char* name, const Format& f,
                          int64_t s, int64_t rows, int64_t k, const char* want) {
   check_contiguous(w, name);
   if (bytes) {
-    check_dtype(w, kDLUInt, 8, name, "uint8 (GGUF rows)");
+    check_dtype(w, kDLUInt, 8, name,
+                f.type == floatrows::kE4M3 ? "uint8 (e4m3 codes)" : "uint8 (GGUF rows)");
   } else {
     check_dtype(w, kDLFloat, 32, name, "float32");
   }

@@ -52,15 +52,15 @@ class ExpertCache:
             ScaledPool).
         device: torch device of the pool (cuda, or cpu for tests).
         num_slots: LRU slots (cache rate * every expert of every layer).
-        policy: co-execution policy (float experts only), or None to copy every miss.
+        policy: co-execution policy (a pool with cpu_experts), or None to copy every miss.
     """
 
     def __init__(self, pool, device: Any, num_slots: int, policy: CoExecPolicy | None = None):
         import torch
 
-        if policy is not None and not hasattr(pool, "cpu_experts"):
-            raise ValueError("CPU co-execution computes float experts and GGUF blocks; this "
-                             "pool keeps FP8 experts")
+        if policy is not None and not getattr(pool, "computes_on_cpu", False):
+            raise ValueError(f"CPU co-execution needs a pool that computes experts on the CPU; "
+                             f"this {type(pool).__name__} was given no CPU kernel")
         self.torch, self.device, self.pool, self.policy = torch, device, pool, policy
         self.num_layers, self.num_experts = pool.num_layers, pool.num_experts
         self.hidden, self.inter = pool.hidden, pool.inter

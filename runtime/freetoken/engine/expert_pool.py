@@ -19,6 +19,9 @@ pinned host memory in the same format, so a miss is a copy of the checkpoint's b
   are (models/forward/scaled_moe.py): decode steps (up to scaled_linear.GEMV_MAX_TOKENS
   tokens) through moe_experts_scaled and the expert map; a streamed layer over its staging
   buffer's E slots, wide steps dequantizing those slots for moe_experts.
+
+BlockPool and ScaledPool also compute missed experts on the CPU for co-execution
+(offload_policy.py), through the CPU engine's kernels over the same pinned host bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class FloatPool:
     kernel: moe_experts(out, x, w13, w2, topk_ids, topk_weights, expert_map, workspace)."""
 
     in_format = False   # float experts: CPU co-execution may compute them
+    computes_on_cpu = True     # cpu_experts through torch
     fuses_decode = False   # the decode fusion of moe_decode_quant does not apply
 
     def __init__(self, host_w13: list, host_w2: list, kernel: Callable):
@@ -196,14 +200,25 @@ class BlockPool:
     def max_mapped_tokens(self) -> int:
         return self.decode_tokens
 
-    def cpu_experts(self, layer: int, x, topk_ids, topk_weights, experts: list[int]):
-        """Co-execution's CPU side over the same host blocks the cache copies, through the CPU
-        engine's experts kernel (offload_policy.cpu_block_experts)."""
+    @property
+    def computes_on_cpu(self) -> bool:
+        """Whether cpu_experts can run: the CPU's kernel was given."""
+        return self.kernels.cpu is not None
+
+    def cpu_run(self, layer: int):
+        """The CPU engine's experts kernel over `layer`'s host blocks, the bytes the cache
+        copies (offload_policy.block_runner)."""
         from freetoken.engine import offload_policy
 
-        return offload_policy.cpu_block_experts(
-            x, self.host_w13[layer], self.host_w2[layer], *self.qtypes[layer], topk_ids,
-            topk_weights, experts, self.kernels.cpu)
+        return offload_policy.block_runner(self.host_w13[layer], self.host_w2[layer],
+                                           *self.qtypes[layer], self.kernels.cpu)
+
+    def cpu_experts(self, layer: int, x, topk_ids, topk_weights, experts: list[int]):
+        """Co-execution's CPU side: the pairs routed to `experts`, float32 [T, H]."""
+        from freetoken.engine import offload_policy
+
+        return offload_policy.cpu_kernel_experts(x, topk_ids, topk_weights, experts,
+                                                 self.cpu_run(layer))
 
     def _decode(self, layer, w13, w2, out, x, topk_ids, topk_weights, expert_map, workspace,
                 accumulate) -> None:
@@ -254,15 +269,17 @@ class ScaledPool:
     in_format = True
     fuses_decode = False   # moe_decode_quant's fused decode reads GGUF blocks only
 
-    def __init__(self, host_w13: list, host_w2: list, top_k: int, kernels):
-        """kernels: scaled_moe.ScaledKernels, bound for the pool's device."""
+    def __init__(self, host_w13: list, host_w2: list, top_k: int, kernels,
+                 cpu: Callable | None = None):
+        """kernels: scaled_moe.ScaledKernels, bound for the pool's device; cpu: the CPU's
+        moe_experts_scaled (co-execution), None: never asked."""
         from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS
 
         if not self.takes(host_w13, host_w2):
             raise ValueError("the FP8 expert pool takes FP8 experts of one layout in every "
                              "layer, with float32 scales")
         self.host_w13, self.host_w2 = host_w13, host_w2
-        self.top_k, self.kernels = top_k, kernels
+        self.top_k, self.kernels, self.cpu = top_k, kernels, cpu
         self.num_layers = len(host_w13)
         self.num_experts, two_i, self.hidden = host_w13[0].shape
         self.inter = two_i // 2
@@ -281,6 +298,7 @@ class ScaledPool:
         self._identity = None
         self._mapped = None
         self._staged: list = []
+        self._cpu_runs: dict[int, Callable] = {}
 
     @staticmethod
     def takes(host_w13: list, host_w2: list) -> bool:
@@ -356,6 +374,29 @@ class ScaledPool:
 
     def max_mapped_tokens(self) -> int:
         return self.decode_tokens
+
+    @property
+    def computes_on_cpu(self) -> bool:
+        """Whether cpu_experts can run: the CPU's kernel was given."""
+        return self.cpu is not None
+
+    def cpu_run(self, layer: int):
+        """The CPU engine's FP8 experts kernel over `layer`'s host experts, the bytes the cache
+        copies (offload_policy.scaled_runner; made once per layer)."""
+        from freetoken.engine import offload_policy
+
+        run = self._cpu_runs.get(layer)
+        if run is None:
+            run = self._cpu_runs[layer] = offload_policy.scaled_runner(
+                self.host_w13[layer], self.host_w2[layer], self.cpu)
+        return run
+
+    def cpu_experts(self, layer: int, x, topk_ids, topk_weights, experts: list[int]):
+        """Co-execution's CPU side: the pairs routed to `experts`, float32 [T, H]."""
+        from freetoken.engine import offload_policy
+
+        return offload_policy.cpu_kernel_experts(x, topk_ids, topk_weights, experts,
+                                                 self.cpu_run(layer))
 
     def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
                    accumulate=False) -> None:

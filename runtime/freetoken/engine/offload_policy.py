@@ -1,6 +1,7 @@
 """Which missed experts to copy to the GPU and which to compute on the CPU, per MoE layer step,
-and the CPU side itself: float experts through torch, GGUF experts through the CPU engine's own
-experts kernel (moe_experts_quant) over the same host blocks the cache copies.
+and the CPU side itself: float experts through torch, GGUF and FP8 experts through the CPU
+engine's own experts kernels (moe_experts_quant, moe_experts_scaled) over the same host bytes
+the cache copies.
 
 A copied expert costs its bytes over PCIe whatever the number of tokens routed to it (and stays
 cached for later steps); an expert computed on the CPU costs reading its weights from host RAM
@@ -116,12 +117,11 @@ def cpu_experts(x, w13, w2, ids, weights, experts: list[int]):
     return out
 
 
-def cpu_block_experts(x, w13, w2, qtype13: int, qtype2: int, ids, weights, experts: list[int],
-                      kernel):
-    """cpu_experts over GGUF blocks: the pairs routed to `experts`, each as its own row, through
-    `kernel` (ops.moe_experts_quant on the CPU: it groups rows by expert, so each expert's
-    blocks are read once), summed into float32 [T, H] per token. w13 uint8 [E, 2I, pitch],
-    w2 uint8 [E, H, pitch] (rows as the GPU keeps them: the kernel reads the padded pitch)."""
+def cpu_kernel_experts(x, ids, weights, experts: list[int], run):
+    """cpu_experts through one of the CPU engine's experts kernels: the pairs routed to
+    `experts`, each as its own row, through `run(out, xs, ids, weights, expert_map)` (the
+    kernel over one layer's host experts; it groups rows by expert, so each expert's bytes
+    are read once), summed into float32 [T, H] per token."""
     import torch
 
     chosen = torch.tensor(experts, dtype=ids.dtype)
@@ -131,32 +131,55 @@ def cpu_block_experts(x, w13, w2, qtype13: int, qtype2: int, ids, weights, exper
         return out
     xs = x[rows].float().contiguous()
     part = torch.empty_like(xs)
-    kernel(part, xs, w13, w2, qtype13, qtype2,
-           ids[rows, ks].to(torch.int32).view(-1, 1).contiguous(),
-           weights[rows, ks].float().view(-1, 1).contiguous(),
-           torch.arange(w13.shape[0], dtype=torch.int32), torch.empty(0, dtype=torch.uint8))
+    run(part, xs, ids[rows, ks].to(torch.int32).view(-1, 1).contiguous(),
+        weights[rows, ks].float().view(-1, 1).contiguous())
     out.index_add_(0, rows, part)
     return out
 
 
-def measure_cpu_blocks(torch, kernel, w13, w2, qtype13: int, qtype2: int,
-                       repeats: int = 3) -> tuple[float, float]:
-    """(bytes/s, FLOP/s) of one GGUF expert on the CPU through `kernel`, at 1 and 16 tokens,
-    as measure_cpu does for torch (w13, w2: one layer's host blocks)."""
-    hidden, inter = w2.shape[1], w13.shape[1] // 2
+def block_runner(w13, w2, qtype13: int, qtype2: int, kernel):
+    """cpu_kernel_experts' run over GGUF blocks: `kernel` (ops.moe_experts_quant on the CPU)
+    over w13 uint8 [E, 2I, pitch] and w2 uint8 [E, H, pitch] (rows as the GPU keeps them: the
+    kernel reads the padded pitch)."""
+    import torch
 
-    def run(tokens: int) -> float:
+    identity = torch.arange(w13.shape[0], dtype=torch.int32)
+    none = torch.empty(0, dtype=torch.uint8)
+    return lambda out, xs, ids, weights: kernel(out, xs, w13, w2, qtype13, qtype2, ids,
+                                                weights, identity, none)
+
+
+def scaled_runner(w13, w2, kernel):
+    """cpu_kernel_experts' run over FP8 experts: `kernel` (ops.moe_experts_scaled on the CPU)
+    over one layer's host ScaledWeights w13 [E, 2I, H] and w2 [E, H, I] (e4m3 codes, float32
+    grids, row scales or none)."""
+    import torch
+
+    parts = []
+    for w in (w13, w2):
+        rows = w.row_scale if w.row_scale is not None else torch.ones(w.shape[:-1])
+        parts += [w.data.view(torch.uint8), w.scales, rows]
+    identity = torch.arange(w13.shape[0], dtype=torch.int32)
+    none = torch.empty(0, dtype=torch.uint8)
+    return lambda out, xs, ids, weights: kernel(out, xs, *parts, 0, *w13.block, *w2.block, ids,
+                                                weights, identity, none)
+
+
+def measure_cpu_kernel(torch, run, hidden: int, inter: int, expert_bytes: int,
+                       repeats: int = 3) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) of one expert on the CPU through a cpu_kernel_experts `run`, at 1 and
+    16 tokens, as measure_cpu does for torch (`expert_bytes`: one expert's bytes as stored)."""
+    def timed(tokens: int) -> float:
         x = torch.randn(tokens, hidden)
         ids = torch.zeros(tokens, 1, dtype=torch.int32)
         weights = torch.ones(tokens, 1)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            cpu_block_experts(x, w13, w2, qtype13, qtype2, ids, weights, [0], kernel)
+            cpu_kernel_experts(x, ids, weights, [0], run)
             best = min(best, time.perf_counter() - start)
         return best
 
-    nbytes = w13[0].numel() + w2[0].numel()
-    one, many = run(1), run(16)
+    one, many = timed(1), timed(16)
     flops = 2 * 3 * hidden * inter
-    return nbytes / one, max(15 * flops / max(many - one, 1e-9), flops / one)
+    return expert_bytes / one, max(15 * flops / max(many - one, 1e-9), flops / one)

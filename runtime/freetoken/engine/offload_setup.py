@@ -210,20 +210,21 @@ def attach_expert_cache(model, decision: OffloadDecision):
     w13, w2 = _pin_experts(layers)
     slots = cache_slots(ModelSizes.of(model.config, model.dtype), decision.rate)
     cfg, policy = model.config, None
-    if fp8 and decision.cpu:
-        log.warning("--moe-cpu auto: CPU co-execution computes float experts and GGUF blocks; "
-                    "every miss of these FP8 experts is copied")
     if fp8:
         from freetoken.engine.expert_pool import ScaledPool
         from freetoken.models.forward.scaled_moe import ScaledKernels
 
-        pool = ScaledPool(w13, w2, cfg.moe.top_k, ScaledKernels.for_device(model.device))
+        pool = ScaledPool(w13, w2, cfg.moe.top_k, ScaledKernels.for_device(model.device),
+                          ops.bind("moe_experts_scaled", "cpu"))
+        policy = _kernel_co_execution(torch, device, pool, "FP8 experts") if decision.cpu \
+            else None
     elif blocks:
         from freetoken.engine.expert_pool import BlockKernels, BlockPool
 
         pool = BlockPool(w13, w2, [mlp.qtypes for mlp in layers], cfg.hidden_size,
                          cfg.moe.intermediate_size, BlockKernels.for_device(model.device, device))
-        policy = _block_co_execution(torch, device, pool) if decision.cpu else None
+        policy = _kernel_co_execution(torch, device, pool, "GGUF blocks") if decision.cpu \
+            else None
     else:
         from freetoken.engine.expert_pool import FloatPool
 
@@ -339,18 +340,19 @@ def _co_execution(torch, device, w13: list, w2: list):
                         * w13[0].element_size(), 6 * h * (two_i // 2))
 
 
-def _block_co_execution(torch, device, pool):
-    """The co-execution policy over GGUF blocks: the CPU's experts kernel timed on the first
-    MoE layer's blocks, the copies at the pinned H2D bandwidth, a mean expert's bytes."""
-    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu_blocks, \
+def _kernel_co_execution(torch, device, pool, kind: str):
+    """The co-execution policy over experts in their format (GGUF blocks, FP8): the CPU's
+    experts kernel timed on the first MoE layer's host experts, the copies at the pinned H2D
+    bandwidth, a mean expert's bytes."""
+    from freetoken.engine.offload_policy import CoExecPolicy, Throughput, measure_cpu_kernel, \
         measure_h2d
 
-    cpu_bw, cpu_flops = measure_cpu_blocks(torch, pool.kernels.cpu, pool.host_w13[0],
-                                           pool.host_w2[0], *pool.qtypes[0])
-    throughput = Throughput(measure_h2d(torch, device), cpu_bw, cpu_flops)
-    log.info("co-execution policy over GGUF blocks: %.1f GB/s H2D, CPU %.1f GB/s and "
-             "%.1f GFLOP/s", throughput.h2d_bytes_per_s / 1e9, cpu_bw / 1e9, cpu_flops / 1e9)
     expert = pool.pinned_bytes // (pool.num_layers * pool.num_experts)
+    cpu_bw, cpu_flops = measure_cpu_kernel(torch, pool.cpu_run(0), pool.hidden, pool.inter,
+                                           expert)
+    throughput = Throughput(measure_h2d(torch, device), cpu_bw, cpu_flops)
+    log.info("co-execution policy over %s: %.1f GB/s H2D, CPU %.1f GB/s and %.1f GFLOP/s",
+             kind, throughput.h2d_bytes_per_s / 1e9, cpu_bw / 1e9, cpu_flops / 1e9)
     return CoExecPolicy(throughput, expert, 6 * pool.hidden * pool.inter)
 
 

@@ -8,12 +8,13 @@ then applies the placement rules of weights.py to each tensor:
 - GGUF blocks the device's kernels read (``Placement.keeps``) count at their file bytes (on a
   GPU each row padded to whole 16-byte words, as weights.gpu_rows places them); other block
   types are dequantized at load and count at the activation dtype's bytes;
-- FP8/NVFP4 weights count at their values plus their scales where a GPU kernel takes their
-  layout, else (the CPU, an odd scale layout, an embedding) at the dtype's bytes;
+- FP8/NVFP4 weights count at their values plus their scales where a kernel takes their layout
+  (``Placement.keeps_scaled``: a GPU, or FP8 in a float32 CPU model), else (NVFP4 on the CPU,
+  an odd scale layout, an embedding) at the dtype's bytes;
 - float tensors count at the dtype's bytes;
 - routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
-  in their format only as a whole (``Placement.keeps_experts`` for GGUF; FP8 on a GPU; either
-  offloaded or not), else become floats.
+  in their format only as a whole (``Placement.keeps_experts`` for GGUF; FP8 where
+  ``keeps_scaled`` says so, offloaded or not), else become floats.
 
 A checkpoint's multi-token-prediction block (a source's ``mtp()`` view, forward/mtp.py) counts
 with the weights that are always resident, its routed experts included (never offloaded).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from freetoken.models.checkpoint.weights import Placement
 from freetoken.models.config import ModelConfig
-from freetoken.models.quant.scaled import FORMATS, FP8, NVFP4
+from freetoken.models.quant.scaled import FORMATS, FP8
 from freetoken.models.registry import ATTENTION_PARTS, DENSE_MLP_PARTS, LAYER_PARTS, MOE_PARTS
 
 FLOAT, GGUF = "float", "gguf"
@@ -166,8 +167,8 @@ def placed_bytes(tensor: StoredTensor, where: Placement, lookup: bool = False) -
     read by row, which a scaled checkpoint's embedding turns into floats for."""
     if tensor.kind == GGUF and where.keeps(tensor.qtype):
         return _block_bytes(tensor, where)
-    if tensor.kind in FORMATS and not lookup and tensor.kernel_ready and \
-            not where.arrays.device.is_cpu:
+    if tensor.kind in FORMATS and not lookup and where.keeps_scaled(tensor.kind,
+                                                                     tensor.kernel_ready):
         return tensor.nbytes
     return tensor.numel * _ITEM[where.dtype]
 
@@ -195,13 +196,11 @@ def _block_bytes(tensor: StoredTensor, where: Placement) -> int:
 
 
 def _expert_kind(parts: list[StoredTensor], where: Placement) -> str:
-    """The kind stacked experts keep (mirrors _Reader.stacked): FP8 on a GPU with its kernel's
-    layout, offloaded or not (NVFP4 experts are dequantized), GGUF blocks where keeps_experts
-    says so, else floats."""
+    """The kind stacked experts keep (mirrors _Reader.stacked): FP8 where keeps_scaled says so
+    (NVFP4 experts are dequantized), GGUF blocks where keeps_experts says so, else floats."""
     first = parts[0]
-    if all(p.kind == first.kind for p in parts) and first.kind in FORMATS and \
-            first.kind != NVFP4 and all(p.kernel_ready for p in parts) and \
-            not where.keeps_quantized:
+    if all(p.kind == first.kind for p in parts) and first.kind == FP8 and \
+            all(where.keeps_scaled(p.kind, p.kernel_ready) for p in parts):
         return first.kind
     if all(p.kind == GGUF for p in parts) and len({p.qtype for p in parts}) == 1 and \
             where.keeps_experts(first.qtype):

@@ -54,9 +54,19 @@ class Placement:
         return self.experts if self.experts is not None else self.arrays
 
     @property
-    def keeps_quantized(self) -> bool:
-        """Stacked GGUF experts stay in their blocks (the CPU experts kernel reads them)."""
-        return self.arrays.device.is_cpu
+    def torch_device(self):
+        """The torch device of this placement's tensors ("cpu" for host arrays)."""
+        return getattr(self.arrays, "torch_device", "cpu")
+
+    def keeps_scaled(self, fmt: str, kernel_ready: bool) -> bool:
+        """Whether a scaled matrix of format `fmt` stays in its format here: on a GPU where its
+        kernels take the layout; on the CPU, FP8 in a float32 model (the CPU kernels take
+        float32 activations: scaled_gemm.cc, moe_scaled.cc), NVFP4 never."""
+        if not kernel_ready:
+            return False
+        if self.arrays.device.is_cpu:
+            return fmt == scaled.FP8 and self.dtype == "float32"
+        return True
 
     def keeps_experts(self, qtype: int) -> bool:
         """Whether stacked experts of GGML type `qtype` stay in their blocks here (read by the
@@ -124,10 +134,11 @@ def _place_experts(weight: QuantWeight, where: Placement) -> QuantWeight:
 
 def _place(weight: Weight, where: Placement) -> Weight:
     if isinstance(weight, ScaledWeight):
-        # FP8/NVFP4: dequantized once on the CPU; a GPU keeps the bytes and their scales
-        if where.arrays.device.is_cpu or not scaled.kernel_ready(weight):
+        # the bytes and their scales where a kernel reads them (Placement.keeps_scaled), else
+        # dequantized once
+        if not where.keeps_scaled(weight.format, scaled.kernel_ready(weight)):
             return where.arrays.place(scaled.dequantize(weight), where.dtype)
-        return scaled.to_device(weight, where.arrays.torch_device)
+        return scaled.to_device(weight, where.torch_device)
     if isinstance(weight, QuantWeight):
         if where.keeps(weight.qtype):
             if where.arrays.device.is_cpu:
@@ -243,11 +254,12 @@ class _Reader:
                 self.check(name, weight, shape)      # raises, naming the tensor
             self.servable(name, weight)
         # NVFP4 experts are dequantized: moe_experts_scaled's NVFP4 path failed its GPU test
-        if all(isinstance(w, ScaledWeight) and w.format != scaled.NVFP4 and scaled.kernel_ready(w)
-               for w in raw) and not self.where.keeps_quantized:
-            # FP8 experts stay in their format on a GPU when their scales line up; offloaded,
-            # in host memory (the expert cache copies their bytes: engine/expert_pool.ScaledPool)
-            device = self.where.expert_arrays.torch_device
+        if all(isinstance(w, ScaledWeight) and w.format == scaled.FP8 and
+               self.where.keeps_scaled(w.format, scaled.kernel_ready(w)) for w in raw):
+            # FP8 experts stay in their format where their scales line up: on a GPU, offloaded
+            # in host memory (the expert cache copies their bytes: engine/expert_pool.ScaledPool),
+            # or on the CPU
+            device = getattr(self.where.expert_arrays, "torch_device", "cpu")
             joined = scaled.concat_rows([scaled.to_device(w, device) for w in raw])
             if joined is not None:
                 return joined

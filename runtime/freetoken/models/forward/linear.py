@@ -208,7 +208,9 @@ def make_linear(weights: Weight | list[Weight], bias: Array | None = None,
     if isinstance(weights, QuantWeight):
         return QuantLinear(weights, bias)
     if isinstance(weights, ScaledWeight):
-        from freetoken.models.forward.scaled_linear import ScaledLinear
+        from freetoken.models.forward.scaled_linear import HostScaledLinear, ScaledLinear
 
+        if weights.data.device.type == "cpu":
+            return HostScaledLinear(weights, bias)
         return ScaledLinear(weights, bias)
     return DenseLinear(weights, bias, every_step)

@@ -3,7 +3,7 @@ expert. Each takes the normed input x and returns the buffer holding its output.
 
 MoE: router linear -> ops.moe_topk_softmax -> ops.moe_experts (GGUF blocks: the CPU's
 ops.moe_experts_quant, the GPU's ops.moe_experts_gguf; FP8/NVFP4 experts on a GPU:
-scaled_moe.ScaledExperts) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I])
+scaled_moe.ScaledExperts; FP8 experts on the CPU: scaled_moe.HostScaledExperts) over experts stacked once at load (w13 [E, 2I, H], w2 [E, H, I])
 and an identity expert map; qwen2_moe adds shared_mlp(x) * sigmoid(x @ shared_gate). No loop
 over experts: the kernels sort tokens by expert themselves.
 """
@@ -57,7 +57,12 @@ class MoEMLP:
         self.renormalize = moe.renormalize
         w13, w2 = w["experts.gate_up"], w["experts.down"]
         self.scaled = None
-        if isinstance(w13, ScaledWeight):     # FP8/NVFP4 experts on a GPU
+        if isinstance(w13, ScaledWeight) and isinstance(arrays, HostArrays):  # FP8, the CPU
+            from freetoken.models.forward.scaled_moe import HostScaledExperts
+
+            self.scaled = HostScaledExperts(w13, w2, moe.top_k)
+            w13 = w2 = None
+        elif isinstance(w13, ScaledWeight):     # FP8/NVFP4 experts on a GPU
             from freetoken.models.forward.scaled_moe import ScaledExperts, ScaledKernels
 
             # kernels of the model's device: offloaded FP8 experts sit in host memory until

@@ -1,16 +1,23 @@
-"""Projections over FP8/NVFP4 weights kept in their own format on the GPU (the CPU
-dequantizes them at load, so only GPU weights reach this module).
+"""Projections over FP8/NVFP4 weights kept in their own format.
 
-Decode batches (up to ``GEMV_MAX_TOKENS`` rows) run ``scaled_gemv``, which reads the weight's
-bytes once and applies its scales in registers; larger batches dequantize the weight into a
-scratch buffer shared by every layer of the device and dtype, then multiply on the tensor cores
-through torch.
+On a GPU (``ScaledLinear``), decode batches (up to ``GEMV_MAX_TOKENS`` rows) run
+``scaled_gemv``, which reads the weight's bytes once and applies its scales in registers;
+larger batches dequantize the weight into a scratch buffer shared by every layer of the device
+and dtype, then multiply on the tensor cores through torch.
+
+On the CPU (``HostScaledLinear``: FP8 in a float32 model; NVFP4 is dequantized at load),
+products of up to ``linear.SMALL_PRODUCT_ROWS`` rows run the CPU's ``scaled_gemv`` over the
+weight's bytes; longer ones (prefill) dequantize into a shared float32 scratch for BLAS, as
+float weights take BLAS there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from freetoken.arrays import array_view, is_torch
 from freetoken.models.forward import quant_gemv
 from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
 
@@ -20,6 +27,7 @@ _FORMAT_IDS = {FP8: 0, NVFP4: 1}
 # NOTE: grows only outside CUDA graph capture in practice: the engine runs a warm-up forward
 # of the largest decode batch (every layer) before capturing anything.
 _SCRATCH: dict[tuple[Any, Any], Any] = {}
+_HOST_SCRATCH: list = []     # the CPU's float32 scratch (a torch tensor), grown to the largest
 
 
 def scratch(device, dtype, numel: int):
@@ -78,3 +86,64 @@ class ScaledLinear:
             torch.mm(x, w.T, out=out)
         if self.bias is not None:
             out += self.bias
+
+
+def host_scratch(numel: int):
+    """A flat float32 host tensor of `numel` values, shared by every CPU scaled product."""
+    import torch
+
+    if not _HOST_SCRATCH or _HOST_SCRATCH[0].numel() < numel:
+        _HOST_SCRATCH[:] = [torch.empty(numel, dtype=torch.float32)]
+    return _HOST_SCRATCH[0][:numel]
+
+
+def host_operands(weight: ScaledWeight) -> tuple:
+    """An FP8 weight [..., N, K] in host memory as the CPU kernels take it: uint8 codes,
+    float32 scale grid and float32 row scales [..., N] (ones where it has none), contiguous
+    torch tensors (they reach the kernels without a per-call conversion)."""
+    import torch
+
+    rows = weight.row_scale if weight.row_scale is not None else torch.ones(weight.shape[:-1])
+    return tuple(t.contiguous() for t in
+                 (weight.data.view(torch.uint8), weight.scales.float(), rows.float()))
+
+
+class HostScaledLinear:
+    """out[T, N] = x[T, K] @ dequant(W).T (+ bias) for an FP8 weight W [N, K] in host memory;
+    x and out float32, numpy arrays or torch CPU tensors (see the module doc)."""
+
+    def __init__(self, weight: ScaledWeight, bias=None):
+        from freetoken.kernel import ops
+        from freetoken.models.forward.linear import SMALL_PRODUCT_ROWS
+
+        if weight.format != FP8 or len(weight.shape) != 2:
+            raise ValueError(f"the CPU's scaled projection takes a 2-D FP8 weight, got "
+                             f"{weight.format} {weight.shape}")
+        self._gemv = ops.bind("scaled_gemv", "cpu")
+        self._dequantize = ops.bind("scaled_dequantize", "cpu")
+        self.out_features, self.in_features = weight.shape
+        self.operands = host_operands(weight)
+        self.block = weight.block
+        self.bias = bias
+        self._small_rows = SMALL_PRODUCT_ROWS
+
+    def __call__(self, out, x) -> None:
+        out_view, x_view = array_view(out), array_view(x)
+        if x_view.shape[0] <= self._small_rows and _contiguous(x_view) and _contiguous(out_view):
+            self._gemv(out, x, *self.operands, 0, *self.block)
+        else:
+            w = host_scratch(self.out_features * self.in_features).view(
+                self.out_features, self.in_features)
+            self._dequantize(w, *self.operands, 0, *self.block)
+            if is_torch(x_view):        # torch CPU tensors (a GPU's stand-in in tests)
+                import torch
+
+                torch.mm(x_view, w.T, out=out_view)
+            else:
+                np.matmul(x_view, w.numpy().T, out=out_view)
+        if self.bias is not None:
+            out_view += self.bias
+
+
+def _contiguous(array) -> bool:
+    return array.is_contiguous() if is_torch(array) else array.flags.c_contiguous

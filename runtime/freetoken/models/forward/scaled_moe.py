@@ -1,8 +1,11 @@
-"""Routed experts over FP8/NVFP4 expert weights kept in their format on the GPU.
+"""Routed experts over FP8/NVFP4 expert weights kept in their format.
 
-Decode batches (up to ``GEMV_MAX_TOKENS`` tokens) run ``moe_experts_scaled``, which reads only
-the routed experts' bytes; larger batches dequantize every slot into the shared scratch and run
-``moe_experts``' grouped GEMMs on it (prefill reads most experts anyway).
+On a GPU (``ScaledExperts``), decode batches (up to ``GEMV_MAX_TOKENS`` tokens) run
+``moe_experts_scaled``, which reads only the routed experts' bytes; larger batches dequantize
+every slot into the shared scratch and run ``moe_experts``' grouped GEMMs on it (prefill reads
+most experts anyway). On the CPU (``HostScaledExperts``: FP8 in a float32 model), the CPU's
+``moe_experts_scaled`` serves every batch: it reads each routed expert once per call, however
+many tokens it has, where dequantizing a layer's experts would write E times more.
 """
 
 from __future__ import annotations
@@ -103,3 +106,27 @@ class ScaledExperts:
                 self._dequantize(dst[s], stacked.data[s], stacked.scales[s],
                                  stacked.row_scale[s], self.format, *stacked.block)
         return w13, w2
+
+
+class HostScaledExperts:
+    """ScaledExperts' contract on the CPU for FP8 experts w13 [S, 2I, H] and w2 [S, H, I] in
+    host memory, x and out float32 (see the module doc)."""
+
+    def __init__(self, w13: ScaledWeight, w2: ScaledWeight, top_k: int):
+        from freetoken.kernel import ops
+        from freetoken.models.forward.scaled_linear import host_operands
+
+        if not w13.format == w2.format == "fp8_e4m3":
+            raise ValueError(f"the CPU's scaled experts take FP8, got {w13.format} and "
+                             f"{w2.format}")
+        self.weights = (w13, w2)
+        self.top_k = top_k
+        self._run = ops.bind("moe_experts_scaled", "cpu")
+        self._operands = host_operands(w13) + host_operands(w2)
+        self._blocks = (*w13.block, *w2.block)
+
+    def __call__(self, out, x, topk_ids, topk_weights, expert_map, workspace) -> None:
+        w13, w2 = self._operands[:3], self._operands[3:]
+        self._run(out, x, *w13, *w2, 0, *self._blocks, topk_ids, topk_weights, expert_map,
+                  workspace)
+
