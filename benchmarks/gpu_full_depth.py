@@ -1,14 +1,17 @@
-"""A full-depth MoE in Q4_K_M on one GPU (the 48-layer Qwen3-30B-A3B, or with --model
+"""A full-depth MoE in Q4_K_M or FP8 on one GPU (the 48-layer Qwen3-30B-A3B, or with --model
 qwen3.6-35b-a3b the 40-layer hybrid Qwen3.6-35B-A3B): FreeToken under GPU memory budgets beside
 llama.cpp (every layer on the GPU, or -ncmoe N experts on the CPU) on the same file.
 
     python benchmarks/gpu_full_depth.py [--work DIR] [--engines freetoken,llama.cpp]
-        [--gpu-memory-limit 24GiB[,16GiB,...]] [--context 32768] [--moe-cache-rate auto]
-        [--n-cpu-moe 0[,N,...]] [--batches 1[,4]] [--gen 128] [--results FILE] [--drop-file]
+        [--format q4_k_m|fp8] [--gpu-memory-limit 24GiB[,16GiB,...]] [--context 32768]
+        [--moe-cache-rate auto] [--n-cpu-moe 0[,N,...]] [--batches 1[,4]] [--gen 128]
+        [--results FILE] [--drop-file]
 
-The file (~17 GiB; 19.7 GiB for Qwen3.6) is written directly by benchmarks/write_gguf_moe.py
-(write_gguf_hybrid.py) into --work (default ~/ft-full-depth) and reused by later calls (--drop-file deletes it at the end): its bf16
-source would not fit the disk.
+The Q4_K_M file (~17 GiB; 19.7 GiB for Qwen3.6) is written directly by
+benchmarks/write_gguf_moe.py (write_gguf_hybrid.py), the FP8 folder (~31 GB; ~37 GB for
+Qwen3.6; 128x128 blocks) by benchmarks/write_fp8_folder.py, into --work (default
+~/ft-full-depth) and reused by later calls (--drop-file deletes it at the end): its bf16 source
+would not fit the disk. llama.cpp reads no FP8 checkpoint: FP8 rows are FreeToken's alone.
 
 FreeToken: load_model + the engine with the engine config's gpu_memory_limit (`ft serve
 --gpu-memory-limit`) and a KV pool of --context tokens for one sequence; the start-up memory
@@ -63,11 +66,24 @@ def kv_layers(shape) -> int:
     return shape.layers if full is None else sum(full(i) for i in range(shape.layers))
 
 
-def ensure_file(work: Path, layers: int, model: str = "qwen3-30b-a3b") -> Path:
-    """The model's Q4_K_M file of `layers` layers in `work`, written unless a finished one is
-    there (a file is renamed into place only once complete)."""
+def ensure_file(work: Path, layers: int, model: str = "qwen3-30b-a3b",
+                fmt: str = "q4_k_m") -> Path:
+    """The model's Q4_K_M file (or FP8 folder) of `layers` layers in `work`, written unless a
+    finished one is there (each is renamed into place only once complete)."""
     writer, full, _ = models()[model]
     shape = dataclasses.replace(full, layers=layers)
+    if fmt == "fp8":
+        from benchmarks import write_fp8_folder
+
+        path = work / f"{model}-{layers}L-fp8"
+        if (path / "config.json").is_file():
+            return path
+        work.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        counts = write_fp8_folder.write_folder(path, model, layers, progress=_every_8th_shard)
+        print(f"wrote {path} ({counts['bytes'] / GIB:.2f} GiB) in "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
+        return path
     path = work / f"{model}-{layers}L-q4km.gguf"
     if path.is_file():
         return path
@@ -79,6 +95,18 @@ def ensure_file(work: Path, layers: int, model: str = "qwen3-30b-a3b") -> Path:
     print(f"wrote {path} ({counts['bytes'] / GIB:.2f} GiB) in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
     return path
+
+
+def _every_8th_shard(line: str) -> None:
+    shard = int(line.split()[1].split("/")[0])
+    if shard % 8 == 0:
+        print(line, flush=True)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """A GGUF file's size, or an HF folder's."""
+    return path.stat().st_size if path.is_file() else sum(
+        f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
 def _every_8th_layer():
@@ -220,6 +248,8 @@ def llamacpp(path: Path, n_cpu_moe: list[int]) -> dict:
     from benchmarks.llama_cpp_cuda import paths
     from benchmarks.llama_cpp_cuda.bench import bench
 
+    if path.is_dir():
+        return {"skipped": "llama.cpp reads no FP8 checkpoint: this row is FreeToken's alone"}
     out = {}
     for n in n_cpu_moe:
         try:
@@ -247,8 +277,8 @@ def touched_ceiling(entry: dict, batch: int) -> float:
 
 def report(entry: dict) -> None:
     ceiling = entry["ceiling_tok_s"]
-    print(f"\n== {entry.get('model', 'Qwen3-30B-A3B')}, {entry['layers']} layers, Q4_K_M "
-          f"({entry['file_gib']:.2f} GiB) ==")
+    print(f"\n== {entry.get('model', 'Qwen3-30B-A3B')}, {entry['layers']} layers, "
+          f"{entry.get('format', 'Q4_K_M')} ({entry['file_gib']:.2f} GiB) ==")
     print(f"batch-1 ceiling {ceiling:.0f} tok/s (D2D {entry['bandwidth_Bps'] / 1e12:.2f} TB/s / "
           f"{entry['step_bytes'] / 1e9:.3f} GB: the file's step bytes + KV of the context)")
     rows = {k: v for k, v in entry.items() if k.startswith("freetoken")}
@@ -259,7 +289,7 @@ def report(entry: dict) -> None:
             print(f"  refused: {ours['refused']}")
             continue
         where = "resident" if ours["resident"] else \
-            f"experts offloaded in their blocks, cache rate {ours['moe_cache_rate']:.3f}"
+            f"experts offloaded in their format, cache rate {ours['moe_cache_rate']:.3f}"
         print(f"  {where}; KV pool {ours['kv_tokens']} tokens; load {ours['load_s']:.0f} s")
         print(f"  plan: {ours['plan']}")
         for key in sorted(k for k in ours if k.startswith("decode") and "_bs" in k):
@@ -320,11 +350,13 @@ def main() -> None:
     p.add_argument("--moe-cpu", default="off", choices=("off", "auto"),
                    help="offloaded experts: auto computes misses on the CPU where it beats "
                         "copying them (ft serve --moe-cpu)")
+    p.add_argument("--format", default="q4_k_m", choices=("q4_k_m", "fp8"),
+                   help="the checkpoint: a Q4_K_M GGUF file, or an FP8 folder (FreeToken only)")
     p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--results", type=Path, default=None, help="JSON file, read and updated")
     p.add_argument("--drop-file", action="store_true",
-                   help="delete the GGUF file at the end (keep it for a later call otherwise)")
+                   help="delete the checkpoint at the end (keep it for a later call otherwise)")
     args = p.parse_args()
     if args.layers is None:
         args.layers = models()[args.model][1].layers
@@ -332,11 +364,11 @@ def main() -> None:
     if not engines or engines - {"freetoken", "llama.cpp"}:
         raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
     from benchmarks.gpu_decode import d2d_bandwidth
-    from benchmarks.step_bytes import KV_ITEM, gguf_weight_bytes
+    from benchmarks.step_bytes import KV_ITEM, gguf_weight_bytes, safetensors_weight_bytes
 
     results = json.loads(args.results.read_text()) if args.results and \
         args.results.is_file() else {}
-    path = ensure_file(args.work, args.layers, args.model)
+    path = ensure_file(args.work, args.layers, args.model, args.format)
     _, full, label = models()[args.model]
     shape = dataclasses.replace(full, layers=args.layers)
     bandwidth = d2d_bandwidth()
@@ -345,11 +377,13 @@ def main() -> None:
     import torch
 
     torch.cuda.empty_cache()
-    weights = gguf_weight_bytes(path)
+    weights = safetensors_weight_bytes(path) if path.is_dir() else gguf_weight_bytes(path)
     kv = 2 * kv_layers(shape) * shape.kv_heads * shape.head_dim * KV_ITEM * (128 + args.gen // 2)
-    entry = results.setdefault(f"{args.model}-{args.layers}L-q4km", {})
+    tag = {"q4_k_m": "q4km", "fp8": "fp8"}[args.format]
+    entry = results.setdefault(f"{args.model}-{args.layers}L-{tag}", {})
     entry.update(model=label, layers=args.layers, file=str(path),
-                 file_gib=path.stat().st_size / GIB,
+                 format={"q4_k_m": "Q4_K_M", "fp8": "FP8"}[args.format],
+                 file_gib=checkpoint_bytes(path) / GIB,
                  bandwidth_Bps=bandwidth, step_bytes=weights["weights"] + kv,
                  routed_bytes=weights["experts"], experts=shape.experts, top_k=shape.top_k,
                  kv_bytes=kv,
@@ -367,7 +401,12 @@ def main() -> None:
         args.results.write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(entry, default=str))
     if args.drop_file:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
