@@ -75,3 +75,43 @@ def test_k_quant_blocks_stay_as_uint8_tensors_and_match_dequantized_floats(fake_
     b = PagedRunner(floats.model).step([(0, prompt)])[0].float()
     assert (a - b).abs().max() < REL_TOL * b.abs().max()
 
+
+
+@pytest.mark.parametrize("chunks, tokens, launches", [(1, 20, 0), (4, 20, 3), (4, 33, 0),
+                                                      (2, 8, 1)])
+def test_wide_steps_run_gguf_gemv_q8_in_chunks_when_asked(monkeypatch, chunks, tokens,
+                                                          launches):
+    """FREETOKEN_Q8_CHUNKS: a step wider than gguf_gemv_q8's 8 tokens runs as launches of up
+    to 8 rows, each row's result the one launch gives it (the reference quantizes each row
+    alone, so the chunked output equals one call over every row); beyond chunks x 8 rows the
+    step takes the dequantizing path as before."""
+    from tests.kernel.gguf_random import random_blocks
+    from freetoken.models.forward import quant_gemv
+
+    calls = []
+
+    def q8(out, x, *args):
+        calls.append(x.shape[0])
+        reference.gguf_gemv_q8(out, x, *args)
+
+    def bind(name, device, variants=("v2", "v3")):
+        return q8 if name == "gguf_gemv_q8" else None
+
+    monkeypatch.setenv("FREETOKEN_Q8_CHUNKS", str(chunks))
+    monkeypatch.setattr(quant_gemv, "_bind", bind)
+    monkeypatch.setattr(ops, "gguf_matmul", _gguf_matmul)
+    qtype, n, k = 12, 64, 512                                   # Q4_K
+    blocks = torch.from_numpy(random_blocks(qtype, n, k, np.random.default_rng(0)))
+    linear = QuantLinear(QuantWeight(qtype, blocks, (n, k)))
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = torch.full((tokens, n), float("nan"), dtype=torch.bfloat16)
+    linear(out, x)
+    assert calls == ([8] * (tokens // 8) + ([tokens % 8] if tokens % 8 else []))[:launches] \
+        and len(calls) == launches
+    expected = torch.empty_like(out)
+    if launches:
+        reference.gguf_gemv_q8(expected, x, blocks, qtype)
+        assert torch.equal(out, expected)
+    else:       # the float path over the dequantized blocks
+        _gguf_matmul(expected, x, blocks, qtype)
+        assert torch.equal(out, expected)
