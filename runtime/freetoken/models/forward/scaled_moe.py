@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Callable
 
 from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS, scratch
-from freetoken.models.quant.scaled import NVFP4, ScaledWeight
+from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
 
-_FORMAT_IDS = {"fp8_e4m3": 0, NVFP4: 1}
+_FORMAT_IDS = {FP8: 0, NVFP4: 1}
 
 
 class _Stacked:
@@ -116,7 +116,7 @@ class HostScaledExperts:
         from freetoken.kernel import ops
         from freetoken.models.forward.scaled_linear import host_operands
 
-        if not w13.format == w2.format == "fp8_e4m3":
+        if not w13.format == w2.format == FP8:
             raise ValueError(f"the CPU's scaled experts take FP8, got {w13.format} and "
                              f"{w2.format}")
         self.weights = (w13, w2)
