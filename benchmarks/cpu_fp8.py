@@ -66,10 +66,16 @@ def main() -> None:
     args = parser.parse_args()
     threads = get_function("quant_gemm", "set_num_threads", "cpu")(args.threads)
     print(f"cpu_isa={ops.cpu_isa()} threads={threads} torch={torch.__version__}")
-    for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        for tokens in (int(v) for v in args.tokens.split(",")):
-            bench_shape(n, k, tokens, args.reps)
+    try:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+        tokens = [int(v) for v in args.tokens.split(",")]
+    except ValueError:
+        parser.error("--shapes takes NxK[,NxK...] and --tokens T[,T...], all integers")
+    if any(len(s) != 2 or min(s) < 1 or s[1] % 8 for s in shapes) or min(tokens) < 1:
+        parser.error("each shape is NxK with N >= 1 and K a positive multiple of 8; tokens >= 1")
+    for n, k in shapes:
+        for count in tokens:
+            bench_shape(n, k, count, args.reps)
 
 
 if __name__ == "__main__":

@@ -155,10 +155,9 @@ def scaled_runner(w13, w2, kernel):
     grids, row scales or none)."""
     import torch
 
-    parts = []
-    for w in (w13, w2):
-        rows = w.row_scale if w.row_scale is not None else torch.ones(w.shape[:-1])
-        parts += [w.data.view(torch.uint8), w.scales, rows]
+    from freetoken.models.forward.scaled_linear import host_operands
+
+    parts = host_operands(w13) + host_operands(w2)
     identity = torch.arange(w13.shape[0], dtype=torch.int32)
     none = torch.empty(0, dtype=torch.uint8)
     return lambda out, xs, ids, weights: kernel(out, xs, *parts, 0, *w13.block, *w2.block, ids,

@@ -56,7 +56,12 @@ class Placement:
     @property
     def torch_device(self):
         """The torch device of this placement's tensors ("cpu" for host arrays)."""
-        return getattr(self.arrays, "torch_device", "cpu")
+        return _torch_device(self.arrays)
+
+    @property
+    def experts_torch_device(self):
+        """The torch device of the routed experts' tensors (host memory when offloaded)."""
+        return _torch_device(self.expert_arrays)
 
     def keeps_scaled(self, fmt: str, kernel_ready: bool) -> bool:
         """Whether a scaled matrix of format `fmt` stays in its format here: on a GPU where its
@@ -84,6 +89,10 @@ class Placement:
     def can_serve(self, qtype: int) -> bool:
         """False for block types the CPU kernels cannot read (the GPU dequantizes the rest)."""
         return not self.arrays.device.is_cpu or qtype in CPU_BLOCK_TYPES
+
+
+def _torch_device(arrays) -> Any:
+    return getattr(arrays, "torch_device", "cpu")
 
 
 # A layer's weights by canonical part (registry.LAYER_PARTS), with fused entries: "qkv" (one
@@ -259,7 +268,7 @@ class _Reader:
             # FP8 experts stay in their format where their scales line up: on a GPU, offloaded
             # in host memory (the expert cache copies their bytes: engine/expert_pool.ScaledPool),
             # or on the CPU
-            device = getattr(self.where.expert_arrays, "torch_device", "cpu")
+            device = self.where.experts_torch_device
             joined = scaled.concat_rows([scaled.to_device(w, device) for w in raw])
             if joined is not None:
                 return joined

@@ -155,11 +155,12 @@ class QuantLinear:
     def __call__(self, out: Array, x: Array) -> None:
         tokens = x.shape[0]
         if 0 < tokens <= self._q8_chunked:
-            # one launch, or (FREETOKEN_Q8_CHUNKS) launches of the widest step it takes
-            for start in range(0, tokens, self._q8_tokens):
-                stop = min(tokens, start + self._q8_tokens)
-                self._q8(out[start:stop], x[start:stop], self.data, self.qtype, self._q8_bias,
-                         None, 0.0, quant_gemv.Q8_STORE, 0, False)
+            if tokens <= self._q8_tokens:
+                self._q8_launch(out, x)
+            else:           # FREETOKEN_Q8_CHUNKS: launches of the widest step it takes
+                for start in range(0, tokens, self._q8_tokens):
+                    stop = min(tokens, start + self._q8_tokens)
+                    self._q8_launch(out[start:stop], x[start:stop])
             if self._q8_bias is None and self.bias is not None:
                 array_view(out)[...] += self.bias
             return
@@ -172,6 +173,11 @@ class QuantLinear:
             self._matmul(out, x, self.data, self.qtype)
         if self.bias is not None:
             array_view(out)[...] += self.bias
+
+
+    def _q8_launch(self, out: Array, x: Array) -> None:
+        self._q8(out, x, self.data, self.qtype, self._q8_bias, None, 0.0, quant_gemv.Q8_STORE,
+                 0, False)
 
 
 class PartsLinear:

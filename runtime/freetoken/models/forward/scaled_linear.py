@@ -19,6 +19,7 @@ import numpy as np
 
 from freetoken.arrays import array_view, is_torch
 from freetoken.models.forward import quant_gemv
+from freetoken.models.forward.linear import SMALL_PRODUCT_ROWS
 from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
 
 GEMV_MAX_TOKENS = 8        # kernels/cuda/scaled_gemm.cu kMaxTokens
@@ -114,7 +115,6 @@ class HostScaledLinear:
 
     def __init__(self, weight: ScaledWeight, bias=None):
         from freetoken.kernel import ops
-        from freetoken.models.forward.linear import SMALL_PRODUCT_ROWS
 
         if weight.format != FP8 or len(weight.shape) != 2:
             raise ValueError(f"the CPU's scaled projection takes a 2-D FP8 weight, got "
@@ -125,11 +125,10 @@ class HostScaledLinear:
         self.operands = host_operands(weight)
         self.block = weight.block
         self.bias = bias
-        self._small_rows = SMALL_PRODUCT_ROWS
 
     def __call__(self, out, x) -> None:
         out_view, x_view = array_view(out), array_view(x)
-        if x_view.shape[0] <= self._small_rows and _contiguous(x_view) and _contiguous(out_view):
+        if x_view.shape[0] <= SMALL_PRODUCT_ROWS and _contiguous(x_view) and _contiguous(out_view):
             self._gemv(out, x, *self.operands, 0, *self.block)
         else:
             w = host_scratch(self.out_features * self.in_features).view(
