@@ -191,7 +191,8 @@ def _load_and_decode(path: Path, args, limit) -> dict:
         settings["gpu_memory_limit"] = limit
     config = EngineConfig(**settings)
     planner = OffloadPlanner(config, OffloadConfig(cache_rate=parse_cache_rate(
-        args.moe_cache_rate), cpu=args.moe_cpu), resolve_device("cuda"))
+        args.moe_cache_rate), cpu=args.moe_cpu, prefetch=args.moe_prefetch),
+        resolve_device("cuda"))
     start = time.perf_counter()
     loaded = load_model(str(path), device="cuda", plan=planner)
     decision = planner.decision
@@ -234,13 +235,18 @@ def _offload_delta(before: dict, after: dict) -> dict:
     """The expert cache's decode hit rate and decode miss bytes per generated token between two
     stats snapshots (misses x the mean expert's bytes in its format: the prompt's streamed
     layers are not decode traffic)."""
-    d = {k: after[k] - before[k] for k in ("expert_hits", "expert_misses",
-                                           "tokens_generated")}
+    d = {k: after[k] - before[k] for k in ("expert_hits", "expert_misses", "tokens_generated",
+                                           "expert_prefetched", "expert_prefetch_hits")}
     looked = d["expert_hits"] + d["expert_misses"]
     expert = after["pinned_bytes"] / (after["moe_layers"] * after["num_experts"])
+    tokens = max(d["tokens_generated"], 1)
+    # prefetched experts are copied too: a right guess turns a miss into a hit, a wrong one
+    # is traffic that no miss counts
     return {"hit_rate": d["expert_hits"] / looked if looked else 0.0,
-            "miss_bytes_per_token": d["expert_misses"] * expert
-            / max(d["tokens_generated"], 1)}
+            "miss_bytes_per_token": d["expert_misses"] * expert / tokens,
+            "prefetch_bytes_per_token": d["expert_prefetched"] * expert / tokens,
+            "prefetch_accuracy": (d["expert_prefetch_hits"] / d["expert_prefetched"]
+                                  if d["expert_prefetched"] else 0.0)}
 
 
 def llamacpp(path: Path, n_cpu_moe: list[int]) -> dict:
@@ -305,9 +311,13 @@ def report(entry: dict) -> None:
                          f"ceiling over the experts {batch} tokens touch)")
             off = ours.get(f"offload{tag}_bs{batch}")
             if off and "h2d_GBps" in ours:
-                copy = ours["h2d_GBps"] * 1e9 / max(off["miss_bytes_per_token"], 1)
+                moved = off["miss_bytes_per_token"] + off.get("prefetch_bytes_per_token", 0.0)
+                copy = ours["h2d_GBps"] * 1e9 / max(moved, 1)
                 step = resident.get(key) if resident else None
                 bound = min(copy, step) if step else copy
+                if off.get("prefetch_bytes_per_token"):
+                    line += (f"; prefetched {off['prefetch_bytes_per_token'] / 1e6:.1f} MB/token"
+                             f", {100 * off['prefetch_accuracy']:.0f}% of it routed")
                 line += (f"; hit rate {off['hit_rate']:.3f}, miss "
                          f"{off['miss_bytes_per_token'] / 1e6:.1f} MB/token; ceiling "
                          f"{bound:.1f} tok/s (copies at {ours['h2d_GBps']:.1f} GB/s"
@@ -350,6 +360,9 @@ def main() -> None:
     p.add_argument("--moe-cpu", default="off", choices=("off", "auto"),
                    help="offloaded experts: auto computes misses on the CPU where it beats "
                         "copying them (ft serve --moe-cpu)")
+    p.add_argument("--moe-prefetch", default="off",
+                   help="offloaded experts: on copies the next layer's predicted misses while "
+                        "a layer computes (ft serve --moe-prefetch); off,on runs both")
     p.add_argument("--format", default="q4_k_m", choices=("q4_k_m", "fp8"),
                    help="the checkpoint: a Q4_K_M GGUF file, or an FP8 folder (FreeToken only)")
     p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")
@@ -363,6 +376,10 @@ def main() -> None:
     engines = {e for e in args.engines.split(",") if e}
     if not engines or engines - {"freetoken", "llama.cpp"}:
         raise SystemExit("--engines: freetoken, llama.cpp or both, comma-separated")
+    prefetch_modes = args.moe_prefetch.split(",")
+    if not prefetch_modes or set(prefetch_modes) - {"on", "off"}:
+        raise SystemExit(f"--moe-prefetch: on, off or both, comma-separated; got "
+                         f"{args.moe_prefetch!r}")
     from benchmarks.gpu_decode import d2d_bandwidth
     from benchmarks.step_bytes import KV_ITEM, gguf_weight_bytes, safetensors_weight_bytes
 
@@ -391,8 +408,11 @@ def main() -> None:
                  ceiling_tok_s=bandwidth / (weights["weights"] + kv))
     if "freetoken" in engines:
         for limit in args.gpu_memory_limit.split(","):
-            entry[f"freetoken@{limit}"] = freetoken(
-                path, argparse.Namespace(**{**vars(args), "gpu_memory_limit": limit}))
+            for prefetch in prefetch_modes:
+                key = f"freetoken@{limit}" + ("+prefetch" if prefetch == "on" else "")
+                entry[key] = freetoken(path, argparse.Namespace(
+                    **{**vars(args), "gpu_memory_limit": limit, "moe_prefetch": prefetch}))
+                entry[key]["budget"] += ", prefetch" if prefetch == "on" else ""
     if "llama.cpp" in engines:
         entry["llama.cpp"] = llamacpp(path, [int(n) for n in args.n_cpu_moe.split(",")])
     report(entry)

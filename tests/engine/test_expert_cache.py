@@ -251,3 +251,80 @@ def test_segments_and_misses_run_in_and_out_of_inference_mode(experts):
     with torch.inference_mode():
         run_segments(cache, w13, w2, steps=2, tokens=2, real=1, seed=5)
     assert cache.stats.misses > 0
+
+
+class RoutingPredictor:
+    """predictors[layer](x) for run_steps/run_segments: the ids the next layer will route to
+    (`right`), or other experts (not `right`), read from the step's seeds."""
+
+    def __init__(self, tokens: int, right: bool):
+        self.tokens, self.right, self.step = tokens, right, 0
+
+    def for_layer(self, layer: int):
+        def predict(x):
+            ids, _ = routing(self.tokens, 1000 * self.step + layer + 1)
+            if layer + 1 == LAYERS - 1:
+                self.step += 1
+            return ids if self.right else (ids + 3) % E
+        return predict
+
+
+def predicted_cache(experts, slots, tokens, right):
+    w13, w2 = experts
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", slots)
+    cache.prefill = False
+    predictor = RoutingPredictor(tokens, right)
+    cache.predictors = [predictor.for_layer(l) for l in range(LAYERS - 1)] + [None]
+    return cache
+
+
+@pytest.mark.parametrize("slots", [3, 6, 24])
+@pytest.mark.parametrize("right", [True, False])
+def test_prefetched_experts_leave_every_output_exact(experts, slots, right):
+    """Prefetching the next layer's experts never evicts what the current layer is about to
+    read: on the CPU every copy lands before the kernel runs, so a wrong eviction would show
+    as a wrong output."""
+    w13, w2 = experts
+    cache = predicted_cache(experts, slots, tokens=1, right=right)
+    run_steps(cache, w13, w2, steps=6, tokens=1)
+    s = cache.stats
+    assert s.prefetch_hits <= s.prefetched
+    if slots >= 2 * K:
+        assert s.prefetched > 0
+    if right and slots >= 2 * K:
+        # every prediction was right: what was copied ahead was routed, and those layers missed
+        # nothing (a layer's experts always fit beside the previous layer's)
+        assert s.prefetch_hits == s.prefetched
+    assert s.bytes_h2d == (s.misses + s.prefetched) * cache.expert_bytes
+
+
+def test_right_predictions_turn_the_next_layers_misses_into_hits(experts):
+    w13, w2 = experts
+    plain = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 6)
+    plain.prefill = False
+    run_steps(plain, w13, w2, steps=6, tokens=1)
+    ahead = predicted_cache(experts, 6, tokens=1, right=True)
+    run_steps(ahead, w13, w2, steps=6, tokens=1)
+    assert ahead.stats.misses < plain.stats.misses
+    assert ahead.stats.hits + ahead.stats.misses == plain.stats.hits + plain.stats.misses
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_graph_segments_prefetch_from_the_ids_they_read(experts, right):
+    """Segments read [routed | predicted] ids in one buffer: the routed half is looked up, the
+    predicted half copied ahead for the next layer."""
+    w13, w2 = experts
+    cache = predicted_cache(experts, 6, tokens=2, right=right)
+    cache.segment_hook = lambda layer, ids: cache.prepare_segment(layer, ids[:2])
+    for step in range(4):
+        for layer in range(LAYERS):
+            x = torch.randn(2, H, generator=torch.Generator().manual_seed(100 * step + layer))
+            ids, weights = routing(2, 1000 * step + layer)
+            out = torch.full_like(x, float("nan"))
+            cache.run(layer, out, x, ids, weights, torch.empty(0, dtype=torch.uint8))
+            torch.testing.assert_close(out, expected(w13[layer], w2[layer], x, ids, weights),
+                                       rtol=1e-5, atol=1e-5)
+        cache.check_integrity()
+    s = cache.stats
+    assert s.tokens == 4 * 2 and s.prefetched > 0
+    assert (s.prefetch_hits == s.prefetched) if right else (s.prefetch_hits < s.prefetched)

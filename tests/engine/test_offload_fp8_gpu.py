@@ -70,10 +70,12 @@ def test_offloaded_experts_stay_fp8(fp8_dir):
     assert cache.pinned_bytes == 4 * 32 * host_expert_bytes(cache)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 @pytest.mark.parametrize("rate", [0.5, 0.1])
-def test_offloaded_fp8_gives_the_resident_logits_bit_for_bit(fp8_dir, resident, rate, graphs):
-    loaded, cache = offloaded_model(fp8_dir, rate)
+def test_offloaded_fp8_gives_the_resident_logits_bit_for_bit(fp8_dir, resident, rate, graphs,
+                                                             prefetch):
+    loaded, cache = offloaded_model(fp8_dir, rate, prefetch=prefetch)
     assert cache.num_slots == int(rate * 128)
     for batch in (1, 4):
         tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
@@ -84,7 +86,10 @@ def test_offloaded_fp8_gives_the_resident_logits_bit_for_bit(fp8_dir, resident, 
     s = cache.stats.as_dict()
     assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
     # every byte moved is the checkpoint's: a miss copies one expert, a streamed layer all 32
-    assert s["expert_bytes_h2d"] == (s["expert_misses"] + 8 * 32) * host_expert_bytes(cache)
+    copied = s["expert_misses"] + s["expert_prefetched"] + 8 * 32
+    assert s["expert_bytes_h2d"] == copied * host_expert_bytes(cache)
+    if not prefetch:
+        assert s["expert_prefetched"] == 0
     cache.check_integrity()
 
 

@@ -59,11 +59,12 @@ def test_offloaded_experts_keep_their_blocks(gguf_path):
     assert cache.pinned_bytes == sum(w.numel() for w in cache.host_w13 + cache.host_w2)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 @pytest.mark.parametrize("rate", [0.5, 0.1, 0.999])
 def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, resident, rate,
-                                                               graphs):
-    loaded, cache = offloaded_model(gguf_path, rate)
+                                                               graphs, prefetch):
+    loaded, cache = offloaded_model(gguf_path, rate, prefetch=prefetch)
     assert cache.num_slots == max(4, int(rate * 128))
     for batch in (1, 4):
         tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
@@ -74,6 +75,10 @@ def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, reside
     s = cache.stats.as_dict()
     assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
     # every byte moved is a block's: a miss copies one expert's gate/up and down rows
-    assert s["expert_bytes_h2d"] < s["expert_misses"] * cache.expert_bytes + \
-        8 * cache.pool.num_experts * cache.expert_bytes
+    assert s["expert_bytes_h2d"] < (s["expert_misses"] + s["expert_prefetched"]) * \
+        cache.expert_bytes + 8 * cache.pool.num_experts * cache.expert_bytes
+    if prefetch and rate < 0.999:
+        assert s["expert_prefetched"] > 0
+    if not prefetch:
+        assert s["expert_prefetched"] == 0
     cache.check_integrity()

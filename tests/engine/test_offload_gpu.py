@@ -41,15 +41,17 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def offloaded_model(model_dir, rate: float, cpu: bool = False):
+def offloaded_model(model_dir, rate: float, cpu: bool = False, prefetch: bool = False):
     """(model with an expert cache attached, cache); cpu forces the co-execution policy to
-    hand the CPU most misses, as if PCIe were slow."""
+    hand the CPU most misses, as if PCIe were slow; prefetch copies the next layer's predicted
+    misses ahead (--moe-prefetch on)."""
     from freetoken.engine.offload_policy import CoExecPolicy, Throughput
     from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
     from freetoken.models.loader import load_model
 
     loaded = load_model(str(model_dir), device="cuda", plan=lambda cfg, dtype, weights: True)
-    cache = attach_expert_cache(loaded.model, OffloadDecision(rate, 2048, None, None, False))
+    cache = attach_expert_cache(loaded.model, OffloadDecision(rate, 2048, None, None, False,
+                                                              prefetch))
     if cpu:
         cache.policy = CoExecPolicy(Throughput(1e8, 1e12, 1e14), cache.expert_bytes,
                                     6 * cache.hidden * cache.inter)
@@ -109,11 +111,13 @@ def resident(model_dir):
     return {(b, g): run_fixed(model, PROMPTS[:b], graphs=g) for b in (1, 4) for g in (False, True)}
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 @pytest.mark.parametrize("rate", [0.5, 0.1, 0.999])
-def test_offloaded_logits_are_bit_identical(model_dir, resident, rate, graphs):
-    """Eager against the resident eager forward; graph segments against the resident graphs."""
-    loaded, cache = offloaded_model(model_dir, rate)
+def test_offloaded_logits_are_bit_identical(model_dir, resident, rate, graphs, prefetch):
+    """Eager against the resident eager forward; graph segments against the resident graphs.
+    Prefetching moves only where experts sit and when they are copied, never a result."""
+    loaded, cache = offloaded_model(model_dir, rate, prefetch=prefetch)
     assert cache.num_slots == int(rate * 128)
     for batch in (1, 4):
         tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
@@ -124,6 +128,10 @@ def test_offloaded_logits_are_bit_identical(model_dir, resident, rate, graphs):
     s = cache.stats.as_dict()
     assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
     assert s["expert_cpu_executed"] == 0
+    if prefetch and rate < 0.999:
+        assert s["expert_prefetched"] > 0
+    if not prefetch:
+        assert s["expert_prefetched"] == 0
     cache.check_integrity()
 
 

@@ -31,8 +31,9 @@ def build(model_dir, plan=None):
     return loader._build_model(tensors, config, place, plan)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("rate", [0.25, 0.05, 1.0])
-def test_offloaded_forward_gives_the_resident_logits(model_dir, monkeypatch, rate):
+def test_offloaded_forward_gives_the_resident_logits(model_dir, monkeypatch, rate, prefetch):
     from freetoken.engine import offload_setup
     from freetoken.engine.offload_setup import OffloadDecision, attach_expert_cache
 
@@ -40,7 +41,9 @@ def test_offloaded_forward_gives_the_resident_logits(model_dir, monkeypatch, rat
     resident = build(model_dir)
     offloaded = build(model_dir, plan=lambda cfg, dtype, weights: True)
     assert offloaded.layers[0].mlp.w13.device.type == "cpu"
-    cache = attach_expert_cache(offloaded, OffloadDecision(rate, 1024, None, None, False))
+    cache = attach_expert_cache(offloaded, OffloadDecision(rate, 1024, None, None, False,
+                                                           prefetch))
+    assert (cache.predictors[0] is not None) == prefetch and cache.predictors[-1] is None
     assert cache.num_slots == max(2, int(rate * 48)) and offloaded.layers[0].mlp.w13 is None
     ours, ref = (PagedRunner(m, num_blocks=32, block_size=16) for m in (offloaded, resident))
     prompt = list(range(5, 45))
@@ -54,7 +57,13 @@ def test_offloaded_forward_gives_the_resident_logits(model_dir, monkeypatch, rat
     stats = cache.stats.as_dict()
     assert stats["expert_streamed_layers"] == 3                 # the one prefill step
     assert stats["expert_hits"] + stats["expert_misses"] > 0
-    assert stats["expert_bytes_h2d"] == (3 * 16 + stats["expert_misses"]) * cache.expert_bytes
+    copied = 3 * 16 + stats["expert_misses"] + stats["expert_prefetched"]
+    assert stats["expert_bytes_h2d"] == copied * cache.expert_bytes
+    assert stats["expert_prefetch_hits"] <= stats["expert_prefetched"]
+    if prefetch and rate == 0.25:     # room beside a layer's experts: misses were copied ahead
+        assert stats["expert_prefetched"] > 0
+    if not prefetch:
+        assert stats["expert_prefetched"] == 0
     cache.check_integrity()
 
 

@@ -79,6 +79,8 @@ def test_cache_rate_parsing():
             parse_cache_rate(bad)
     with pytest.raises(EngineConfigError, match="moe-cpu"):
         OffloadConfig(cpu="sometimes")
+    with pytest.raises(EngineConfigError, match="moe-prefetch"):
+        OffloadConfig(prefetch="auto")
 
 
 def test_a_hybrid_plan_counts_its_state_slots_and_snapshots(tmp_path, monkeypatch):

@@ -140,7 +140,8 @@ def test_metrics_show_the_pools(resizable):
     body = httpx.get(url + "/metrics").text
     for name in ("freetoken_kv_pool_tokens", "freetoken_expert_hits_total",
                  "freetoken_expert_bytes_h2d_total", "freetoken_pinned_host_bytes",
-                 "freetoken_expert_cpu_executed_total"):
+                 "freetoken_expert_cpu_executed_total", "freetoken_expert_prefetched_total",
+                 "freetoken_expert_prefetch_hits_total"):
         assert name in body, name
 
 
@@ -149,6 +150,7 @@ def test_metrics_show_the_pools(resizable):
     (["--moe-cache-rate", "1.5"], "(0, 1]"),
     (["--moe-cache-rate", "lots"], "moe-cache-rate"),
     (["--moe-cpu", "maybe"], "moe-cpu"),
+    (["--moe-prefetch", "yes"], "moe-prefetch"),
     (["--num-tokens", "-3"], "negative"),
     (["--num-tokens", "many"], "num-tokens"),
 ])

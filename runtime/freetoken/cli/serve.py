@@ -12,7 +12,7 @@ import click
 
 from freetoken.engine.config import (DEVICES, KV_DTYPES, MAX_SPECULATIVE_TOKENS, QUEUED_PER_SEQ,
                                      SAMPLING_DEFAULT_MODES, SPECULATIVE_METHODS, EngineConfig)
-from freetoken.engine.offload_setup import MOE_CPU_MODES, OffloadConfig
+from freetoken.engine.offload_setup import MOE_CPU_MODES, MOE_PREFETCH_MODES, OffloadConfig
 from freetoken.server.config import ServerConfig
 from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKENS
 
@@ -92,6 +92,12 @@ from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKE
               type=click.Choice(MOE_CPU_MODES),
               help="With offloaded experts: auto computes a missed expert on the CPU when the "
                    "measured PCIe and CPU speeds say it beats copying it; off always copies.")
+@click.option("--moe-prefetch", default=OffloadConfig.prefetch, show_default=True,
+              type=click.Choice(MOE_PREFETCH_MODES),
+              help="With offloaded experts: on predicts the next MoE layer's experts with its "
+                   "router over the current layer's input and copies the predicted misses "
+                   "while the current layer computes; off copies each layer's misses when it "
+                   "routes.")
 @click.option("--speculative", default=EngineConfig.speculative, show_default=True,
               type=click.Choice(SPECULATIVE_METHODS),
               help="Speculative decoding: ngram drafts tokens by prompt lookup (the request's "
@@ -120,7 +126,8 @@ from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKE
 def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seqs,
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
-                  prefix_cache, moe_cache_rate, gpu_memory_limit, moe_cpu, allow_image_urls,
+                  prefix_cache, moe_cache_rate, gpu_memory_limit, moe_cpu, moe_prefetch,
+                  allow_image_urls,
                   max_image_pixels, tensor_parallel_size, gpus, max_queued_requests,
                   shutdown_timeout_s, speculative, num_speculative_tokens) -> None:
     """Serve a model over HTTP (OpenAI /v1/chat/completions, /v1/completions, Anthropic
@@ -142,7 +149,7 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  prefix_cache=prefix_cache, gpu_memory_limit=gpu_memory_limit,
                                  speculative=speculative,
                                  num_speculative_tokens=num_speculative_tokens)
-    offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu)
+    offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu, prefetch=moe_prefetch)
     from freetoken.parallel.options import parallel_engine_config
 
     engine_config, parallel = parallel_engine_config(ctx, engine_config, tensor_parallel_size,

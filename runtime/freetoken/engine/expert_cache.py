@@ -20,6 +20,13 @@ Per MoE layer call (``run``):
   calls ``prepare_segment`` between two replays (the ids arrive through a pinned buffer and an
   event), the map is uploaded only when a routed entry changed, and misses are always copied
   (the co-execution policy runs eager steps only).
+- prefetch (with predictors, --moe-prefetch on): a decode step also predicts MoE layer l + 1's
+  experts from layer l's input (expert_prefetch.NextLayerRouter: the next router over this
+  layer's activations), reads those ids with layer l's own (the same sync), and copies the
+  predicted misses into LRU slots on the copy stream right behind layer l's misses, so they
+  travel while layer l's experts and layer l + 1's attention run. Layer l + 1 finds them as
+  hits (waiting for their copies' event only when it routes to one); a wrong guess costs its
+  copy and an LRU slot, never a result.
 - prefill (a step with a prompt chunk; without the hint, T * K >= E): the layer's experts
   stream whole through the staging buffers, never entering the LRU (no thrashing): layer l
   reads buffer l % 2 while layer l + 1's experts are copied into the other (double buffering).
@@ -98,6 +105,11 @@ class ExpertCache:
         self._ids_host = self._ids_np = None   # pinned int32: the routed ids of one layer
         self._ids_views: dict = {}
         self._ids_ready = torch.cuda.Event() if self.is_cuda else _NoEvent()
+        # Set by the offload set-up for --moe-prefetch on: predictors[l](x) -> int32 [T, K]
+        # ids of MoE layer l + 1 predicted from layer l's input (None: no prediction).
+        self.predictors: list[Callable[[Any], Any] | None] = [None] * self.num_layers
+        self._prefetched = torch.cuda.Event() if self.is_cuda else _NoEvent()
+        self._ahead_layer, self._ahead = -1, set()    # the last prefetch: its layer, experts
 
     @property
     def in_format(self) -> bool:
@@ -164,6 +176,7 @@ class ExpertCache:
         self.lru.resize(num_slots)
         self._alloc(num_slots)
         self._staged = [-1, -1]
+        self._ahead_layer, self._ahead = -1, set()
 
     # ---- one MoE layer -------------------------------------------------------------------------
 
@@ -215,13 +228,20 @@ class ExpertCache:
             self._stage_layer(layer + 1, 1 - buf)     # overlaps this layer's kernel
 
     def _decode(self, layer, out, x, topk_ids, topk_weights, workspace, accumulate) -> None:
+        predictor = self.predictors[layer]
+        routed = topk_ids
+        if predictor is not None:     # this layer's ids, then the next layer's predicted ones
+            routed = self.torch.cat((topk_ids, predictor(x)), dim=1)
         if self.segment_hook is not None:             # capturing decode graph segments
-            self.segment_hook(layer, topk_ids)
+            self.segment_hook(layer, routed)
             self.pool.run_mapped(layer, out, x, topk_ids, topk_weights, self.maps_dev[layer],
                                  workspace, accumulate)
             return
-        ids = topk_ids.to("cpu")                      # the one host sync of this layer
+        both = routed.to("cpu")                       # the one host sync of this layer
+        ids = both[:, :topk_ids.shape[1]].contiguous()
         cpu = self._route(layer, ids.numpy(), eager=True)
+        if predictor is not None:
+            self._prefetch(layer + 1, both[:, topk_ids.shape[1]:].numpy(), layer, ids.numpy())
         host_x = host_w = None
         if cpu:
             host_x, host_w = x.to("cpu"), topk_weights.to("cpu")
@@ -251,7 +271,13 @@ class ExpertCache:
             self._ids_ready.synchronize()
         if layer == 0:
             self.stats.tokens += shape[0]
-        self._route(layer, self._ids_np[:host.numel()], eager=False)
+        ids = self._ids_np[:host.numel()].reshape(shape)
+        if self.predictors[layer] is None:
+            self._route(layer, ids, eager=False)
+            return
+        half = shape[1] // 2                          # [routed | predicted for layer + 1]
+        self._route(layer, ids[:, :half], eager=False)
+        self._prefetch(layer + 1, ids[:, half:], layer, ids[:, :half])
 
     def _ids_view(self, shape: tuple[int, ...]):
         """A pinned int32 view of `shape` (kept per shape: views cost a few us per step)."""
@@ -278,6 +304,12 @@ class ExpertCache:
         misses = {e: counts[e] for e in missed}
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
+        if self._ahead_layer == layer:                # hits the last prefetch copied ahead
+            ahead = self._ahead.intersection(hits)
+            if ahead:
+                self.stats.prefetch_hits += len(ahead)
+                self._compute_wait(self._prefetched)
+        self._ahead_layer, self._ahead = -1, set()
         copy, cpu = (self.policy.split(misses) if self.policy is not None and eager
                      else (sorted(misses), []))
         want = dict.fromkeys(cpu, -1)
@@ -314,6 +346,29 @@ class ExpertCache:
             self._copied.record(self.copy_stream)
         self._compute_wait(self._copied)
         return slots
+
+    def _prefetch(self, layer: int, predicted, current: int, current_ids) -> None:
+        """Copy MoE layer `layer`'s predicted experts (numpy ids) that are not cached into LRU
+        slots, on the copy stream behind the current layer's misses. Evicts none of the current
+        layer's routed experts (its kernel is about to read them) nor the predicted ones already
+        cached; a cache too small for them prefetches nothing."""
+        if layer >= self.num_layers:
+            return
+        want = set(predicted.ravel().tolist())
+        cached = {e for e in want if (layer, e) in self.lru}
+        new = sorted(want - cached)
+        if not new:
+            return
+        keep = {(current, e) for e in set(current_ids.ravel().tolist())}
+        keep.update((layer, e) for e in cached)
+        if not self.lru.can_place(len(new), keep):
+            return
+        with self._copy_ctx():
+            for (_, e), slot, _ in self.lru.place([(layer, e) for e in new], keep):
+                self._copy_expert(layer, e, slot)
+            self._prefetched.record(self.copy_stream)
+        self._ahead_layer, self._ahead = layer, set(new)
+        self.stats.prefetched += len(new)
 
     def check_integrity(self) -> None:
         self.lru.check_integrity()

@@ -104,6 +104,7 @@ class OffloadStats:
     def __init__(self) -> None:
         self.hits = self.misses = self.cpu_experts = self.bytes_h2d = 0
         self.tokens = self.streamed_layers = 0
+        self.prefetched = self.prefetch_hits = 0    # copied ahead; of those, routed next
 
     def as_dict(self) -> dict[str, float]:
         looked = self.hits + self.misses
@@ -113,4 +114,6 @@ class OffloadStats:
                 "expert_bytes_h2d": self.bytes_h2d,
                 "expert_bytes_per_token": self.bytes_h2d / self.tokens if self.tokens else 0.0,
                 "expert_tokens": self.tokens,
-                "expert_streamed_layers": self.streamed_layers}
+                "expert_streamed_layers": self.streamed_layers,
+                "expert_prefetched": self.prefetched,
+                "expert_prefetch_hits": self.prefetch_hits}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from freetoken.engine.expert_slots import OffloadStats
 from freetoken.engine.memory_plan import (HOST_MARGIN, MemoryPlan, MemoryPlanError, ModelSizes,
                                           cache_slots, host_available_bytes, measure_gpu_room)
 from freetoken.models.batch import KVCache
@@ -58,9 +59,7 @@ def pool_stats(engine) -> dict[str, Any]:
         total = moe.num_experts * sum(moe.sparse_layers) if moe else 0
         stats.update(moe_cache_rate=1.0 if moe else 0.0, expert_cache_slots=total,
                      expert_pool_bytes=_resident_expert_bytes(engine, total),
-                     pinned_bytes=0, expert_hits=0, expert_misses=0, expert_hit_rate=0.0,
-                     expert_cpu_executed=0, expert_bytes_h2d=0, expert_bytes_per_token=0.0,
-                     expert_tokens=0, expert_streamed_layers=0)
+                     pinned_bytes=0, **OffloadStats().as_dict())
     if engine.states is not None:
         stats.update(engine.states.stats())
     return stats

@@ -17,6 +17,7 @@ from freetoken.engine.state_snapshots import SNAPSHOTS_PER_SLOT
 
 log = logging.getLogger("freetoken.offload")
 MOE_CPU_MODES = ("auto", "off")
+MOE_PREFETCH_MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,13 @@ class OffloadConfig:
     """cache_rate: fraction of every expert resident on the GPU (0 < R <= 1), None = auto (the
     largest that fits beside the weights, the KV pool and the graphs). cpu: "auto" lets the
     co-execution policy compute missed experts on the CPU; "off" (the default: on the measured
-    host, copying a bf16 expert beat computing it with torch on the CPU) copies every miss."""
+    host, copying a bf16 expert beat computing it with torch on the CPU) copies every miss.
+    prefetch: "on" copies the next MoE layer's predicted misses while the current layer runs
+    (engine/expert_prefetch.py); "off" copies each layer's misses when it routes."""
 
     cache_rate: float | None = None
     cpu: str = "off"
+    prefetch: str = "off"
 
     def __post_init__(self) -> None:
         if self.cache_rate is not None and not 0.0 < self.cache_rate <= 1.0:
@@ -35,6 +39,9 @@ class OffloadConfig:
                                     f"{self.cache_rate}")
         if self.cpu not in MOE_CPU_MODES:
             raise EngineConfigError(f"--moe-cpu must be one of {MOE_CPU_MODES}, got {self.cpu!r}")
+        if self.prefetch not in MOE_PREFETCH_MODES:
+            raise EngineConfigError(f"--moe-prefetch must be one of {MOE_PREFETCH_MODES}, got "
+                                    f"{self.prefetch!r}")
 
 
 def parse_cache_rate(text: str) -> float | None:
@@ -59,6 +66,7 @@ class OffloadDecision:
     plan: MemoryPlan
     host_plan: MemoryPlan | None
     cpu: bool
+    prefetch: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -141,7 +149,8 @@ class OffloadPlanner:
         if rate < 1.0:
             host = plan_host(sizes, pinned_experts=True, num_tokens=0,
                              available=host_available_bytes(), on_cpu=False)
-        self.decision = OffloadDecision(rate, num_tokens, plan, host, self.offload.cpu == "auto")
+        self.decision = OffloadDecision(rate, num_tokens, plan, host, self.offload.cpu == "auto",
+                                        self.offload.prefetch == "on")
         log.info("memory plan: %s; expert cache rate %.3f, KV pool %d tokens", plan.describe(),
                  rate, num_tokens)
         return rate < 1.0
@@ -231,6 +240,10 @@ def attach_expert_cache(model, decision: OffloadDecision):
         pool = FloatPool(w13, w2, ops.bind("moe_experts", model.device))
         policy = _co_execution(torch, device, w13, w2) if decision.cpu else None
     cache = ExpertCache(pool, device, slots, policy)
+    if decision.prefetch:
+        from freetoken.engine.expert_prefetch import next_layer_routers
+
+        cache.predictors = next_layer_routers(layers, cfg.moe.num_experts, cfg.moe.top_k)
     for index, mlp in enumerate(layers):
         mlp.offload = _LayerHook(cache, index)
     return cache

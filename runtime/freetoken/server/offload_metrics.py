@@ -26,6 +26,10 @@ COUNTERS = (
      "Missed experts computed on the CPU instead of copied"),
     ("freetoken_expert_bytes_h2d", "expert_bytes_h2d",
      "Expert bytes copied host-to-device (cache fills and staged prefill layers)"),
+    ("freetoken_expert_prefetched", "expert_prefetched",
+     "Experts copied ahead of their layer, as the next layer's router predicted them"),
+    ("freetoken_expert_prefetch_hits", "expert_prefetch_hits",
+     "Prefetched experts that their layer then routed to"),
 )
 
 
