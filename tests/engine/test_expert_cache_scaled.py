@@ -294,7 +294,7 @@ def test_the_pool_takes_one_fp8_layout_in_every_layer(experts):
     assert not ScaledPool.takes(w13, w2[:2])
     floats = [scaled.dequantize(w) for w in w2]
     assert not ScaledPool.takes(w13, floats)
-    with pytest.raises(ValueError, match="one layout"):
+    with pytest.raises(ValueError, match="one format and layout"):
         ScaledPool(w13, floats, K, KERNELS)
 
 
@@ -417,3 +417,65 @@ def test_an_offloaded_fp8_model_gives_the_resident_logits(fp8_model_dir, monkeyp
     s = cache.stats.as_dict()
     assert s["expert_streamed_layers"] == 2 and s["expert_misses"] > 0
     cache.check_integrity()
+
+
+# ---- NVFP4 experts ---------------------------------------------------------------------------
+
+def nvfp4_stack(rows: int, cols: int, gen: torch.Generator) -> scaled.ScaledWeight:
+    """Random experts [E, rows, cols] in NVFP4: e2m1 pairs, an e4m3 scale per 16 values and
+    the expert's second-level scale as row scales (ModelOpt's layout, as the reader keeps it)."""
+    from tests.models.scaled_checkpoint import quantize_nvfp4
+
+    parts = [quantize_nvfp4(torch.randn(rows, cols, generator=gen) * 0.05) for _ in range(E)]
+    packed, local = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    second = torch.stack([p[2].reshape(()).expand(rows) for p in parts]).contiguous()
+    return scaled.ScaledWeight(scaled.NVFP4, packed, local, (E, rows, cols), (1, 16), second)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_experts():
+    gen = torch.Generator().manual_seed(1)
+    w13, w2 = [], []
+    for _ in range(LAYERS):
+        w13.append(scaled.concat_rows([nvfp4_stack(I, H, gen) for _ in range(2)]))
+        w2.append(nvfp4_stack(H, I, gen))
+    return w13, w2
+
+
+def test_nvfp4_slots_hold_the_packed_values_and_their_scales(nvfp4_experts):
+    w13, w2 = nvfp4_experts
+    cache = make_cache(nvfp4_experts, 5)
+    values, scales13, rows13, values2, _, _ = cache.pool.parts
+    assert cache.pool.format == scaled.NVFP4 and cache.in_format
+    assert values.dtype == torch.uint8 and values.shape == (5 + 2 * E, 2 * I, H // 2)
+    assert scales13.dtype == torch.float8_e4m3fn and scales13.shape[1:] == (2 * I, H // 16)
+    assert values2.shape == (5 + 2 * E, H, I // 2)
+    # a slot: half a byte a weight, a byte per 16 weights and a float32 row scale per row
+    assert cache.expert_bytes == 3 * H * I // 2 + 3 * H * I // 16 + 4 * (2 * I + H)
+    cache.prefill = False
+    step(cache, nvfp4_experts, 1, 0)
+    assert cache.stats.bytes_h2d == cache.stats.misses * (host_expert_bytes(w13[0]) +
+                                                          host_expert_bytes(w2[0]))
+
+
+@pytest.mark.parametrize("slots", [K, 5, E * LAYERS])
+def test_nvfp4_decode_streaming_and_segments_give_the_resident_output(nvfp4_experts, slots):
+    cache = make_cache(nvfp4_experts, slots)
+    cache.prefill = False
+    for seed in range(4):
+        step(cache, nvfp4_experts, 1 + seed % 3, seed)     # batch 3 over K slots: staging
+    cache.prefill = True
+    step(cache, nvfp4_experts, GEMV_MAX_TOKENS + 3, 9)    # wide: the staged slots dequantized
+    cache.prefill = False
+    cache.segment_hook = cache.prepare_segment
+    step(cache, nvfp4_experts, 2, 10)
+    assert cache.stats.misses > 0 and cache.stats.streamed_layers == LAYERS
+
+
+def test_the_pool_takes_one_format_and_no_cpu_kernel_for_nvfp4(experts, nvfp4_experts):
+    from freetoken.kernel import ops
+
+    assert ScaledPool.takes(*nvfp4_experts)
+    assert not ScaledPool.takes(nvfp4_experts[0], experts[1])         # FP8 down, NVFP4 gate/up
+    with pytest.raises(ValueError, match="FP8 experts only"):
+        ScaledPool(*nvfp4_experts, K, KERNELS, ops.bind("moe_experts_scaled", "cpu"))

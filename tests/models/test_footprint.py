@@ -323,3 +323,31 @@ def test_the_gpu_plan_counts_fp8_expert_slots(fp8_moe, monkeypatch):
     slots = int(0.25 * experts * sum(config.moe.sparse_layers)) + 2 * experts
     assert planner.decision.plan.pools["expert_cache"] == slots * slot
     assert planner.decision.host_plan.pools["pinned_experts"] == sizes.total_experts * slot
+
+
+def test_nvfp4_experts_count_in_format_where_the_loader_keeps_them(tmp_path, monkeypatch):
+    """NVFP4 experts are floats unless weights.SCALED_EXPERT_FORMATS names NVFP4; named, they
+    count at their stored bytes (packed values, e4m3 scales, a float32 row scale per row),
+    resident or offloaded, and one offload slot is one expert's stored bytes."""
+    from freetoken.models.checkpoint import weights
+    from freetoken.models.checkpoint.hf import read_hf_dir
+    from freetoken.models.quant import scaled
+    from tests.models.scaled_checkpoint import write_scaled
+
+    (tmp_path / "float").mkdir()
+    tiny_hf_model("qwen3_moe", tmp_path / "float", **SCALED)
+    directory, _ = write_scaled(tmp_path / "float", tmp_path / "nvfp4", "modelopt-nvfp4")
+    config, tensors, _, _ = read_hf_dir(directory)
+    floats = weight_bytes(tensors, config, gpu_placement())
+    assert floats.expert_slot is None
+    monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8, scaled.NVFP4))
+    kept = weight_bytes(tensors, config, gpu_placement())
+    moe = config.moe
+    rows = 2 * moe.intermediate_size + config.hidden_size           # gate, up and down rows
+    weights_per_expert = 3 * config.hidden_size * moe.intermediate_size
+    per_expert = weights_per_expert // 2 + weights_per_expert // 16 + 4 * rows
+    assert kept.experts == per_expert * moe.num_experts * sum(moe.sparse_layers)
+    assert kept.expert_slot == per_expert and kept.other == floats.other
+    assert weight_bytes(tensors, config, replace(gpu_placement(), experts=HostArrays())) == kept
+    # the CPU dequantizes NVFP4 whatever the formats say
+    assert weight_bytes(tensors, config, Placement(HostArrays(), "float32")).expert_slot is None

@@ -78,3 +78,19 @@ def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, gemv, tmp_pat
         top2 = e.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 4 * max(error, bf16_error)
         assert torch.equal(o.argmax(-1)[clear], e.argmax(-1)[clear]), f"{layout} step {step}"
+
+
+@pytest.mark.parametrize("layout", ["ct-nvfp4", "modelopt-nvfp4"])
+def test_nvfp4_experts_kept_in_format_match_cpu_dequantized(layout, tmp_path, monkeypatch):
+    """The loader dequantizes NVFP4 experts unless weights.SCALED_EXPERT_FORMATS names NVFP4:
+    named here, the experts stay packed e2m1 (moe_experts_scaled's NVFP4 path) and the model
+    must be as close to the CPU's float32 result as the same test asks of every layout."""
+    from freetoken.models.checkpoint import weights
+    from freetoken.models.quant import scaled
+
+    monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8, scaled.NVFP4))
+    test_scaled_model_on_gpu_matches_cpu_dequantized("qwen3_moe", layout, "v2", tmp_path,
+                                                     monkeypatch)
+    gpu = load_model(str(tmp_path / layout), device="cuda").model
+    assert all(layer.mlp.scaled is not None and
+               layer.mlp.scaled.weights[0].format == scaled.NVFP4 for layer in gpu.layers)

@@ -260,11 +260,13 @@ class BlockPool:
 
 
 class ScaledPool:
-    """FP8 experts in their format (see the module doc). Per MoE layer, host ScaledWeight w13
-    [E, 2I, H] and w2 [E, H, I] (e4m3 values, float32 scale grids, float32 row scales or
-    None), pinned on a GPU, every layer in one layout (``takes``). The pool holds each part
-    as one tensor [T, ...]; a slot's row scales are ones where the experts have none (as
-    resident layers read them: scaled_moe._Stacked), never copied."""
+    """FP8 or NVFP4 experts in their format (see the module doc). Per MoE layer, host
+    ScaledWeight w13 [E, 2I, H] and w2 [E, H, I] (e4m3 values and float32 scale grids, or
+    packed e2m1 values and e4m3 scales per 16; float32 row scales or None), pinned on a GPU,
+    every layer in one format and layout (``takes``). The pool holds each part as one tensor
+    [T, ...]; a slot's row scales are ones where the experts have none (as resident layers
+    read them: scaled_moe._Stacked), never copied. The CPU side of co-execution takes FP8
+    only (the CPU has no NVFP4 experts kernel)."""
 
     in_format = True
     fuses_decode = False   # moe_decode_quant's fused decode reads GGUF blocks only
@@ -272,12 +274,16 @@ class ScaledPool:
     def __init__(self, host_w13: list, host_w2: list, top_k: int, kernels,
                  cpu: Callable | None = None):
         """kernels: scaled_moe.ScaledKernels, bound for the pool's device; cpu: the CPU's
-        moe_experts_scaled (co-execution), None: never asked."""
+        moe_experts_scaled (co-execution, FP8 only), None: never asked."""
         from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS
 
+        from freetoken.models.quant.scaled import FP8
+
         if not self.takes(host_w13, host_w2):
-            raise ValueError("the FP8 expert pool takes FP8 experts of one layout in every "
-                             "layer, with float32 scales")
+            raise ValueError("the scaled expert pool takes FP8 or NVFP4 experts of one format "
+                             "and layout in every layer")
+        if cpu is not None and host_w13[0].format != FP8:
+            raise ValueError(f"the CPU computes FP8 experts only, not {host_w13[0].format}")
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.top_k, self.kernels, self.cpu = top_k, kernels, cpu
         self.num_layers = len(host_w13)
@@ -302,21 +308,30 @@ class ScaledPool:
 
     @staticmethod
     def takes(host_w13: list, host_w2: list) -> bool:
-        """Whether every layer holds FP8 experts of one layout (shapes, blocks, scale grids,
-        row scales or none) with float32 scales: what one tensor of slots per part needs."""
+        """Whether every layer holds experts of one scaled format and one layout (shapes,
+        blocks, scale grids, row scales or none), with the scales its kernel reads (FP8:
+        float32 grids; NVFP4: e4m3 per 16 values): what one tensor of slots per part needs."""
         import torch
 
-        from freetoken.models.quant.scaled import FP8, ScaledWeight
+        from freetoken.models.quant.scaled import FP8, NVFP4, ScaledWeight
 
+        scale_dtype = {FP8: torch.float32, NVFP4: torch.float8_e4m3fn}
         if not host_w13 or len(host_w13) != len(host_w2):
             return False
+        first = host_w13[0]
+        if not isinstance(first, ScaledWeight) or first.format not in scale_dtype:
+            return False
         for weights in (host_w13, host_w2):
-            if not all(isinstance(w, ScaledWeight) and w.format == FP8 and
-                       w.scales.dtype == torch.float32 for w in weights):
+            if not all(isinstance(w, ScaledWeight) and w.format == first.format and
+                       w.scales.dtype == scale_dtype[first.format] for w in weights):
                 return False
             if len({_layout(w) for w in weights}) != 1:
                 return False
         return True
+
+    @property
+    def format(self) -> str:
+        return self.host_w13[0].format
 
     def alloc(self, torch, device, num_slots: int) -> None:
         """Fixed pool tensors of num_slots LRU slots and the staging buffers; the LRU slots

@@ -197,8 +197,8 @@ def moe_layers(model) -> list:
 def attach_expert_cache(model, decision: OffloadDecision):
     """Pin every MoE layer's host experts, build the cache and route the layers through it.
     GGUF experts stay in their blocks (expert_pool.BlockPool) where the decode kernels read
-    every layer's types, FP8 experts in their format (ScaledPool) where every layer shares one
-    layout; other experts are floats (FloatPool)."""
+    every layer's types, FP8 or NVFP4 experts in their format (ScaledPool) where every layer
+    shares one format and layout; other experts are floats (FloatPool)."""
     import torch
 
     from freetoken.engine.expert_cache import ExpertCache
@@ -206,10 +206,10 @@ def attach_expert_cache(model, decision: OffloadDecision):
 
     layers = moe_layers(model)
     device = model.arrays.torch_device
-    fp8 = in_scaled_format(layers)
-    if not fp8 and any(mlp.scaled is not None for mlp in layers):
-        log.warning("offloaded experts become floats: the FP8 expert pool takes one layout "
-                    "of FP8 experts in every MoE layer")
+    scaled_format = in_scaled_format(layers)
+    if not scaled_format and any(mlp.scaled is not None for mlp in layers):
+        log.warning("offloaded experts become floats: the scaled expert pool takes one format "
+                    "and layout of FP8 or NVFP4 experts in every MoE layer")
         _dequantize_scaled(layers, model.dtype)
     blocks = in_format(model, layers)
     if not blocks and any(mlp.qtypes for mlp in layers):
@@ -219,14 +219,19 @@ def attach_expert_cache(model, decision: OffloadDecision):
     w13, w2 = _pin_experts(layers)
     slots = cache_slots(ModelSizes.of(model.config, model.dtype), decision.rate)
     cfg, policy = model.config, None
-    if fp8:
+    if scaled_format:
         from freetoken.engine.expert_pool import ScaledPool
         from freetoken.models.forward.scaled_moe import ScaledKernels
+        from freetoken.models.quant.scaled import FP8
 
+        on_cpu = w13[0].format == FP8       # the CPU has no NVFP4 experts kernel
         pool = ScaledPool(w13, w2, cfg.moe.top_k, ScaledKernels.for_device(model.device),
-                          ops.bind("moe_experts_scaled", "cpu"))
-        policy = _kernel_co_execution(torch, device, pool, "FP8 experts") if decision.cpu \
-            else None
+                          ops.bind("moe_experts_scaled", "cpu") if on_cpu else None)
+        if decision.cpu and not on_cpu:
+            log.warning("--moe-cpu auto: every miss of these %s experts is copied (the CPU "
+                        "computes FP8 experts only)", w13[0].format)
+        policy = _kernel_co_execution(torch, device, pool, "FP8 experts") \
+            if decision.cpu and on_cpu else None
     elif blocks:
         from freetoken.engine.expert_pool import BlockKernels, BlockPool
 
@@ -289,7 +294,8 @@ def _pin_experts(layers: list) -> tuple[list, list]:
 
 
 def in_scaled_format(layers: list) -> bool:
-    """Whether every MoE layer's experts are FP8 the in-format pool takes (one layout)."""
+    """Whether every MoE layer's experts are FP8 or NVFP4 the in-format pool takes (one format
+    and layout)."""
     from freetoken.engine.expert_pool import ScaledPool
 
     if not layers or any(mlp.scaled is None for mlp in layers):

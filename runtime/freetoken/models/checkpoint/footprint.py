@@ -13,8 +13,8 @@ then applies the placement rules of weights.py to each tensor:
   an odd scale layout, an embedding) at the dtype's bytes;
 - float tensors count at the dtype's bytes;
 - routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
-  in their format only as a whole (``Placement.keeps_experts`` for GGUF; FP8 where
-  ``keeps_scaled`` says so, offloaded or not), else become floats.
+  in their format only as a whole (``Placement.keeps_experts`` for GGUF,
+  ``keeps_scaled_experts`` for FP8/NVFP4, offloaded or not), else become floats.
 
 A checkpoint's multi-token-prediction block (a source's ``mtp()`` view, forward/mtp.py) counts
 with the weights that are always resident, its routed experts included (never offloaded).
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from freetoken.models.checkpoint.weights import Placement
 from freetoken.models.config import ModelConfig
-from freetoken.models.quant.scaled import FORMATS, FP8
+from freetoken.models.quant.scaled import FORMATS, FP8, NVFP4
 from freetoken.models.registry import ATTENTION_PARTS, DENSE_MLP_PARTS, LAYER_PARTS, MOE_PARTS
 
 FLOAT, GGUF = "float", "gguf"
@@ -66,8 +66,8 @@ class WeightBytes:
     blocks: some layer weight stays in GGUF blocks (a GPU then plans prefill's dequantizing
     scratch, forward/dequant.py). expert_slot: where every MoE layer's experts keep their
     format, one slot of an expert offload pool: GGUF blocks (engine/expert_pool.BlockPool:
-    the widest layer's expert, in 256-byte steps) or FP8 (ScaledPool: an expert's values,
-    scale grids and a float32 row scale per row); None where offloaded experts are floats."""
+    the widest layer's expert, in 256-byte steps) or FP8/NVFP4 (ScaledPool: an expert's
+    values, scales and a float32 row scale per row); None where offloaded experts are floats."""
 
     other: int
     experts: int | None
@@ -159,6 +159,8 @@ def _slot_bytes(kinds: set[str], widest: int, cfg: ModelConfig) -> int | None:
     if kind == FP8:             # ScaledPool: beside the values and grids, the row scales the
         # kernel reads (ones where the checkpoint has none), float32 per gate/up and down row
         return widest + 4 * (2 * cfg.moe.intermediate_size + cfg.hidden_size)
+    if kind == NVFP4:           # its stored bytes hold the float32 row scales already
+        return widest
     return None
 
 
@@ -196,11 +198,11 @@ def _block_bytes(tensor: StoredTensor, where: Placement) -> int:
 
 
 def _expert_kind(parts: list[StoredTensor], where: Placement) -> str:
-    """The kind stacked experts keep (mirrors _Reader.stacked): FP8 where keeps_scaled says so
-    (NVFP4 experts are dequantized), GGUF blocks where keeps_experts says so, else floats."""
+    """The kind stacked experts keep (mirrors _Reader.stacked): a scaled format where
+    keeps_scaled_experts says so, GGUF blocks where keeps_experts says so, else floats."""
     first = parts[0]
-    if all(p.kind == first.kind for p in parts) and first.kind == FP8 and \
-            all(where.keeps_scaled(p.kind, p.kernel_ready) for p in parts):
+    if all(p.kind == first.kind for p in parts) and first.kind in FORMATS and \
+            all(where.keeps_scaled_experts(p.kind, p.kernel_ready) for p in parts):
         return first.kind
     if all(p.kind == GGUF for p in parts) and len({p.qtype for p in parts}) == 1 and \
             where.keeps_experts(first.qtype):
