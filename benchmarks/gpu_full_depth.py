@@ -174,6 +174,10 @@ def freetoken(path: Path, args) -> dict:
         from freetoken.engine.offload_policy import measure_h2d
 
         out["h2d_GBps"] = measure_h2d(torch, torch.device("cuda"), GIB, 3) / 1e9
+        # its 1 GiB device buffer stays in torch's cache: held by this process, it would count
+        # against the next configuration's --gpu-memory-limit (a lower cache rate there)
+        gc.collect()
+        torch.cuda.empty_cache()
     return out
 
 

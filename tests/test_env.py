@@ -23,9 +23,7 @@ def test_booleans(raw, expected):
                                        ("FREETOKEN_NUM_THREADS", "-1"),
                                        ("FREETOKEN_LOG_LEVEL", "loud"),
                                        ("FREETOKEN_MOE_GROUP", "0"),
-                                       ("FREETOKEN_MOE_GROUP", "9"),
-                                       ("FREETOKEN_Q8_CHUNKS", "0"),
-                                       ("FREETOKEN_Q8_CHUNKS", "9")])
+                                       ("FREETOKEN_MOE_GROUP", "9")])
 def test_bad_values_name_the_variable(name, raw):
     with pytest.raises(env.EnvError, match=name):
         env.read({name: raw})
@@ -36,4 +34,3 @@ def test_defaults_and_lists(tmp_path):
     assert e.jit_dir == tmp_path / "jit" and not e.disable_jit
     assert e.cache_targets == ("cpu", "sm_90a", "gfx1201")
     assert e.moe_group == 1 and env.read({"FREETOKEN_MOE_GROUP": "8"}).moe_group == 8
-    assert e.q8_chunks == 1 and env.read({"FREETOKEN_Q8_CHUNKS": "4"}).q8_chunks == 4

@@ -88,7 +88,6 @@ class Env:
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
     moe_group: int              # FREETOKEN_MOE_GROUP: GGUF MoE decode pairs of one expert a row
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
-    q8_chunks: int              # FREETOKEN_Q8_CHUNKS: gguf_gemv_q8 launches a wider step may take
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
     cpu_pack: bool              # FREETOKEN_CPU_PACK: GGUF rows packed 16 wide for AVX-512 VNNI
     fault_marker: str | None    # FREETOKEN_FAULT_MARKER: tests: fail requests whose prompt has it
@@ -126,10 +125,6 @@ VARIABLES = {
                             "models, gguf_gemv / fp8_gemv for the rest), v2 (gguf_gemv / "
                             "fp8_gemv, 16-byte streaming, bf16 activations) or v1 (gguf_matmul "
                             "/ scaled_gemv), for comparison",
-    "FREETOKEN_Q8_CHUNKS": "GPU: a GGUF projection step wider than one gguf_gemv_q8 launch "
-                           "takes runs as up to this many launches of its widest step, each "
-                           "reading the blocks, instead of dequantizing the weight for cuBLAS "
-                           "(1-8; default 1: off)",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
@@ -173,8 +168,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         moe_group=_int("FREETOKEN_MOE_GROUP", e.get("FREETOKEN_MOE_GROUP"), 1, minimum=1,
                        maximum=8),
         quant_gemv=quant_gemv,
-        q8_chunks=_int("FREETOKEN_Q8_CHUNKS", e.get("FREETOKEN_Q8_CHUNKS"), 1, minimum=1,
-                       maximum=8),
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),
         fault_marker=e.get("FREETOKEN_FAULT_MARKER") or None,

@@ -2,8 +2,8 @@
 ScaledPool over packed e2m1 values and e4m3 scales): offloaded logits bit-identical to the
 resident NVFP4 model, eagerly and in decode graph segments. Skipped without a GPU.
 
-The loader dequantizes NVFP4 experts unless weights.SCALED_EXPERT_FORMATS names NVFP4; these
-tests name it, so they exercise the in-format path whatever the default. The model:
+The loader keeps NVFP4 experts in format where weights.SCALED_EXPERT_FORMATS names NVFP4;
+these tests name it, so they exercise the in-format path whatever the default. The model:
 test_offload_gpu's random qwen3_moe quantized to compressed-tensors NVFP4
 (tests/models/scaled_checkpoint.py). Resident and offloaded steps launch the same kernels on the
 same bytes, so every logit must match bit for bit.

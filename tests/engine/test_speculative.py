@@ -403,6 +403,31 @@ def test_governor_keeps_the_faster_mode_per_batch_size_and_probes_again():
     assert decisions[-1] is False and all(decisions[:-2])
 
 
+def test_a_probe_whose_drafts_are_never_accepted_ends_early():
+    """Drafting steps that accept nothing emit a token a sequence at a verify step's cost:
+    after BARREN_STEPS of them the probe ends with drafting off at that batch size, even where
+    their timing looked no slower; other batch sizes and the next probe start afresh."""
+    governor = Governor()
+    for _ in range(Governor.BARREN_STEPS):
+        assert governor.allows(4) is True
+        governor.record(4, True, tokens=4, seconds=0.001, proposed=8)   # none accepted
+    assert governor.allows(4) is False                         # probing plain decoding now
+    for _ in range(Governor.PROBE_STEPS):
+        governor.record(4, False, tokens=4, seconds=0.01)     # plain: slower by the clock
+    assert governor.allows(4) is False and governor.would_allow(4) is False
+    assert governor.allows(2) is True                          # batch 2: its own probe
+    # steps that drafted nothing are no evidence; one accepted draft breaks the run
+    for _ in range(Governor.BARREN_STEPS):
+        governor.record(2, True, tokens=2, seconds=0.01)
+    governor.record(2, True, tokens=2, seconds=0.01, proposed=4)
+    governor.record(2, True, tokens=3, seconds=0.01, proposed=4)
+    governor.record(2, True, tokens=2, seconds=0.01, proposed=4)
+    assert governor.allows(2) is True
+    # the next probe measures drafting at batch 4 again
+    decisions = [governor.allows(4) for _ in range(Governor.REPROBE_STEPS)]
+    assert not any(decisions[:-1]) and governor.allows(4) is True
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("draft_row_seconds, drafts_win", [(0.01, False), (0.0, True)])
 def test_auto_turns_drafting_off_where_it_measures_slower(draft_row_seconds, drafts_win,

@@ -205,7 +205,7 @@ SCALED = dict(hidden_size=192, head_dim=48, num_attention_heads=4, num_key_value
 def safetensors_expected(directory, float_bytes: int = 2) -> tuple[WeightBytes, int]:
     """(bytes on a bf16 GPU, weights' elements) read off the file: FP8 values a byte each and
     their float32 grids; NVFP4 packed bytes, e4m3 scales and a float32 scale per row; floats at
-    `float_bytes` (bf16). NVFP4 experts are dequantized at load, so they count as floats."""
+    `float_bytes` (bf16)."""
     from safetensors import safe_open
 
     sizes, elements = {"other": 0, "experts": 0}, 0
@@ -225,14 +225,11 @@ def safetensors_expected(directory, float_bytes: int = 2) -> tuple[WeightBytes, 
                     size = 4 * int(np.prod(weight[:-1]))     # one float32 a row
                 else:
                     size = count * (4 if name.endswith("scale_inv") else 1)
-                if pool == "other" or "_proj_scale" in name:  # NVFP4 experts keep none
-                    sizes[pool] += size
+                sizes[pool] += size
                 continue
             values = 2 * count if is_nvfp4 else count      # two e2m1 values a byte
             elements += values
-            if is_nvfp4 and pool == "experts":
-                sizes[pool] += float_bytes * values
-            elif dtype in ("F8_E4M3", "U8"):
+            if dtype in ("F8_E4M3", "U8"):
                 sizes[pool] += count
             else:
                 sizes[pool] += float_bytes * count
@@ -255,6 +252,10 @@ def test_scaled_weights_count_values_and_scales(tmp_path, arch, layout, fused):
     expected, elements = safetensors_expected(directory)
     if arch == "qwen3_moe" and layout == "fp8-block":     # FP8 experts: FP8 offload slots too
         expected = replace(expected, expert_slot=fp8_slot(expected.experts, config))
+    if arch == "qwen3_moe" and layout == "modelopt-nvfp4":   # a slot: one expert as stored
+        moe = config.moe
+        expected = replace(expected, expert_slot=expected.experts // (
+            moe.num_experts * sum(moe.sparse_layers)))
     assert weight_bytes(tensors, config, gpu_placement()) == expected
     cpu = weight_bytes(tensors, config, Placement(HostArrays(), "float32"))
     if layout == "modelopt-nvfp4":      # the CPU dequantizes NVFP4: float32 throughout
@@ -326,9 +327,9 @@ def test_the_gpu_plan_counts_fp8_expert_slots(fp8_moe, monkeypatch):
 
 
 def test_nvfp4_experts_count_in_format_where_the_loader_keeps_them(tmp_path, monkeypatch):
-    """NVFP4 experts are floats unless weights.SCALED_EXPERT_FORMATS names NVFP4; named, they
-    count at their stored bytes (packed values, e4m3 scales, a float32 row scale per row),
-    resident or offloaded, and one offload slot is one expert's stored bytes."""
+    """NVFP4 experts count at their stored bytes (packed values, e4m3 scales, a float32 row
+    scale per row) where weights.SCALED_EXPERT_FORMATS names NVFP4, resident or offloaded, and
+    one offload slot is one expert's stored bytes; floats where it does not."""
     from freetoken.models.checkpoint import weights
     from freetoken.models.checkpoint.hf import read_hf_dir
     from freetoken.models.quant import scaled
@@ -338,10 +339,12 @@ def test_nvfp4_experts_count_in_format_where_the_loader_keeps_them(tmp_path, mon
     tiny_hf_model("qwen3_moe", tmp_path / "float", **SCALED)
     directory, _ = write_scaled(tmp_path / "float", tmp_path / "nvfp4", "modelopt-nvfp4")
     config, tensors, _, _ = read_hf_dir(directory)
+    monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8,))
     floats = weight_bytes(tensors, config, gpu_placement())
     assert floats.expert_slot is None
     monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8, scaled.NVFP4))
     kept = weight_bytes(tensors, config, gpu_placement())
+    assert kept.experts < floats.experts / 3
     moe = config.moe
     rows = 2 * moe.intermediate_size + config.hidden_size           # gate, up and down rows
     weights_per_expert = 3 * config.hidden_size * moe.intermediate_size

@@ -128,33 +128,46 @@ class Governor:
     for PROBE_STEPS steps; then the faster one runs, and every REPROBE_STEPS steps the slower one
     is measured again (acceptance and step costs change with the requests). Drafting turned
     off stops the MTP block's steps too (its drafts are what costs there); the block's K/V
-    misses those positions, which only lowers its acceptance until they leave the window."""
+    misses those positions, which only lowers its acceptance until they leave the window.
+
+    A drafting step that verifies drafts and accepts none emits one token a sequence, as a plain
+    step does, at a verify step's cost or more: it cannot be faster. BARREN_STEPS such steps in a row end the
+    drafting probe early with drafting off at that batch size (until its next probe), so a
+    block that never agrees costs 2 steps a batch size instead of PROBE_STEPS."""
 
     PROBE_STEPS = 8
     REPROBE_STEPS = 512
+    BARREN_STEPS = 2
 
     def __init__(self) -> None:
         self._rate: dict[tuple[int, bool], float] = {}
         self._samples: dict[tuple[int, bool], int] = {}
         self._since_probe: dict[int, int] = {}
+        self._barren: dict[int, int] = {}     # drafting steps in a row that accepted nothing
+        self._losing: set[int] = set()        # batch sizes whose drafting probe ended barren
 
     def allows(self, batch: int) -> bool:
         """Whether a step of `batch` decoding sequences drafts; counts the step."""
         if (probing := self._probing(batch)) is not None:
             return probing
-        faster = self._rate[batch, True] >= self._rate[batch, False]
+        faster = self._drafting_faster(batch)
         since = self._since_probe.get(batch, 0) + 1
         self._since_probe[batch] = since
         if since >= self.REPROBE_STEPS:     # measure the slower mode afresh
             self._since_probe[batch] = 0
             self._samples[batch, not faster] = 0
+            self._losing.discard(batch)
+            self._barren[batch] = 0
         return faster
 
     def would_allow(self, batch: int) -> bool:
         """What allows(batch) would answer, without counting a step."""
         if (probing := self._probing(batch)) is not None:
             return probing
-        return self._rate[batch, True] >= self._rate[batch, False]
+        return self._drafting_faster(batch)
+
+    def _drafting_faster(self, batch: int) -> bool:
+        return batch not in self._losing and self._rate[batch, True] >= self._rate[batch, False]
 
     def _probing(self, batch: int) -> bool | None:
         """The mode still short of PROBE_STEPS samples at `batch` (drafting first), or None."""
@@ -163,8 +176,10 @@ class Governor:
                 return mode
         return None
 
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A decode step of `batch` sequences, with drafts or not, emitted `tokens`."""
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float,
+               proposed: int = 0) -> None:
+        """A decode step of `batch` sequences, with drafts or not, emitted `tokens`; `proposed`:
+        the draft tokens it verified."""
         if seconds <= 0:
             return
         key, rate = (batch, drafted), tokens / seconds
@@ -172,6 +187,14 @@ class Governor:
         old = self._rate.get(key, rate)
         self._rate[key] = rate if n == 0 else 0.75 * old + 0.25 * rate
         self._samples[key] = n + 1
+        if not drafted:
+            return
+        if not proposed:        # nothing drafted (no n-gram match, say): no evidence either way
+            return
+        barren = self._barren[batch] = self._barren.get(batch, 0) + 1 if tokens <= batch else 0
+        if barren >= self.BARREN_STEPS and n + 1 < self.PROBE_STEPS:
+            self._samples[key] = self.PROBE_STEPS      # the probe has its answer: drafting off
+            self._losing.add(batch)
 
     def as_dict(self) -> dict:
         """Per batch size measured both ways: drafting's share of plain decoding's speed."""

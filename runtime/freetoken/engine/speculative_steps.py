@@ -89,7 +89,8 @@ class SpeculativeSteps:
         decoded one token), whether or not a request drafted."""
         emitted = sum(len(c.request.token_ids) for c in plan) - emitted_before
         self.scheduler.governor.record(len(plan), self.scheduler.drafting, emitted,
-                                       time.perf_counter() - started)
+                                       time.perf_counter() - started,
+                                       proposed=sum(len(c.draft) for c in plan))
 
     def _block_rows(self, plan: list[ScheduledChunk], accepted: dict) -> list[BlockRows]:
         """What the MTP block runs over after this step (engine/mtp_drafts.py): per live

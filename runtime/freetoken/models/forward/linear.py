@@ -113,8 +113,7 @@ class QuantLinear:
     on the CPU (quant_matmul, or quant_matmul_packed over a copy repacked at load:
     packs_on_cpu); bf16 x and a bf16 or f32 out on a GPU, which may be a column slice of a wider
     out (``strided_out``): gguf_gemv_q8 at 1-8 tokens (1-2 for the types without its 8-token
-    kernels, and fewer where x outgrows its staging; with FREETOKEN_Q8_CHUNKS = N, up to N
-    launches of that many), gguf_gemv at 3-4, the float GEMM over the weight dequantized into
+    kernels, and fewer where x outgrows its staging), gguf_gemv at 3-4, the float GEMM over the weight dequantized into
     the device's scratch above (dequant.py), gguf_matmul where the scratch does not hold it."""
 
     def __init__(self, weight: QuantWeight, bias: Array | None = None):
@@ -142,25 +141,19 @@ class QuantLinear:
             self.data = HostArrays.kernel_arg(weight.data)
         self.qtype, self.bias = weight.qtype, bias
         self.out_features, self.in_features = weight.shape
-        # the most tokens gguf_gemv_q8 takes for this weight (0: none), decided once, and the
-        # most it takes in launches of that many (FREETOKEN_Q8_CHUNKS)
+        # the most tokens gguf_gemv_q8 takes for this weight (0: none), decided once. Wider
+        # steps dequantize for cuBLAS: several launches of the widest step (each reading the
+        # blocks) lost on the H200 at batch 32 (Qwen3-8B Q4_K_M: 4,668 against 7,119 tok/s)
         self._q8_tokens = 0 if self._q8 is None else quant_gemv.q8_max_tokens(
             self.qtype, self.in_features)
-        from freetoken import env
-
-        self._q8_chunked = self._q8_tokens * env.read().q8_chunks
         # gguf_gemv_q8 adds a bf16 bias in its epilogue; another keeps the add after it
         self._q8_bias = bias if self._q8 is not None and _bf16_vector(bias) else None
 
     def __call__(self, out: Array, x: Array) -> None:
         tokens = x.shape[0]
-        if 0 < tokens <= self._q8_chunked:
-            if tokens <= self._q8_tokens:
-                self._q8_launch(out, x)
-            else:           # FREETOKEN_Q8_CHUNKS: launches of the widest step it takes
-                for start in range(0, tokens, self._q8_tokens):
-                    stop = min(tokens, start + self._q8_tokens)
-                    self._q8_launch(out[start:stop], x[start:stop])
+        if 0 < tokens <= self._q8_tokens:
+            self._q8(out, x, self.data, self.qtype, self._q8_bias, None, 0.0,
+                     quant_gemv.Q8_STORE, 0, False)
             if self._q8_bias is None and self.bias is not None:
                 array_view(out)[...] += self.bias
             return
@@ -174,10 +167,6 @@ class QuantLinear:
         if self.bias is not None:
             array_view(out)[...] += self.bias
 
-
-    def _q8_launch(self, out: Array, x: Array) -> None:
-        self._q8(out, x, self.data, self.qtype, self._q8_bias, None, 0.0, quant_gemv.Q8_STORE,
-                 0, False)
 
 
 class PartsLinear:
