@@ -15,31 +15,45 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import PROMPTS, SHAPE, offloaded_model, run_fixed
+from tests.engine.test_offload_gpu import (PROMPTS, SHAPE, assert_resident_logits,
+                                          offloaded_model, run_fixed)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory):
+def scaled_moe_dir(tmp_path_factory, layout: str):
+    """test_offload_gpu's random qwen3_moe written in a scaled checkpoint `layout`."""
     from tests.models.helpers import tiny_hf_model
     from tests.models.scaled_checkpoint import write_scaled
 
-    base = tmp_path_factory.mktemp("offload-fp8")
+    base = tmp_path_factory.mktemp(f"offload-{layout}")
     (base / "float").mkdir()
     tiny_hf_model("qwen3_moe", base / "float", seed=5, **SHAPE)
-    directory, _ = write_scaled(base / "float", base / "fp8", "fp8-block")
+    directory, _ = write_scaled(base / "float", base / layout, layout)
     return directory
+
+
+def resident_runs(directory, fmt: str) -> dict:
+    """(batch, graphs) -> the resident model's tokens and logits, its experts in `fmt`."""
+    from freetoken.models.loader import load_model
+
+    model = load_model(str(directory), device="cuda").model
+    assert all(layer.mlp.scaled is not None and layer.mlp.scaled.weights[0].format == fmt
+               for layer in model.layers)
+    return {(b, g): run_fixed(model, PROMPTS[:b], graphs=g) for b in (1, 4) for g in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    return scaled_moe_dir(tmp_path_factory, "fp8-block")
 
 
 @pytest.fixture(scope="module")
 def resident(fp8_dir):
-    from freetoken.models.loader import load_model
+    from freetoken.models.quant import scaled
 
-    model = load_model(str(fp8_dir), device="cuda").model
-    assert all(layer.mlp.scaled is not None for layer in model.layers)   # FP8 experts
-    return {(b, g): run_fixed(model, PROMPTS[:b], graphs=g) for b in (1, 4) for g in (False, True)}
+    return resident_runs(fp8_dir, scaled.FP8)
 
 
 def host_expert_bytes(cache) -> int:
@@ -77,14 +91,7 @@ def test_offloaded_fp8_gives_the_resident_logits_bit_for_bit(fp8_dir, resident, 
                                                              prefetch):
     loaded, cache = offloaded_model(fp8_dir, rate, prefetch=prefetch)
     assert cache.num_slots == int(rate * 128)
-    for batch in (1, 4):
-        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
-        want_tokens, want_steps = resident[batch, graphs]
-        assert tokens == want_tokens
-        for i, (got, want) in enumerate(zip(steps, want_steps)):
-            assert torch.equal(got, want), (batch, i, (got - want).abs().max())
-    s = cache.stats.as_dict()
-    assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
+    s = assert_resident_logits(loaded.model, cache, resident, graphs)
     # every byte moved is the checkpoint's: a miss copies one expert, a streamed layer all 32
     copied = s["expert_misses"] + s["expert_prefetched"] + 8 * 32
     assert s["expert_bytes_h2d"] == copied * host_expert_bytes(cache)

@@ -18,7 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import PROMPTS, offloaded_model, run_fixed
+from tests.engine.test_offload_gpu import (PROMPTS, assert_resident_logits, offloaded_model,
+                                          run_fixed)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -66,14 +67,7 @@ def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, reside
                                                                graphs, prefetch):
     loaded, cache = offloaded_model(gguf_path, rate, prefetch=prefetch)
     assert cache.num_slots == max(4, int(rate * 128))
-    for batch in (1, 4):
-        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
-        want_tokens, want_steps = resident[batch, graphs]
-        assert tokens == want_tokens
-        for i, (got, want) in enumerate(zip(steps, want_steps)):
-            assert torch.equal(got, want), (batch, i, (got - want).abs().max())
-    s = cache.stats.as_dict()
-    assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
+    s = assert_resident_logits(loaded.model, cache, resident, graphs)
     # every byte moved is a block's: a miss copies one expert's gate/up and down rows
     assert s["expert_bytes_h2d"] < (s["expert_misses"] + s["expert_prefetched"]) * \
         cache.expert_bytes + 8 * cache.pool.num_experts * cache.expert_bytes

@@ -97,6 +97,21 @@ def run_fixed(model, prompts, cache=None, graphs=False):
     return tokens, steps
 
 
+def assert_resident_logits(model, cache, resident, graphs: bool) -> dict:
+    """Batches 1 and 4 through `cache` give the resident run's tokens and logits bit for bit
+    (eagerly, or in graph segments against the resident graphs); some lookups hit, some
+    missed, and both prompt steps streamed their 4 layers. Returns the cache's stats."""
+    for batch in (1, 4):
+        tokens, steps = run_fixed(model, PROMPTS[:batch], cache, graphs)
+        want_tokens, want_steps = resident[batch, graphs]
+        assert tokens == want_tokens
+        for i, (got, want) in enumerate(zip(steps, want_steps)):
+            assert torch.equal(got, want), (batch, i, (got - want).abs().max())
+    s = cache.stats.as_dict()
+    assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
+    return s
+
+
 @pytest.fixture(scope="module")
 def resident(model_dir):
     """(batch, graphs) -> the resident model's tokens and logits."""
@@ -119,14 +134,7 @@ def test_offloaded_logits_are_bit_identical(model_dir, resident, rate, graphs, p
     Prefetching moves only where experts sit and when they are copied, never a result."""
     loaded, cache = offloaded_model(model_dir, rate, prefetch=prefetch)
     assert cache.num_slots == int(rate * 128)
-    for batch in (1, 4):
-        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
-        want_tokens, want_steps = resident[batch, graphs]
-        assert tokens == want_tokens
-        for i, (got, want) in enumerate(zip(steps, want_steps)):
-            assert torch.equal(got, want), (batch, i, (got - want).abs().max())
-    s = cache.stats.as_dict()
-    assert s["expert_misses"] > 0 and s["expert_hits"] > 0 and s["expert_streamed_layers"] == 8
+    s = assert_resident_logits(loaded.model, cache, resident, graphs)
     assert s["expert_cpu_executed"] == 0
     if prefetch and rate < 0.999:
         assert s["expert_prefetched"] > 0

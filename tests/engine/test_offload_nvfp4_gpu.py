@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import PROMPTS, SHAPE, offloaded_model, run_fixed
+from tests.engine.test_offload_fp8_gpu import resident_runs, scaled_moe_dir
+from tests.engine.test_offload_gpu import assert_resident_logits, offloaded_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,25 +33,14 @@ def nvfp4_experts_in_format():
 
 @pytest.fixture(scope="module")
 def nvfp4_dir(tmp_path_factory):
-    from tests.models.helpers import tiny_hf_model
-    from tests.models.scaled_checkpoint import write_scaled
-
-    base = tmp_path_factory.mktemp("offload-nvfp4")
-    (base / "float").mkdir()
-    tiny_hf_model("qwen3_moe", base / "float", seed=5, **SHAPE)
-    directory, _ = write_scaled(base / "float", base / "nvfp4", "ct-nvfp4")
-    return directory
+    return scaled_moe_dir(tmp_path_factory, "ct-nvfp4")
 
 
 @pytest.fixture(scope="module")
 def resident(nvfp4_dir):
-    from freetoken.models.loader import load_model
     from freetoken.models.quant import scaled
 
-    model = load_model(str(nvfp4_dir), device="cuda").model
-    assert all(layer.mlp.scaled is not None and layer.mlp.scaled.weights[0].format ==
-               scaled.NVFP4 for layer in model.layers)
-    return {(b, g): run_fixed(model, PROMPTS[:b], graphs=g) for b in (1, 4) for g in (False, True)}
+    return resident_runs(nvfp4_dir, scaled.NVFP4)
 
 
 def test_offloaded_experts_stay_nvfp4(nvfp4_dir):
@@ -76,12 +66,6 @@ def test_offloaded_experts_stay_nvfp4(nvfp4_dir):
 def test_offloaded_nvfp4_gives_the_resident_logits_bit_for_bit(nvfp4_dir, resident, rate,
                                                                graphs):
     loaded, cache = offloaded_model(nvfp4_dir, rate, prefetch=True)
-    for batch in (1, 4):
-        tokens, steps = run_fixed(loaded.model, PROMPTS[:batch], cache, graphs)
-        want_tokens, want_steps = resident[batch, graphs]
-        assert tokens == want_tokens
-        for i, (got, want) in enumerate(zip(steps, want_steps)):
-            assert torch.equal(got, want), (batch, i, (got - want).abs().max())
-    s = cache.stats.as_dict()
-    assert s["expert_misses"] > 0 and s["expert_streamed_layers"] == 8
+    s = assert_resident_logits(loaded.model, cache, resident, graphs)
+    assert s["expert_prefetched"] > 0
     cache.check_integrity()
