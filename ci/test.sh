@@ -23,4 +23,5 @@ WHEEL=$(ls build/cache-wheel/*.whl)
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$WHEEL"
 
 export FREETOKEN_DISABLE_JIT=1 FREETOKEN_TEST_CACHE_WHEEL="$PWD/$WHEEL"
-exec "$VENV/bin/python" -m pytest -q -rs "$@"
+# the slowest tests close the log: what to look at when the run nears its time budget
+exec "$VENV/bin/python" -m pytest -q -rs --durations=25 "$@"
