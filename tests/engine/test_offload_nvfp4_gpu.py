@@ -2,8 +2,7 @@
 ScaledPool over packed e2m1 values and e4m3 scales): offloaded logits bit-identical to the
 resident NVFP4 model, eagerly and in decode graph segments. Skipped without a GPU.
 
-The loader keeps NVFP4 experts in format where weights.SCALED_EXPERT_FORMATS names NVFP4;
-these tests name it, so they exercise the in-format path whatever the default. The model:
+The model:
 test_offload_gpu's random qwen3_moe quantized to compressed-tensors NVFP4
 (tests/models/scaled_checkpoint.py). Resident and offloaded steps launch the same kernels on the
 same bytes, so every logit must match bit for bit.
@@ -19,16 +18,6 @@ from tests.engine.test_offload_gpu import assert_resident_logits, offloaded_mode
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nvfp4_experts_in_format():
-    from freetoken.models.checkpoint import weights
-    from freetoken.models.quant import scaled
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8, scaled.NVFP4))
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -326,23 +326,19 @@ def test_the_gpu_plan_counts_fp8_expert_slots(fp8_moe, monkeypatch):
     assert planner.decision.host_plan.pools["pinned_experts"] == sizes.total_experts * slot
 
 
-def test_nvfp4_experts_count_in_format_where_the_loader_keeps_them(tmp_path, monkeypatch):
-    """NVFP4 experts count at their stored bytes (packed values, e4m3 scales, a float32 row
-    scale per row) where weights.SCALED_EXPERT_FORMATS names NVFP4, resident or offloaded, and
-    one offload slot is one expert's stored bytes; floats where it does not."""
-    from freetoken.models.checkpoint import weights
+def test_nvfp4_experts_count_in_format_on_a_gpu(tmp_path):
+    """NVFP4 experts on a GPU count at their stored bytes (packed values, e4m3 scales, a float32
+    row scale per row), resident or offloaded, and one offload slot is one expert's stored
+    bytes; the CPU dequantizes them (float32, no slot)."""
     from freetoken.models.checkpoint.hf import read_hf_dir
-    from freetoken.models.quant import scaled
     from tests.models.scaled_checkpoint import write_scaled
 
     (tmp_path / "float").mkdir()
     tiny_hf_model("qwen3_moe", tmp_path / "float", **SCALED)
     directory, _ = write_scaled(tmp_path / "float", tmp_path / "nvfp4", "modelopt-nvfp4")
     config, tensors, _, _ = read_hf_dir(directory)
-    monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8,))
-    floats = weight_bytes(tensors, config, gpu_placement())
+    floats = weight_bytes(tensors, config, Placement(HostArrays(), "float32"))
     assert floats.expert_slot is None
-    monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8, scaled.NVFP4))
     kept = weight_bytes(tensors, config, gpu_placement())
     assert kept.experts < floats.experts / 3
     moe = config.moe
@@ -350,7 +346,5 @@ def test_nvfp4_experts_count_in_format_where_the_loader_keeps_them(tmp_path, mon
     weights_per_expert = 3 * config.hidden_size * moe.intermediate_size
     per_expert = weights_per_expert // 2 + weights_per_expert // 16 + 4 * rows
     assert kept.experts == per_expert * moe.num_experts * sum(moe.sparse_layers)
-    assert kept.expert_slot == per_expert and kept.other == floats.other
+    assert kept.expert_slot == per_expert
     assert weight_bytes(tensors, config, replace(gpu_placement(), experts=HostArrays())) == kept
-    # the CPU dequantizes NVFP4 whatever the formats say
-    assert weight_bytes(tensors, config, Placement(HostArrays(), "float32")).expert_slot is None

@@ -82,13 +82,10 @@ def test_scaled_model_on_gpu_matches_cpu_dequantized(arch, layout, gemv, tmp_pat
 
 @pytest.mark.parametrize("layout", ["ct-nvfp4", "modelopt-nvfp4"])
 def test_nvfp4_experts_kept_in_format_match_cpu_dequantized(layout, tmp_path, monkeypatch):
-    """NVFP4 experts stay packed e2m1 where weights.SCALED_EXPERT_FORMATS names NVFP4 (named
-    here whatever the default): moe_experts_scaled's NVFP4 path, as close to the CPU's float32
-    result as the same test asks of every layout."""
-    from freetoken.models.checkpoint import weights
+    """NVFP4 experts stay packed e2m1 (moe_experts_scaled's NVFP4 path), as close to the CPU's
+    float32 result as the same test asks of every layout."""
     from freetoken.models.quant import scaled
 
-    monkeypatch.setattr(weights, "SCALED_EXPERT_FORMATS", (scaled.FP8, scaled.NVFP4))
     test_scaled_model_on_gpu_matches_cpu_dequantized("qwen3_moe", layout, "v2", tmp_path,
                                                      monkeypatch)
     gpu = load_model(str(tmp_path / layout), device="cuda").model

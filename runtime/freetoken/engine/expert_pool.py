@@ -271,18 +271,23 @@ class ScaledPool:
     in_format = True
     fuses_decode = False   # moe_decode_quant's fused decode reads GGUF blocks only
 
+    @staticmethod
+    def computes_on_cpu_format(fmt: str) -> bool:
+        """Whether the CPU's moe_experts_scaled takes experts of `fmt` (FP8 only)."""
+        from freetoken.models.quant.scaled import FP8
+
+        return fmt == FP8
+
     def __init__(self, host_w13: list, host_w2: list, top_k: int, kernels,
                  cpu: Callable | None = None):
         """kernels: scaled_moe.ScaledKernels, bound for the pool's device; cpu: the CPU's
         moe_experts_scaled (co-execution, FP8 only), None: never asked."""
         from freetoken.models.forward.scaled_linear import GEMV_MAX_TOKENS
 
-        from freetoken.models.quant.scaled import FP8
-
         if not self.takes(host_w13, host_w2):
             raise ValueError("the scaled expert pool takes FP8 or NVFP4 experts of one format "
                              "and layout in every layer")
-        if cpu is not None and host_w13[0].format != FP8:
+        if cpu is not None and not self.computes_on_cpu_format(host_w13[0].format):
             raise ValueError(f"the CPU computes FP8 experts only, not {host_w13[0].format}")
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.top_k, self.kernels, self.cpu = top_k, kernels, cpu

@@ -222,9 +222,8 @@ def attach_expert_cache(model, decision: OffloadDecision):
     if scaled_format:
         from freetoken.engine.expert_pool import ScaledPool
         from freetoken.models.forward.scaled_moe import ScaledKernels
-        from freetoken.models.quant.scaled import FP8
 
-        on_cpu = w13[0].format == FP8       # the CPU has no NVFP4 experts kernel
+        on_cpu = ScaledPool.computes_on_cpu_format(w13[0].format)
         pool = ScaledPool(w13, w2, cfg.moe.top_k, ScaledKernels.for_device(model.device),
                           ops.bind("moe_experts_scaled", "cpu") if on_cpu else None)
         if decision.cpu and not on_cpu:

@@ -131,9 +131,9 @@ class Governor:
     misses those positions, which only lowers its acceptance until they leave the window.
 
     A drafting step that verifies drafts and accepts none emits one token a sequence, as a plain
-    step does, at a verify step's cost or more: it cannot be faster. BARREN_STEPS such steps in a row end the
-    drafting probe early with drafting off at that batch size (until its next probe), so a
-    block that never agrees costs 2 steps a batch size instead of PROBE_STEPS."""
+    step does, at a verify step's cost or more: it cannot be faster. BARREN_STEPS such steps in
+    a row end the drafting probe early with drafting off at that batch size (until its next
+    probe), so a block that never agrees costs 2 steps a batch size instead of PROBE_STEPS."""
 
     PROBE_STEPS = 8
     REPROBE_STEPS = 512
@@ -187,9 +187,7 @@ class Governor:
         old = self._rate.get(key, rate)
         self._rate[key] = rate if n == 0 else 0.75 * old + 0.25 * rate
         self._samples[key] = n + 1
-        if not drafted:
-            return
-        if not proposed:        # nothing drafted (no n-gram match, say): no evidence either way
+        if not (drafted and proposed):    # no drafts verified (no n-gram match, say): no evidence
             return
         barren = self._barren[batch] = self._barren.get(batch, 0) + 1 if tokens <= batch else 0
         if barren >= self.BARREN_STEPS and n + 1 < self.PROBE_STEPS:

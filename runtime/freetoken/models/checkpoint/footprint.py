@@ -14,7 +14,7 @@ then applies the placement rules of weights.py to each tensor:
 - float tensors count at the dtype's bytes;
 - routed experts follow ``_Reader.stacked`` and ``_moe_mlp``: one layer's stacked experts stay
   in their format only as a whole (``Placement.keeps_experts`` for GGUF,
-  ``keeps_scaled_experts`` for FP8/NVFP4, offloaded or not), else become floats.
+  ``keeps_scaled`` for FP8/NVFP4, offloaded or not), else become floats.
 
 A checkpoint's multi-token-prediction block (a source's ``mtp()`` view, forward/mtp.py) counts
 with the weights that are always resident, its routed experts included (never offloaded).
@@ -199,10 +199,10 @@ def _block_bytes(tensor: StoredTensor, where: Placement) -> int:
 
 def _expert_kind(parts: list[StoredTensor], where: Placement) -> str:
     """The kind stacked experts keep (mirrors _Reader.stacked): a scaled format where
-    keeps_scaled_experts says so, GGUF blocks where keeps_experts says so, else floats."""
+    keeps_scaled says so, GGUF blocks where keeps_experts says so, else floats."""
     first = parts[0]
     if all(p.kind == first.kind for p in parts) and first.kind in FORMATS and \
-            all(where.keeps_scaled_experts(p.kind, p.kernel_ready) for p in parts):
+            all(where.keeps_scaled(p.kind, p.kernel_ready) for p in parts):
         return first.kind
     if all(p.kind == GGUF for p in parts) and len({p.qtype for p in parts}) == 1 and \
             where.keeps_experts(first.qtype):

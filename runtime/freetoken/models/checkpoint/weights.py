@@ -36,9 +36,6 @@ class TensorSource(Protocol):
 # GGML type ids: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
 CPU_BLOCK_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
 GPU_BLOCK_TYPES = CPU_BLOCK_TYPES
-# Scaled formats whose stacked experts stay in their format (moe_experts_scaled reads them;
-# the expert cache copies their bytes): both (NVFP4's path passed its H200 tests at b38f62c).
-SCALED_EXPERT_FORMATS = (scaled.FP8, scaled.NVFP4)
 
 
 @dataclass(frozen=True)
@@ -75,12 +72,6 @@ class Placement:
         if self.arrays.device.is_cpu:
             return fmt == scaled.FP8 and self.dtype == "float32"
         return True
-
-    def keeps_scaled_experts(self, fmt: str, kernel_ready: bool) -> bool:
-        """Whether stacked routed experts of scaled format `fmt` stay in it (resident, or in
-        host memory for the expert cache, engine/expert_pool.ScaledPool): keeps_scaled, for
-        the formats in SCALED_EXPERT_FORMATS."""
-        return fmt in SCALED_EXPERT_FORMATS and self.keeps_scaled(fmt, kernel_ready)
 
     def keeps_experts(self, qtype: int) -> bool:
         """Whether stacked experts of GGML type `qtype` stay in their blocks here (read by the
@@ -272,10 +263,10 @@ class _Reader:
                 self.check(name, weight, shape)      # raises, naming the tensor
             self.servable(name, weight)
         if all(isinstance(w, ScaledWeight) and w.format == raw[0].format and
-               self.where.keeps_scaled_experts(w.format, scaled.kernel_ready(w)) for w in raw):
-            # FP8 experts stay in their format where their scales line up: on a GPU, offloaded
-            # in host memory (the expert cache copies their bytes: engine/expert_pool.ScaledPool),
-            # or on the CPU
+               self.where.keeps_scaled(w.format, scaled.kernel_ready(w)) for w in raw):
+            # FP8/NVFP4 experts stay in their format where their scales line up: on a GPU,
+            # offloaded in host memory (the expert cache copies their bytes:
+            # engine/expert_pool.ScaledPool), or FP8 on the CPU
             device = self.where.experts_torch_device
             joined = scaled.concat_rows([scaled.to_device(w, device) for w in raw])
             if joined is not None:
