@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import itertools
 import json
 import sys
 import time
@@ -186,8 +185,7 @@ def _load_and_decode(path: Path, args, limit) -> dict:
     from freetoken.cli.bench import _batch
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import Engine
-    from freetoken.engine.offload_setup import (OffloadConfig, OffloadPlanner, parse_cache_rate,
-                                                parse_whole_layers)
+    from freetoken.engine.offload_setup import OffloadConfig, OffloadPlanner, parse_cache_rate
     from freetoken.models.loader import load_model, resolve_device
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -197,8 +195,7 @@ def _load_and_decode(path: Path, args, limit) -> dict:
         settings["gpu_memory_limit"] = limit
     config = EngineConfig(**settings)
     planner = OffloadPlanner(config, OffloadConfig(cache_rate=parse_cache_rate(
-        args.moe_cache_rate), cpu=args.moe_cpu, prefetch=args.moe_prefetch,
-        whole_layers=parse_whole_layers(args.moe_whole_layers)),
+        args.moe_cache_rate), cpu=args.moe_cpu, prefetch=args.moe_prefetch),
         resolve_device("cuda"))
     start = time.perf_counter()
     loaded = load_model(str(path), device="cuda", plan=planner)
@@ -210,9 +207,6 @@ def _load_and_decode(path: Path, args, limit) -> dict:
           f"{'resident' if out['resident'] else f'experts offloaded, rate {decision.rate:.3f}'}"
           f"; memory plan: {out['plan']}", flush=True)
     engine = Engine.from_loaded(loaded, config, decision).start()
-    if engine.expert_cache is not None:
-        out["whole_layers"] = engine.expert_cache.whole_layers
-        print(f"  MoE layers held whole: {out['whole_layers']}", flush=True)
     try:
         engine.warm_up()
         vocab = loaded.config.vocab_size
@@ -247,15 +241,12 @@ def _offload_delta(before: dict, after: dict) -> dict:
     layers are not decode traffic)."""
     d = {k: after[k] - before[k] for k in ("expert_hits", "expert_misses", "tokens_generated",
                                            "expert_prefetched", "expert_prefetch_hits")}
-    # layers held whole are not looked up: count them as hits, as many as a routed layer looks
-    # up on average
-    routed = after["moe_layers"] - after.get("expert_whole_layers", 0)
-    looked = (d["expert_hits"] + d["expert_misses"]) * after["moe_layers"] / max(routed, 1)
+    looked = d["expert_hits"] + d["expert_misses"]
     expert = after["pinned_bytes"] / (after["moe_layers"] * after["num_experts"])
     tokens = max(d["tokens_generated"], 1)
     # prefetched experts are copied too: a right guess turns a miss into a hit, a wrong one
     # is traffic that no miss counts
-    return {"hit_rate": 1.0 - d["expert_misses"] / looked if looked else 0.0,
+    return {"hit_rate": d["expert_hits"] / looked if looked else 0.0,
             "miss_bytes_per_token": d["expert_misses"] * expert / tokens,
             "prefetch_bytes_per_token": d["expert_prefetched"] * expert / tokens,
             "prefetch_accuracy": (d["expert_prefetch_hits"] / d["expert_prefetched"]
@@ -376,9 +367,6 @@ def main() -> None:
     p.add_argument("--moe-prefetch", default="off",
                    help="offloaded experts: on copies the next layer's predicted misses while "
                         "a layer computes (ft serve --moe-prefetch); off,on runs both")
-    p.add_argument("--moe-whole-layers", default="0",
-                   help="offloaded experts: MoE layers held whole on the GPU, N or auto (ft serve "
-                        "--moe-whole-layers); 0,auto runs both")
     p.add_argument("--format", default="q4_k_m", choices=("q4_k_m", "fp8"),
                    help="the checkpoint: a Q4_K_M GGUF file, or an FP8 folder (FreeToken only)")
     p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")
@@ -396,15 +384,6 @@ def main() -> None:
     if not prefetch_modes or set(prefetch_modes) - {"on", "off"}:
         raise SystemExit(f"--moe-prefetch: on, off or both, comma-separated; got "
                          f"{args.moe_prefetch!r}")
-    whole_modes = [w.strip() for w in args.moe_whole_layers.split(",")]
-    from freetoken.engine.config import EngineConfigError
-    from freetoken.engine.offload_setup import parse_whole_layers
-
-    try:
-        for whole in whole_modes:
-            parse_whole_layers(whole)
-    except EngineConfigError as exc:
-        raise SystemExit(str(exc)) from None
     from benchmarks.gpu_decode import d2d_bandwidth
     from benchmarks.step_bytes import KV_ITEM, gguf_weight_bytes, safetensors_weight_bytes
 
@@ -433,16 +412,11 @@ def main() -> None:
                  ceiling_tok_s=bandwidth / (weights["weights"] + kv))
     if "freetoken" in engines:
         for limit in args.gpu_memory_limit.split(","):
-            for whole, prefetch in itertools.product(whole_modes, prefetch_modes):
-                key = f"freetoken@{limit}" + ("+prefetch" if prefetch == "on" else "") + \
-                    (f"+whole{whole}" if whole != "0" else "")
+            for prefetch in prefetch_modes:
+                key = f"freetoken@{limit}" + ("+prefetch" if prefetch == "on" else "")
                 entry[key] = freetoken(path, argparse.Namespace(
-                    **{**vars(args), "gpu_memory_limit": limit, "moe_prefetch": prefetch,
-                       "moe_whole_layers": whole}))
+                    **{**vars(args), "gpu_memory_limit": limit, "moe_prefetch": prefetch}))
                 entry[key]["budget"] += ", prefetch" if prefetch == "on" else ""
-                if whole != "0":
-                    entry[key]["budget"] += f", {entry[key].get('whole_layers', 0)} MoE " \
-                        "layers whole"
     if "llama.cpp" in engines:
         entry["llama.cpp"] = llamacpp(path, [int(n) for n in args.n_cpu_moe.split(",")])
     report(entry)

@@ -9,7 +9,7 @@ import torch
 
 from freetoken.engine.expert_cache import ExpertCache
 from freetoken.engine.expert_pool import FloatPool
-from freetoken.engine.expert_slots import SlotLRU, whole_layer_count
+from freetoken.engine.expert_slots import SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
 from freetoken.kernel import reference
 
@@ -328,106 +328,3 @@ def test_graph_segments_prefetch_from_the_ids_they_read(experts, right):
     s = cache.stats
     assert s.tokens == 4 * 2 and s.prefetched > 0
     assert (s.prefetch_hits == s.prefetched) if right else (s.prefetch_hits < s.prefetched)
-
-
-# ---- whole layers ------------------------------------------------------------------------------
-
-def test_whole_layer_count_leaves_the_lru_room():
-    # auto: as many whole as leave one layer's experts (E slots) to the LRU
-    assert whole_layer_count(3 * E + 2, E, 4, None) == 2
-    assert whole_layer_count(2 * E - 1, E, 4, None) == 0
-    assert whole_layer_count(100 * E, E, 4, None) == 3           # never every layer
-    # explicit: as asked, fewer where the slots do not hold them beside one LRU slot
-    assert whole_layer_count(3 * E + 2, E, 4, 1) == 1
-    assert whole_layer_count(2 * E, E, 4, 2) == 1
-    assert whole_layer_count(2 * E + 1, E, 4, 2) == 2
-    assert whole_layer_count(5, E, 4, 0) == 0
-    with pytest.raises(ValueError, match="whole layers"):
-        whole_layer_count(5, E, 4, -1)
-
-
-@pytest.mark.parametrize("whole,lru", [(1, 2), (1, 5), (2, 3)])
-def test_whole_layers_run_as_resident_ones_beside_the_lru(experts, whole, lru):
-    w13, w2 = experts
-    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", whole * E + lru,
-                        whole_layers=whole)
-    assert (cache.whole_layers, cache.lru.num_slots, cache.num_slots) == \
-        (whole, lru, whole * E + lru)
-    assert list(cache.routed_layers) == list(range(whole, LAYERS))
-    assert cache.pool.w13.shape[0] == whole * E + lru + 2 * E
-    run_steps(cache, w13, w2, steps=5, tokens=1)
-    s = cache.stats
-    # only the routed layers are looked up, and the tokens are counted once a step
-    assert s.hits + s.misses == 5 * (LAYERS - whole) * K and s.tokens == 5
-    assert s.bytes_h2d == s.misses * cache.expert_bytes
-    assert all(layer >= whole for layer, _ in cache.lru._lru)
-
-
-def test_whole_layers_stay_out_of_the_graph_segments(experts):
-    w13, w2 = experts
-    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", E + 3, whole_layers=1)
-    cache.prefill = False
-    cut = []
-    hook = lambda layer, ids: (cut.append(layer), cache.prepare_segment(layer, ids))  # noqa
-    run_segments(cache, w13, w2, steps=3, tokens=2, real=2)
-    cache.segment_hook = hook
-    run_segments_with(cache, w13, w2, steps=2, tokens=2)
-    assert cut == [1, 2] * 2 and cache.stats.tokens == 3 * 2 + 2 * 2
-
-
-def run_segments_with(cache, w13, w2, steps, tokens):
-    """run_segments keeping the cache's own segment hook."""
-    for step in range(steps):
-        for layer in range(LAYERS):
-            x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(7 + step + layer))
-            ids, weights = routing(tokens, 5000 + 10 * step + layer)
-            out = torch.full_like(x, float("nan"))
-            cache.run(layer, out, x, ids, weights, torch.empty(0, dtype=torch.uint8))
-            torch.testing.assert_close(out, expected(w13[layer], w2[layer], x, ids, weights),
-                                       rtol=1e-5, atol=1e-5)
-
-
-def test_prefill_streams_only_the_routed_layers(experts):
-    w13, w2 = experts
-    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 2 * E + 1, whole_layers=2)
-    run_steps(cache, w13, w2, steps=2, tokens=E)          # T * K >= E: streamed
-    assert cache.stats.streamed_layers == 2 * (LAYERS - 2)
-    # the one routed layer was staged once (behind the last whole layer) and stays staged
-    assert cache.stats.bytes_h2d == E * cache.expert_bytes
-
-
-def test_resize_restages_the_whole_layers_it_still_holds(experts):
-    w13, w2 = experts
-    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 2 * E + 3, whole_layers=None)
-    assert cache.whole_layers == 1                        # auto leaves the LRU E slots
-    run_steps(cache, w13, w2, steps=2, tokens=2)
-    cache.resize(3 * E)
-    assert (cache.whole_layers, cache.lru.num_slots) == (2, E)
-    run_steps(cache, w13, w2, steps=2, tokens=2)
-    cache.resize(5)
-    assert (cache.whole_layers, cache.lru.num_slots) == (0, 5)
-    run_steps(cache, w13, w2, steps=2, tokens=2)
-
-
-def test_prefetch_after_the_whole_layers_stays_exact(experts):
-    """A whole layer predicts nothing (it never syncs); the routed layers after it prefetch."""
-    w13, w2 = experts
-    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", E + 6, whole_layers=1)
-    cache.prefill = False
-    predictor = RoutingPredictor(1, right=True)
-    cache.predictors = [predictor.for_layer(l) for l in range(LAYERS - 1)] + [None]
-    for step in range(5):
-        predictor.step = step
-        run_steps_once(cache, w13, w2, step)
-    s = cache.stats
-    assert s.prefetched > 0 and s.prefetch_hits == s.prefetched
-
-
-def run_steps_once(cache, w13, w2, step):
-    for layer in range(LAYERS):
-        x = torch.randn(1, H, generator=torch.Generator().manual_seed(100 * step + layer))
-        ids, weights = routing(1, 1000 * step + layer)
-        out = torch.full_like(x, float("nan"))
-        cache.run(layer, out, x, ids, weights, torch.empty(0, dtype=torch.uint8))
-        torch.testing.assert_close(out, expected(w13[layer], w2[layer], x, ids, weights),
-                                   rtol=1e-5, atol=1e-5)

@@ -76,12 +76,3 @@ def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, reside
     if not prefetch:
         assert s["expert_prefetched"] == 0
     cache.check_integrity()
-
-
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
-def test_whole_block_layers_give_the_resident_logits_bit_for_bit(gguf_path, resident, graphs):
-    """A whole layer's blocks packed in its E slots run through the resident decode kernels."""
-    loaded, cache = offloaded_model(gguf_path, 0.5, prefetch=True, whole_layers=1)
-    assert cache.whole_layers == 1
-    assert_resident_logits(loaded.model, cache, resident, graphs)
-    cache.check_integrity()

@@ -58,11 +58,3 @@ def test_offloaded_nvfp4_gives_the_resident_logits_bit_for_bit(nvfp4_dir, reside
     s = assert_resident_logits(loaded.model, cache, resident, graphs)
     assert s["expert_prefetched"] > 0
     cache.check_integrity()
-
-
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
-def test_whole_nvfp4_layers_give_the_resident_logits_bit_for_bit(nvfp4_dir, resident, graphs):
-    loaded, cache = offloaded_model(nvfp4_dir, 0.5, prefetch=True, whole_layers=1)
-    assert cache.whole_layers == 1
-    assert_resident_logits(loaded.model, cache, resident, graphs)
-    cache.check_integrity()

@@ -45,7 +45,6 @@ def run(stage: str) -> None:
 class FakeCache:
     num_layers, policy, prefill, segment_hook = LAYERS, None, None, None
     max_mapped_tokens = None
-    routed_layers = range(LAYERS)
 
     def prepare_segment(self, layer, topk_ids):
         LOG.append(f"prepare {layer} rows {topk_ids.shape[0]}")
@@ -54,7 +53,6 @@ class FakeCache:
 class FakeModel:
     def __init__(self, cache, moe_layers=LAYERS):
         self.cache, self.moe_layers = cache, moe_layers
-        self.whole = 0        # MoE layers run from their blocks: no routing point
         self.arrays = types.SimpleNamespace(torch_device=torch.device("cpu"))
 
     def forward(self, batch, kv):
@@ -62,8 +60,7 @@ class FakeModel:
         run("embed")
         for layer in range(self.moe_layers):
             run(f"attn+route {layer}")
-            if layer >= self.whole:
-                self.cache.segment_hook(layer, torch.zeros(tokens, 2, dtype=torch.int32))
+            self.cache.segment_hook(layer, torch.zeros(tokens, 2, dtype=torch.int32))
             run(f"experts {layer}")
         run("head")
         return torch.zeros(tokens, 5)
@@ -104,29 +101,7 @@ def test_a_step_replays_one_segment_per_routing_point_with_the_bookkeeping_betwe
 
 def test_a_capture_that_misses_a_moe_layer_is_refused(graphs):
     graphs.model.moe_layers = LAYERS - 1
-    with pytest.raises(RuntimeError, match="captured 2 routed MoE layers of 3"):
-        graphs._capture_size(1, pool=None)
-    assert FakeGraph.capturing is None
-
-
-def test_whole_layers_run_inside_the_segments(graphs):
-    """The cache's whole layers are no routing points: one segment fewer per whole layer, and
-    their experts run in the segment before the first routed layer's cut."""
-    graphs.model.whole = 1
-    graphs.cache.routed_layers = range(1, LAYERS)
-    graphs._capture_size(2, pool=None)
-    assert [g.work for g in graphs.segments[2]] == [
-        ["embed", "attn+route 0", "experts 0", "attn+route 1"],
-        ["experts 1", "attn+route 2"], ["experts 2", "head"]]
-    LOG.clear()
-    graphs.run(decode_batch(2))
-    assert LOG == ["embed", "attn+route 0", "experts 0", "attn+route 1", "prepare 1 rows 2",
-                   "experts 1", "attn+route 2", "prepare 2 rows 2", "experts 2", "head"]
-
-
-def test_a_capture_that_routes_a_whole_layer_is_refused(graphs):
-    graphs.cache.routed_layers = range(1, LAYERS)     # the model still routes layer 0
-    with pytest.raises(RuntimeError, match="MoE layer 0 ran out of order"):
+    with pytest.raises(RuntimeError, match="captured 2 MoE layers of 3"):
         graphs._capture_size(1, pool=None)
     assert FakeGraph.capturing is None
 

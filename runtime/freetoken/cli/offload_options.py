@@ -1,5 +1,5 @@
-"""Click types of the memory flags: `--num-tokens auto|N`, `--moe-cache-rate auto|R`,
-`--moe-whole-layers auto|N` and `--gpu-memory-limit SIZE|FRACTION`."""
+"""Click types of the memory flags: `--num-tokens auto|N`, `--moe-cache-rate auto|R` and
+`--gpu-memory-limit SIZE|FRACTION`."""
 
 from __future__ import annotations
 
@@ -43,23 +43,6 @@ class CacheRate(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-class WholeLayers(click.ParamType):
-    """auto -> None; else a whole number >= 0."""
-
-    name = "auto|N"
-
-    def convert(self, value, param, ctx):
-        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-            return value
-        from freetoken.engine.config import EngineConfigError
-        from freetoken.engine.offload_setup import parse_whole_layers
-
-        try:
-            return parse_whole_layers(value)
-        except EngineConfigError as exc:
-            self.fail(str(exc), param, ctx)
-
-
 class GpuMemoryLimitParam(click.ParamType):
     """none -> None; SIZE (24GiB, 24GB, 24G, bytes) or FRACTION -> a GpuMemoryLimit."""
 
@@ -80,4 +63,3 @@ class GpuMemoryLimitParam(click.ParamType):
 NUM_TOKENS = NumTokens()
 CACHE_RATE = CacheRate()
 GPU_MEMORY_LIMIT = GpuMemoryLimitParam()
-WHOLE_LAYERS = WholeLayers()

@@ -14,8 +14,7 @@ from freetoken.engine.config import (DEVICES, KV_DTYPES, MAX_SPECULATIVE_TOKENS,
                                      SAMPLING_DEFAULT_MODES, SPECULATIVE_METHODS, EngineConfig)
 from freetoken.engine.offload_setup import MOE_CPU_MODES, MOE_PREFETCH_MODES, OffloadConfig
 from freetoken.server.config import ServerConfig
-from freetoken.cli.offload_options import (CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKENS,
-                                           WHOLE_LAYERS)
+from freetoken.cli.offload_options import CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOKENS
 
 
 @click.command("serve")
@@ -99,14 +98,6 @@ from freetoken.cli.offload_options import (CACHE_RATE, GPU_MEMORY_LIMIT, NUM_TOK
                    "router over the current layer's input and copies the predicted misses "
                    "while the current layer computes; off copies each layer's misses when it "
                    "routes.")
-@click.option("--moe-whole-layers", default=str(OffloadConfig.whole_layers), show_default=True,
-              type=WHOLE_LAYERS,
-              help="With offloaded experts: the first N MoE layers keep every expert on the "
-                   "GPU (run as resident layers: no routing round trip to the host), the rest "
-                   "share the cache's other slots; auto holds as many whole as the cache's "
-                   "slots allow beside one layer's worth of shared slots. Under uniform routing "
-                   "whole layers miss no more than the shared cache and save a host round trip "
-                   "each; skewed routing favours the shared cache.")
 @click.option("--speculative", default=EngineConfig.speculative, show_default=True,
               type=click.Choice(SPECULATIVE_METHODS),
               help="Speculative decoding: ngram drafts tokens by prompt lookup (the request's "
@@ -136,7 +127,6 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                   max_prefill_tokens, sampling_defaults, api_key, served_model_name,
                   log_level, cuda_graphs, overlap, kv_dtype, max_output_tokens, cors_origins,
                   prefix_cache, moe_cache_rate, gpu_memory_limit, moe_cpu, moe_prefetch,
-                  moe_whole_layers,
                   allow_image_urls,
                   max_image_pixels, tensor_parallel_size, gpus, max_queued_requests,
                   shutdown_timeout_s, speculative, num_speculative_tokens) -> None:
@@ -159,8 +149,7 @@ def serve_command(model_path, host, port, device, dtype, num_tokens, max_num_seq
                                  prefix_cache=prefix_cache, gpu_memory_limit=gpu_memory_limit,
                                  speculative=speculative,
                                  num_speculative_tokens=num_speculative_tokens)
-    offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu, prefetch=moe_prefetch,
-                            whole_layers=moe_whole_layers)
+    offload = OffloadConfig(cache_rate=moe_cache_rate, cpu=moe_cpu, prefetch=moe_prefetch)
     from freetoken.parallel.options import parallel_engine_config
 
     engine_config, parallel = parallel_engine_config(ctx, engine_config, tensor_parallel_size,

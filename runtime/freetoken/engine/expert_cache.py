@@ -1,21 +1,13 @@
 """Offloaded experts: every expert in pinned host memory, the hot ones in one GPU slot pool.
 
 The pool (engine/expert_pool.py: float experts, GGUF experts in their blocks, or FP8 experts
-with their scales) has S + 2E slots: S cache slots, then two staging buffers of E slots each.
-The cache slots are an LRU shared by the routed MoE layers (expert_slots.SlotLRU), then, with
-``whole_layers`` W > 0, the first W MoE layers held whole (E slots each, copied once). The
-experts kernel reads weights through a per-layer expert-id -> slot map (int32 [E] on the
-device), so the kernel is the resident one: resident = the identity map over the model's own
-stacked tensors. Host copies, slots and every copy hold the experts' own format.
+with their scales) has S + 2E slots: S LRU slots shared by every MoE layer
+(expert_slots.SlotLRU), then two staging buffers of E slots each. The experts kernel reads
+weights through a per-layer expert-id -> slot map (int32 [E] on the device), so the kernel is
+the resident one: resident = the identity map over the model's own stacked tensors. Host
+copies, slots and every copy hold the experts' own format.
 
-Whole layers (--moe-whole-layers): a whole layer runs as a resident one (its block of slots,
-every step, no routing on the host), so it costs no sync and, in graph segments, no cut. Under
-uniform routing, W whole layers and a smaller LRU over the rest miss as many experts as one
-LRU over every layer at the same slots (a layer's hit rate is its share of slots either way),
-with W fewer host round trips per step; under skewed routing the shared LRU keeps more of the
-popular experts, so the split is a choice (expert_slots.whole_layer_count).
-
-Per MoE layer call (``run``), for a routed layer (a whole layer always runs from its block):
+Per MoE layer call (``run``):
 - decode (a decode-only step; without the engine's hint, T * K < E): the routing's ids come to
   the host (one small D2H of [T, K], the step's only extra sync per layer); hits keep their
   slot, misses are copied into LRU slots on the copy stream (or, when the co-execution policy
@@ -47,7 +39,7 @@ import contextlib
 from collections import Counter
 from typing import Any, Callable
 
-from freetoken.engine.expert_slots import OffloadStats, SlotLRU, whole_layer_count
+from freetoken.engine.expert_slots import OffloadStats, SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy
 
 
@@ -66,14 +58,11 @@ class ExpertCache:
         pool: the device pool and its host experts (expert_pool.FloatPool, BlockPool or
             ScaledPool).
         device: torch device of the pool (cuda, or cpu for tests).
-        num_slots: cache slots (cache rate * every expert of every layer).
+        num_slots: LRU slots (cache rate * every expert of every layer).
         policy: co-execution policy (a pool with cpu_experts), or None to copy every miss.
-        whole_layers: MoE layers to hold whole (the first ones), None for as many as
-            whole_layer_count allows; fewer where the slots do not hold them.
     """
 
-    def __init__(self, pool, device: Any, num_slots: int, policy: CoExecPolicy | None = None,
-                 whole_layers: int | None = 0):
+    def __init__(self, pool, device: Any, num_slots: int, policy: CoExecPolicy | None = None):
         import torch
 
         if policy is not None and not getattr(pool, "computes_on_cpu", False):
@@ -84,10 +73,7 @@ class ExpertCache:
         self.hidden, self.inter = pool.hidden, pool.inter
         self.expert_bytes = pool.slot_bytes     # one slot of the device pool
         self.is_cuda = torch.device(device).type == "cuda"
-        self.whole_request = whole_layers
-        self.whole_layers = whole_layer_count(num_slots, self.num_experts, self.num_layers,
-                                              whole_layers)
-        self.lru = SlotLRU(num_slots - self.whole_layers * self.num_experts)
+        self.lru = SlotLRU(num_slots)
         self.stats = OffloadStats()
         self._alloc(num_slots)
         e, i32 = self.num_experts, torch.int32
@@ -124,7 +110,6 @@ class ExpertCache:
         self.predictors: list[Callable[[Any], Any] | None] = [None] * self.num_layers
         self._prefetched = torch.cuda.Event() if self.is_cuda else _NoEvent()
         self._ahead_layer, self._ahead = -1, set()    # the last prefetch: its layer, experts
-        self._stage_whole()
 
     @property
     def in_format(self) -> bool:
@@ -163,26 +148,7 @@ class ExpertCache:
 
     @property
     def num_slots(self) -> int:
-        """Every cache slot: the LRU's and the whole layers'."""
-        return self.lru.num_slots + self.whole_layers * self.num_experts
-
-    @property
-    def routed_layers(self) -> range:
-        """The MoE layers the LRU serves (the host learns their routing each step)."""
-        return range(self.whole_layers, self.num_layers)
-
-    def _whole_base(self, layer: int) -> int:
-        return self.lru.num_slots + layer * self.num_experts
-
-    def _stage_whole(self) -> None:
-        """Copy every whole layer's experts into its block (at start and after a resize)."""
-        if not self.whole_layers:
-            return
-        with self._copy_ctx():
-            for layer in range(self.whole_layers):
-                self.pool.stage(layer, self._whole_base(layer))
-        if self.is_cuda:
-            self.copy_stream.synchronize()
+        return self.lru.num_slots
 
     @property
     def pool_bytes(self) -> int:
@@ -204,18 +170,13 @@ class ExpertCache:
             self.pool.alloc(self.torch, self.device, num_slots)
 
     def resize(self, num_slots: int) -> None:
-        """New pool tensors of `num_slots` cache slots; call between steps (nothing in
-        flight). The whole layers are as many as the new size holds (whole_layer_count) and
-        are copied again; cached experts below the LRU's new size keep their slot."""
+        """New pool tensors of `num_slots` LRU slots; call between steps (nothing in flight)."""
         if self.is_cuda:
             self.torch.cuda.synchronize(self.device)
-        self.whole_layers = whole_layer_count(num_slots, self.num_experts, self.num_layers,
-                                              self.whole_request)
-        self.lru.resize(num_slots - self.whole_layers * self.num_experts)
+        self.lru.resize(num_slots)
         self._alloc(num_slots)
         self._staged = [-1, -1]
         self._ahead_layer, self._ahead = -1, set()
-        self._stage_whole()
 
     # ---- one MoE layer -------------------------------------------------------------------------
 
@@ -224,19 +185,11 @@ class ExpertCache:
         """The routed experts of MoE layer `layer` into out (overwritten; accumulate, for an
         in-format pool's decode steps: added to it), as moe_experts."""
         tokens, top_k = topk_ids.shape
-        if layer == self.whole_layers and self.segment_hook is None:   # segments: prepare_
-            self.stats.tokens += tokens                                 # segment counts
+        if layer == 0 and self.segment_hook is None:    # segments count in prepare_segment
+            self.stats.tokens += tokens
         stream = self.prefill if self.prefill is not None else tokens * top_k >= self.num_experts
         widest = self.max_mapped_tokens
-        stream = stream or (widest is not None and tokens > widest)
-        if layer < self.whole_layers:
-            self.pool.run_staged(layer, self._whole_base(layer), out, x, topk_ids, topk_weights,
-                                 workspace, accumulate)
-            first = self.whole_layers
-            if stream and layer == first - 1 and self._staged[first % 2] != first:
-                self._stage_layer(first, first % 2)    # overlaps this layer's kernel
-            return
-        if stream:
+        if stream or (widest is not None and tokens > widest):
             self._stream(layer, out, x, topk_ids, topk_weights, workspace, accumulate)
         else:
             self._decode(layer, out, x, topk_ids, topk_weights, workspace, accumulate)
@@ -249,15 +202,15 @@ class ExpertCache:
         if self.is_cuda:
             self.torch.cuda.current_stream(self.device).wait_event(event)
 
-    def _copy_experts(self, layer: int, experts: list[int], slots: list[int]) -> None:
-        self.stats.bytes_h2d += self.pool.copy_experts(layer, experts, slots)
+    def _copy_expert(self, layer: int, expert: int, slot: int) -> None:
+        self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
 
     def _stage_layer(self, layer: int, buf: int) -> None:
         """Copy every expert of `layer` into staging buffer `buf` once its last reader is done."""
         with self._copy_ctx():
             if self.is_cuda:
                 self.copy_stream.wait_event(self._done[buf])
-            self.stats.bytes_h2d += self.pool.stage(layer, self._staging_base(buf))
+            self.stats.bytes_h2d += self.pool.stage(layer, buf, self._staging_base(buf))
             self._ready[buf].record(self.copy_stream)
         self._staged[buf] = layer
 
@@ -266,8 +219,8 @@ class ExpertCache:
         if self._staged[buf] != layer:
             self._stage_layer(layer, buf)
         self._compute_wait(self._ready[buf])
-        self.pool.run_staged(layer, self._staging_base(buf), out, x, topk_ids, topk_weights,
-                             workspace, accumulate)
+        self.pool.run_staged(layer, buf, self._staging_base(buf), out, x, topk_ids,
+                             topk_weights, workspace, accumulate)
         if self.is_cuda:
             self._done[buf].record(self.torch.cuda.current_stream(self.device))
         self.stats.streamed_layers += 1
@@ -316,7 +269,7 @@ class ExpertCache:
         if self.is_cuda:                              # the one host sync of this layer
             self._ids_ready.record(self.torch.cuda.current_stream(self.device))
             self._ids_ready.synchronize()
-        if layer == self.whole_layers:
+        if layer == 0:
             self.stats.tokens += shape[0]
         ids = self._ids_np[:host.numel()].reshape(shape)
         if self.predictors[layer] is None:
@@ -383,11 +336,13 @@ class ExpertCache:
         with self._copy_ctx():
             if self.lru.can_place(len(copy), keep):
                 for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
+                    self._copy_expert(layer, e, slot)
                     slots[e] = slot
             else:                                     # overflow: through staging buffer 0
                 base, self._staged[0] = self._staging_base(0), -1
-                slots = {e: base + e for e in copy}
-            self._copy_experts(layer, list(slots), list(slots.values()))
+                for e in copy:
+                    self._copy_expert(layer, e, base + e)
+                    slots[e] = base + e
             self._copied.record(self.copy_stream)
         self._compute_wait(self._copied)
         return slots
@@ -409,9 +364,8 @@ class ExpertCache:
         if not self.lru.can_place(len(new), keep):
             return
         with self._copy_ctx():
-            placed = self.lru.place([(layer, e) for e in new], keep)
-            self._copy_experts(layer, [e for (_, e), _, _ in placed],
-                               [slot for _, slot, _ in placed])
+            for (_, e), slot, _ in self.lru.place([(layer, e) for e in new], keep):
+                self._copy_expert(layer, e, slot)
             self._prefetched.record(self.copy_stream)
         self._ahead_layer, self._ahead = layer, set(new)
         self.stats.prefetched += len(new)

@@ -1,11 +1,8 @@
 """The expert cache's device pool, in the experts' own format, and the kernels that read it.
 
-A pool has T = S + 2E slots: S cache slots (an LRU shared by the MoE layers, then the whole
-layers the cache keeps, E slots each), then two staging buffers of E slots
-(engine/expert_cache.py decides what goes where). A whole layer and a staging buffer are both
-a block of E slots holding one layer's experts (``stage``), read through ``run_staged``. Every
-expert also lives in pinned host memory in the same format, so a miss is a copy of the
-checkpoint's bytes.
+A pool has T = S + 2E slots: S LRU slots shared by every MoE layer, then two staging buffers
+of E slots (engine/expert_cache.py decides what goes where). Every expert also lives in
+pinned host memory in the same format, so a miss is a copy of the checkpoint's bytes.
 
 - FloatPool: float experts, w13 [T, 2I, H] and w2 [T, H, I], read by moe_experts through an
   expert -> slot map (a streamed layer's map points at its staging slots).
@@ -22,9 +19,6 @@ checkpoint's bytes.
   are (models/forward/scaled_moe.py): decode steps (up to scaled_linear.GEMV_MAX_TOKENS
   tokens) through moe_experts_scaled and the expert map; a streamed layer over its staging
   buffer's E slots, wide steps dequantizing those slots for moe_experts.
-
-``copy_experts`` queues one layer's misses as one list of copies (torch._foreach_copy_: the
-per-copy Python cost of a step with a few dozen copies is a sizeable share of its time).
 
 BlockPool and ScaledPool also compute missed experts on the CPU for co-execution
 (offload_policy.py), through the CPU engine's kernels over the same pinned host bytes.
@@ -53,7 +47,7 @@ class FloatPool:
             host_w13[0].element_size()
         self.pinned_bytes = self.num_layers * self.num_experts * self.slot_bytes
         self.w13 = self.w2 = None
-        self._block_maps: dict = {}     # base slot -> the map onto its block of E slots
+        self._staging_maps: list = []
 
     def alloc(self, torch, device, num_slots: int) -> None:
         """Fixed pool tensors of num_slots LRU slots and the staging buffers; the LRU slots
@@ -67,38 +61,27 @@ class FloatPool:
             w13[:keep].copy_(self.w13[:keep])
             w2[:keep].copy_(self.w2[:keep])
         self.w13, self.w2 = w13, w2
-        self._block_maps = {}
+        self._staging_maps = [torch.arange(num_slots + b * e, num_slots + (b + 1) * e,
+                                           dtype=torch.int32, device=device) for b in range(2)]
 
-    def copy_experts(self, layer: int, experts: list[int], slots: list[int]) -> int:
-        """Host experts `experts` of `layer` into pool slots `slots` (non-blocking, on the
-        current stream). Returns the bytes copied."""
-        import torch
+    def copy_expert(self, layer: int, expert: int, slot: int) -> int:
+        self.w13[slot].copy_(self.host_w13[layer][expert], non_blocking=True)
+        self.w2[slot].copy_(self.host_w2[layer][expert], non_blocking=True)
+        return self.slot_bytes
 
-        dst, src = [], []
-        for e, slot in zip(experts, slots):
-            dst += [self.w13[slot], self.w2[slot]]
-            src += [self.host_w13[layer][e], self.host_w2[layer][e]]
-        torch._foreach_copy_(dst, src, non_blocking=True)
-        return len(experts) * self.slot_bytes
-
-    def stage(self, layer: int, base: int) -> int:
-        """Every expert of `layer` into the block of slots base .. base + E."""
+    def stage(self, layer: int, buf: int, base: int) -> int:
+        """Every expert of `layer` into staging buffer `buf` (slots base .. base + E)."""
         e = self.num_experts
         self.w13[base:base + e].copy_(self.host_w13[layer], non_blocking=True)
         self.w2[base:base + e].copy_(self.host_w2[layer], non_blocking=True)
         return e * self.slot_bytes
 
-    def run_staged(self, layer, base, out, x, topk_ids, topk_weights, workspace,
+    def run_staged(self, layer, buf, base, out, x, topk_ids, topk_weights, workspace,
                    accumulate=False) -> None:
-        """The experts of `layer`, staged in the block from slot `base`, for every pair."""
+        """The experts of `layer`, staged in buffer `buf` (from slot `base`), for every pair."""
         assert not accumulate, "float experts write out (no fused residual add)"
-        block_map = self._block_maps.get(base)
-        if block_map is None:      # made in the eager warm-up, before any graph capture
-            import torch
-
-            block_map = self._block_maps[base] = torch.arange(
-                base, base + self.num_experts, dtype=torch.int32, device=self.w13.device)
-        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, block_map, workspace)
+        self.kernel(out, x, self.w13, self.w2, topk_ids, topk_weights, self._staging_maps[buf],
+                    workspace)
 
     def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
                    accumulate=False) -> None:
@@ -171,9 +154,6 @@ class BlockPool:
         self.pool = None
         self._identity = None
         self._views: dict[int, tuple[Any, Any]] = {}
-        self._rows: list = []          # the pool's slots as flat byte rows (made at alloc)
-        # per layer, per expert: the host (gate/up, down) bytes, flat (made once per layer)
-        self._host_flat: dict[int, list[tuple[Any, Any]]] = {}
 
     def alloc(self, torch, device, num_slots: int) -> None:
         total = num_slots + 2 * self.num_experts
@@ -181,7 +161,7 @@ class BlockPool:
         if self.pool is not None:
             keep = min(num_slots, self.pool.shape[0] - 2 * self.num_experts)
             pool[:keep].copy_(self.pool[:keep])
-        self.pool, self._views, self._rows = pool, {}, list(pool)
+        self.pool, self._views = pool, {}
         if self._identity is None:
             self._identity = torch.arange(self.num_experts, dtype=torch.int32, device=device)
 
@@ -205,27 +185,13 @@ class BlockPool:
         w2 = flat[e * a:e * (a + b)].view(e, self.hidden, b // self.hidden)
         return w13, w2
 
-    def copy_experts(self, layer: int, experts: list[int], slots: list[int]) -> int:
-        """Host experts `experts` of `layer` into pool slots `slots`: each slot's first bytes
-        are the expert's gate/up rows, then its down rows. Returns the bytes copied."""
-        import torch
-
-        flat = self._host_flat.get(layer)
-        if flat is None:
-            flat = self._host_flat[layer] = [
-                (w13.view(-1), w2.view(-1))
-                for w13, w2 in zip(self.host_w13[layer], self.host_w2[layer])]
+    def copy_expert(self, layer: int, expert: int, slot: int) -> int:
         a, b = self.bytes13[layer], self.bytes2[layer]
-        dst, src = [], []
-        for e, slot in zip(experts, slots):
-            row = self._rows[slot]
-            dst += [row[:a], row[a:a + b]]
-            src += flat[e]
-        torch._foreach_copy_(dst, src, non_blocking=True)
-        return len(experts) * (a + b)
+        self.pool[slot, :a].copy_(self.host_w13[layer][expert].view(-1), non_blocking=True)
+        self.pool[slot, a:a + b].copy_(self.host_w2[layer][expert].view(-1), non_blocking=True)
+        return a + b
 
-    def stage(self, layer: int, base: int) -> int:
-        """Every expert of `layer` packed into the block from slot `base` (_packed_views)."""
+    def stage(self, layer: int, buf: int, base: int) -> int:
         w13, w2 = self._packed_views(layer, base)
         w13.copy_(self.host_w13[layer], non_blocking=True)
         w2.copy_(self.host_w2[layer], non_blocking=True)
@@ -276,7 +242,7 @@ class BlockPool:
         self._decode(layer, w13, w2, out, x, topk_ids, topk_weights, expert_map, workspace,
                      accumulate)
 
-    def run_staged(self, layer, base, out, x, topk_ids, topk_weights, workspace,
+    def run_staged(self, layer, buf, base, out, x, topk_ids, topk_weights, workspace,
                    accumulate=False) -> None:
         w13, w2 = self._packed_views(layer, base)
         if x.shape[0] <= self.decode_tokens:
@@ -342,7 +308,7 @@ class ScaledPool:
         self.parts: list | None = None
         self._identity = None
         self._mapped = None
-        self._blocks: dict = {}      # base slot -> the runner over its block of E slots
+        self._staged: list = []
         self._cpu_runs: dict[int, Callable] = {}
 
     @staticmethod
@@ -391,7 +357,8 @@ class ScaledPool:
         if self._identity is None:
             self._identity = torch.arange(e, dtype=torch.int32, device=device)
         self._mapped = self._experts(0, total)
-        self._blocks = {}
+        self._staged = [self._experts(num_slots + b * e, num_slots + (b + 1) * e)
+                        for b in range(2)]
 
     def _experts(self, start: int, stop: int):
         """The resident FP8 experts' runner (scaled_moe.ScaledExperts) over pool slots
@@ -418,24 +385,11 @@ class ScaledPool:
                 moved += src.numel() * src.element_size()
         return moved
 
-    def copy_experts(self, layer: int, experts: list[int], slots: list[int]) -> int:
-        """Host experts `experts` of `layer` into pool slots `slots`, part by part. Returns
-        the bytes copied."""
-        import torch
+    def copy_expert(self, layer: int, expert: int, slot: int) -> int:
+        return self._copy(layer, expert, slot)
 
-        dst, src, moved = [], [], 0
-        for part, host in zip(self.parts, self._host[layer]):
-            if host is None:
-                continue
-            for e, slot in zip(experts, slots):
-                dst.append(part[slot])
-                src.append(host[e])
-            moved += len(experts) * host[0].numel() * host.element_size()
-        torch._foreach_copy_(dst, src, non_blocking=True)
-        return moved
-
-    def stage(self, layer: int, base: int) -> int:
-        """Every expert of `layer` into the block of slots base .. base + E."""
+    def stage(self, layer: int, buf: int, base: int) -> int:
+        """Every expert of `layer` into staging buffer `buf` (slots base .. base + E)."""
         return self._copy(layer, slice(None), slice(base, base + self.num_experts))
 
     def max_mapped_tokens(self) -> int:
@@ -472,16 +426,13 @@ class ScaledPool:
                              f"{self.decode_tokens} tokens, got {x.shape[0]} (stream it)")
         self._mapped(out, x, topk_ids, topk_weights, expert_map, workspace)
 
-    def run_staged(self, layer, base, out, x, topk_ids, topk_weights, workspace,
+    def run_staged(self, layer, buf, base, out, x, topk_ids, topk_weights, workspace,
                    accumulate=False) -> None:
-        """The experts of `layer`, staged in the block from slot `base`, as the resident layer
-        runs them over its E experts: decode-sized steps read the routed ones, wider steps
-        dequantize the block's E slots (not the whole pool) for moe_experts."""
+        """The experts of `layer`, staged in buffer `buf`, as the resident layer runs them
+        over its E experts: decode-sized steps read the routed ones, wider steps dequantize
+        the buffer's E slots (not the whole pool) for moe_experts."""
         assert not accumulate, "FP8 experts write out (no fused residual add)"
-        block = self._blocks.get(base)
-        if block is None:          # made in the eager warm-up, before any graph capture
-            block = self._blocks[base] = self._experts(base, base + self.num_experts)
-        block(out, x, topk_ids, topk_weights, self._identity, workspace)
+        self._staged[buf](out, x, topk_ids, topk_weights, self._identity, workspace)
 
 
 def _parts(weight) -> tuple:

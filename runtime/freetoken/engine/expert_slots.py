@@ -1,6 +1,5 @@
-"""The expert cache's bookkeeping: one LRU over (layer, expert) keys shared by the routed MoE
-layers, mapping each cached expert to a fixed slot of the GPU pool, and how many layers the
-cache holds whole. Pure Python, no tensors."""
+"""The expert cache's bookkeeping: one LRU over (layer, expert) keys shared by every MoE layer,
+mapping each cached expert to a fixed slot of the GPU pool. Pure Python, no tensors."""
 
 from __future__ import annotations
 
@@ -97,20 +96,6 @@ class SlotLRU:
                 any(not 0 <= s < self.num_slots for s in slots):
             raise RuntimeError(f"expert cache slots are inconsistent: {len(slots)} cached, "
                                f"{len(self._free)} free of {self.num_slots}")
-
-
-def whole_layer_count(num_slots: int, num_experts: int, num_layers: int,
-                      requested: int | None) -> int:
-    """How many MoE layers an expert cache of `num_slots` slots holds whole (E slots each):
-    `requested`, or for None (auto) as many as leave the LRU one layer's experts (a step's
-    misses of one layer fit beside its hits at any batch size); never every layer (that is
-    no offload) and always fewer than leave the LRU one slot."""
-    if requested is not None and requested < 0:
-        raise ValueError(f"whole layers must be >= 0, got {requested}")
-    most = min(num_layers - 1, (num_slots - 1) // num_experts)
-    if requested is None:
-        return max(0, min(most, num_slots // num_experts - 1))
-    return max(0, min(requested, most))
 
 
 class OffloadStats:

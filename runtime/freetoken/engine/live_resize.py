@@ -54,12 +54,10 @@ def pool_stats(engine) -> dict[str, Any]:
     if cache is not None:
         stats.update(moe_cache_rate=cache.num_slots / (cache.num_layers * cache.num_experts),
                      expert_cache_slots=cache.num_slots, expert_pool_bytes=cache.pool_bytes,
-                     expert_whole_layers=cache.whole_layers,
                      pinned_bytes=cache.pinned_bytes, **cache.stats.as_dict())
     else:
         total = moe.num_experts * sum(moe.sparse_layers) if moe else 0
         stats.update(moe_cache_rate=1.0 if moe else 0.0, expert_cache_slots=total,
-                     expert_whole_layers=sum(moe.sparse_layers) if moe else 0,
                      expert_pool_bytes=_resident_expert_bytes(engine, total),
                      pinned_bytes=0, **OffloadStats().as_dict())
     if engine.states is not None:

@@ -27,15 +27,11 @@ class OffloadConfig:
     co-execution policy compute missed experts on the CPU; "off" (the default: on the measured
     host, copying a bf16 expert beat computing it with torch on the CPU) copies every miss.
     prefetch: "on" copies the next MoE layer's predicted misses while the current layer runs
-    (engine/expert_prefetch.py); "off" copies each layer's misses when it routes.
-    whole_layers: MoE layers whose experts the cache holds whole (the first ones: no routing
-    on the host, no sync), the rest sharing the LRU; None (auto) for as many as the cache's
-    slots hold beside one layer's worth of LRU (expert_slots.whole_layer_count)."""
+    (engine/expert_prefetch.py); "off" copies each layer's misses when it routes."""
 
     cache_rate: float | None = None
     cpu: str = "off"
     prefetch: str = "off"
-    whole_layers: int | None = 0
 
     def __post_init__(self) -> None:
         if self.cache_rate is not None and not 0.0 < self.cache_rate <= 1.0:
@@ -46,11 +42,6 @@ class OffloadConfig:
         if self.prefetch not in MOE_PREFETCH_MODES:
             raise EngineConfigError(f"--moe-prefetch must be one of {MOE_PREFETCH_MODES}, got "
                                     f"{self.prefetch!r}")
-        if self.whole_layers is not None and (isinstance(self.whole_layers, bool) or
-                                              not isinstance(self.whole_layers, int) or
-                                              self.whole_layers < 0):
-            raise EngineConfigError(f"--moe-whole-layers must be auto or a whole number >= 0, "
-                                    f"got {self.whole_layers!r}")
 
 
 def parse_cache_rate(text: str) -> float | None:
@@ -66,19 +57,6 @@ def parse_cache_rate(text: str) -> float | None:
     return rate
 
 
-def parse_whole_layers(text: str) -> int | None:
-    """'auto' -> None, else a whole number >= 0; EngineConfigError names the flag otherwise."""
-    if str(text).strip().lower() == "auto":
-        return None
-    try:
-        layers = int(str(text).strip())
-    except ValueError:
-        raise EngineConfigError(f"--moe-whole-layers must be auto or a whole number >= 0, got "
-                                f"{text!r}") from None
-    OffloadConfig(whole_layers=layers)
-    return layers
-
-
 @dataclass
 class OffloadDecision:
     """What the start-up plan chose: the cache rate, the KV pool size and the plans."""
@@ -89,7 +67,6 @@ class OffloadDecision:
     host_plan: MemoryPlan | None
     cpu: bool
     prefetch: bool = False
-    whole_layers: int | None = 0     # as OffloadConfig.whole_layers
 
     @property
     def offloaded(self) -> bool:
@@ -173,8 +150,7 @@ class OffloadPlanner:
             host = plan_host(sizes, pinned_experts=True, num_tokens=0,
                              available=host_available_bytes(), on_cpu=False)
         self.decision = OffloadDecision(rate, num_tokens, plan, host, self.offload.cpu == "auto",
-                                        self.offload.prefetch == "on",
-                                        self.offload.whole_layers)
+                                        self.offload.prefetch == "on")
         log.info("memory plan: %s; expert cache rate %.3f, KV pool %d tokens", plan.describe(),
                  rate, num_tokens)
         return rate < 1.0
@@ -267,15 +243,7 @@ def attach_expert_cache(model, decision: OffloadDecision):
 
         pool = FloatPool(w13, w2, ops.bind("moe_experts", model.device))
         policy = _co_execution(torch, device, w13, w2) if decision.cpu else None
-    cache = ExpertCache(pool, device, slots, policy, decision.whole_layers)
-    if decision.whole_layers and cache.whole_layers < decision.whole_layers:
-        log.warning("--moe-whole-layers %d: the cache's %d slots hold %d whole layers of %d "
-                    "experts beside the LRU", decision.whole_layers, slots, cache.whole_layers,
-                    cfg.moe.num_experts)
-    if cache.whole_layers:
-        log.info("expert cache: MoE layers 0-%d whole, %d slots of LRU for layers %d-%d",
-                 cache.whole_layers - 1, cache.lru.num_slots, cache.whole_layers,
-                 cache.num_layers - 1)
+    cache = ExpertCache(pool, device, slots, policy)
     if decision.prefetch:
         from freetoken.engine.expert_prefetch import next_layer_routers
 

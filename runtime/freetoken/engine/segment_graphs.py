@@ -1,14 +1,13 @@
 """Decode with offloaded experts in CUDA graph segments.
 
 A decode step with an expert cache learns each MoE layer's routing on the host mid-step, so it
-cannot be one graph. Per decode batch size, the forward is captured as L + 1 graphs (L routed
-MoE layers: the cache's whole layers run inside a segment as resident ones), cut just before
-each routed layer's experts kernel:
+cannot be one graph. Per decode batch size, the forward is captured as L + 1 graphs (L MoE
+layers), cut just before each layer's experts kernel:
 
-    segment 0      embedding, layers up to the first routed MoE layer's router and top-k
-    segment l      routed layer l-1's experts (through the slot map maps_dev[l-1]), the rest
-                   of its decoder layer, everything up to routed layer l's router and top-k
-    segment L      routed layer L-1's experts, the last layers, final norm and LM head
+    segment 0      embedding, layers up to MoE layer 0's router and top-k
+    segment l      MoE layer l-1's experts (through the slot map maps_dev[l-1]), the rest of
+                   its decoder layer, everything up to MoE layer l's router and top-k
+    segment L      MoE layer L-1's experts, the last layers, final norm and LM head
 
 Between segment l and l + 1 only the host's expert bookkeeping runs
 (ExpertCache.prepare_segment): copy layer l's top-k ids into a pinned buffer and wait on an
@@ -18,7 +17,7 @@ changed. Every kernel is the one the resident graph runs (the experts kernel rea
 through the map instead of the stacked weights through the identity), so the logits are the
 resident graph's, bit for bit.
 
-Cost over the resident graph, per routed MoE layer, when every expert hits: the GPU idles from the
+Cost over the resident graph, per MoE layer, when every expert hits: the GPU idles from the
 end of segment l until segment l + 1 starts: the event wake (~5 us), the D2H launch (~3 us),
 the LRU look-ups (benchmarks/offload_bookkeeping.py: ~9 us at batch 1, ~50 us at batch 8 with
 top-8 of 128 on a busy 2-core host) and the graph launch (~5 us); no map upload when nothing
@@ -83,23 +82,20 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info("captured offloaded decode in %d segments per batch size (%s) in %.2f s",
-                 len(cache.routed_layers) + 1, ",".join(map(str, self.sizes)),
-                 self.capture_seconds)
+                 cache.num_layers + 1, ",".join(map(str, self.sizes)), self.capture_seconds)
         return self
 
     def _capture_size(self, size: int, pool) -> None:
         graphs: list[torch.cuda.CUDAGraph] = []
         ids: list[torch.Tensor] = []
-        routed = list(self.cache.routed_layers)
 
         def begin() -> None:
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=pool)
 
         def cut(layer: int, topk_ids: torch.Tensor) -> None:
-            if len(ids) >= len(routed) or layer != routed[len(ids)]:
-                raise RuntimeError(f"MoE layer {layer} ran out of order (expected "
-                                   f"{routed[len(ids)] if len(ids) < len(routed) else 'none'})")
+            if layer != len(ids):
+                raise RuntimeError(f"MoE layer {layer} ran out of order (expected {len(ids)})")
             ids.append(topk_ids)
             graphs[-1].capture_end()
             begin()
@@ -115,8 +111,8 @@ class SegmentedDecodeGraphs(DecodeGraphs):
                 pass
             raise
         graphs[-1].capture_end()
-        if len(ids) != len(routed):
-            raise RuntimeError(f"captured {len(ids)} routed MoE layers of {len(routed)}")
+        if len(ids) != self.cache.num_layers:
+            raise RuntimeError(f"captured {len(ids)} MoE layers of {self.cache.num_layers}")
         self.segments[size], self.topk_ids[size] = graphs, ids
         self.graphs[size] = graphs[-1]
 
@@ -132,9 +128,9 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         if rows is None:        # the real rows' views, made once (a view costs a few us)
             rows = self._real_rows[size, b] = [ids[:b] for ids in self.topk_ids[size]]
         segments = self.segments[size]
-        for layer, graph, ids in zip(self.cache.routed_layers, segments, rows):
+        for layer, graph in enumerate(segments[:-1]):
             graph.replay()
-            self.cache.prepare_segment(layer, ids)
+            self.cache.prepare_segment(layer, rows[layer])
         segments[-1].replay()
         return self.outputs[size][:b]
 

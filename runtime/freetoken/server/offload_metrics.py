@@ -13,8 +13,6 @@ GAUGES = (
     ("freetoken_expert_cache_slots", "expert_cache_slots", "Expert slots on the GPU"),
     ("freetoken_expert_pool_bytes", "expert_pool_bytes",
      "GPU bytes of the expert slots (with the two staging buffers when offloaded)"),
-    ("freetoken_expert_whole_layers", "expert_whole_layers",
-     "MoE layers with every expert on the GPU (all of them when nothing is offloaded)"),
     ("freetoken_pinned_host_bytes", "pinned_bytes", "Pinned host bytes holding the experts"),
     ("freetoken_vram_allocated_bytes", "vram_allocated_bytes",
      "GPU bytes allocated by this process (torch allocator)"),
@@ -22,8 +20,7 @@ GAUGES = (
      "Expert bytes copied host-to-device per token processed"),
 )
 COUNTERS = (
-    ("freetoken_expert_hits", "expert_hits",
-     "Routed experts found in the GPU cache (decode; layers held whole are not looked up)"),
+    ("freetoken_expert_hits", "expert_hits", "Routed experts found in the GPU cache (decode)"),
     ("freetoken_expert_misses", "expert_misses", "Routed experts not in the GPU cache (decode)"),
     ("freetoken_expert_cpu_executed", "expert_cpu_executed",
      "Missed experts computed on the CPU instead of copied"),
