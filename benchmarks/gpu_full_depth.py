@@ -227,6 +227,14 @@ def _load_and_decode(path: Path, args, limit) -> dict:
                 print(f"  {trace} routing, batch {batch}: {row['decode_tok_s']:.1f} tok/s"
                       + (f", {out[f'offload{tag}_bs{batch}']}" if not out["resident"] else ""),
                       flush=True)
+        if args.profile and not out["resident"]:
+            from benchmarks.offload_timeline import profile_decode
+
+            for batch in batches:
+                timeline = profile_decode(engine, batch, vocab)
+                out[f"timeline_bs{batch}"] = dataclasses.asdict(timeline)
+                print(f"  timeline, batch {batch}, {timeline.steps} steps: "
+                      f"{timeline.describe()}", flush=True)
         out.update(engine_stats=engine.stats())
     finally:
         engine.shutdown()
@@ -328,6 +336,11 @@ def report(entry: dict) -> None:
                          + (f", resident step {step:.1f} tok/s" if step else "")
                          + f"): {100 * ours[key] / bound:.0f}%")
             print(line)
+        for key in sorted(k for k in ours if k.startswith("timeline_bs")):
+            from benchmarks.offload_timeline import Timeline
+
+            print(f"  timeline, batch {key[len('timeline_bs'):]}: "
+                  f"{Timeline(**ours[key]).describe()}")
     peer = entry.get("llama.cpp")
     if peer:
         if "skipped" in peer:
@@ -367,6 +380,9 @@ def main() -> None:
     p.add_argument("--moe-prefetch", default="off",
                    help="offloaded experts: on copies the next layer's predicted misses while "
                         "a layer computes (ft serve --moe-prefetch); off,on runs both")
+    p.add_argument("--profile", action="store_true",
+                   help="offloaded: profile a window of decode steps per batch size (kernels, "
+                        "copies, GPU idle, the cache's host calls; benchmarks/offload_timeline)")
     p.add_argument("--format", default="q4_k_m", choices=("q4_k_m", "fp8"),
                    help="the checkpoint: a Q4_K_M GGUF file, or an FP8 folder (FreeToken only)")
     p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")

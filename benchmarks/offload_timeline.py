@@ -1,0 +1,198 @@
+"""Where an offloaded decode step's time goes: a window of decode steps of a running engine
+under torch.profiler (CUDA activity: kernels and copies) with the expert cache's host calls
+timed, summed per step as
+
+    wall       the host's time per step (the window's wall time / steps)
+    kernels    time some kernel ran (union of kernel intervals)
+    h2d        time some host-to-device copy ran (union), and the bytes it moved / that time
+    both       kernels and copies at once (kernels + h2d - their union)
+    idle       neither: the GPU waited for the host (wall - union)
+    host       per step: prepare_segment (graph segments) or the eager MoE calls, split into
+               the wait for the routed ids, the LRU look-ups and copy launches, and the copy
+               launches alone
+
+so a run far from its copy ceiling says whether the copies, the kernels or the host's serial
+chain between them is what is left. Used by gpu_full_depth.py --profile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+
+def interval_union(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals (any order, overlaps counted once)."""
+    total, reach = 0.0, None
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-step figures of a profiled window (milliseconds, bytes)."""
+
+    steps: int
+    wall_ms: float
+    kernels_ms: float
+    h2d_ms: float
+    union_ms: float
+    h2d_bytes: float
+    host_segment_ms: float
+    host_wait_ms: float
+    host_route_ms: float
+    host_copy_ms: float
+    copies: float
+
+    @property
+    def both_ms(self) -> float:
+        return self.kernels_ms + self.h2d_ms - self.union_ms
+
+    @property
+    def idle_ms(self) -> float:
+        return max(0.0, self.wall_ms - self.union_ms)
+
+    @property
+    def h2d_GBps(self) -> float:
+        return self.h2d_bytes / (self.h2d_ms * 1e6) if self.h2d_ms else 0.0
+
+    def describe(self) -> str:
+        return (f"per step: wall {self.wall_ms:.2f} ms = kernels {self.kernels_ms:.2f} + "
+                f"copies {self.h2d_ms:.2f} ({self.h2d_GBps:.1f} GB/s while copying) - both at "
+                f"once {self.both_ms:.2f} + GPU idle {self.idle_ms:.2f}; host: MoE calls "
+                f"{self.host_segment_ms:.2f} ms (waiting for ids {self.host_wait_ms:.2f}, "
+                f"look-ups and launches {self.host_route_ms:.2f}, of which {self.copies:.0f} "
+                f"copy launches {self.host_copy_ms:.2f})")
+
+
+def summarize(events: list[tuple[str, float, float]], wall_s: float, steps: int,
+              h2d_bytes: float, host: dict[str, float]) -> Timeline:
+    """events: (kind, start us, end us) with kind "kernel", "h2d" or anything else (ignored
+    but for the union); host: seconds summed over the window ("segment", "wait", "route",
+    "copy") and "copies" (a count)."""
+    kernels = [(s, e) for kind, s, e in events if kind == "kernel"]
+    h2d = [(s, e) for kind, s, e in events if kind == "h2d"]
+    both = [(s, e) for kind, s, e in events if kind in ("kernel", "h2d")]
+    per = 1.0 / max(steps, 1)
+    return Timeline(steps=steps, wall_ms=1e3 * wall_s * per,
+                    kernels_ms=interval_union(kernels) / 1e3 * per,
+                    h2d_ms=interval_union(h2d) / 1e3 * per,
+                    union_ms=interval_union(both) / 1e3 * per, h2d_bytes=h2d_bytes * per,
+                    host_segment_ms=1e3 * host.get("segment", 0.0) * per,
+                    host_wait_ms=1e3 * host.get("wait", 0.0) * per,
+                    host_route_ms=1e3 * host.get("route", 0.0) * per,
+                    host_copy_ms=1e3 * host.get("copy", 0.0) * per,
+                    copies=host.get("copies", 0.0) * per)
+
+
+def event_kind(name: str) -> str:
+    if "Memcpy HtoD" in name:
+        return "h2d"
+    if "Memcpy" in name or "Memset" in name:
+        return "other"
+    return "kernel"
+
+
+class _HostTimers:
+    """Times the expert cache's host calls while `on`: prepare_segment (or run, eagerly),
+    _route and the copy launches (their count too)."""
+
+    def __init__(self, cache):
+        self.cache, self.on = cache, False
+        self.totals = {"segment": 0.0, "route": 0.0, "copy": 0.0, "copies": 0.0}
+        self._saved = {}
+        for name, key in (("prepare_segment", "segment"), ("_route", "route"),
+                          ("_copy_expert", "copy")):
+            self._wrap(name, key)
+
+    def _wrap(self, name: str, key: str) -> None:
+        inner = getattr(self.cache, name)
+        self._saved[name] = inner
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return inner(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.totals[key] += time.perf_counter() - start
+                if key == "copy":
+                    self.totals["copies"] += 1
+        setattr(self.cache, name, timed)
+
+    def restore(self) -> None:
+        for name in self._saved:
+            delattr(self.cache, name)      # the instance attribute: the class's method again
+
+    def host(self) -> dict[str, float]:
+        t = dict(self.totals)
+        t["wait"] = max(0.0, t["segment"] - t["route"])    # prepare_segment less _route
+        return t
+
+
+def profile_decode(engine, batch: int, vocab: int, skip: int = 8, steps: int = 32) -> Timeline:
+    """Decode `batch` requests; profile from the first request's token `skip` (every request
+    decoding by then) to its token skip + steps and return the window's Timeline (its steps
+    counted by the engine's generated tokens)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from freetoken.engine.request import SamplingParams
+
+    cache = engine.expert_cache
+    timers = _HostTimers(cache) if cache is not None else None
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    mark: dict[str, float] = {}
+
+    def start() -> None:
+        torch.cuda.synchronize()
+        mark["bytes"] = cache.stats.bytes_h2d if cache is not None else 0
+        mark["tokens"] = engine.stats()["tokens_generated"]
+        prof.start()
+        if timers:
+            timers.on = True
+        mark["t0"] = time.perf_counter()
+
+    def stop() -> None:
+        mark["t1"] = time.perf_counter()
+        if timers:
+            timers.on = False
+        torch.cuda.synchronize()
+        prof.stop()
+        mark["bytes"] = (cache.stats.bytes_h2d if cache is not None else 0) - mark["bytes"]
+        # decode steps in the window: every request decodes one token a step
+        mark["steps"] = (engine.stats()["tokens_generated"] - mark["tokens"]) / batch
+
+    async def one(index: int, prompt: list[int]) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=skip + steps + 4, ignore_eos=True)
+        seen = 0
+        async for out in engine.generate(prompt, params):
+            seen += len(out.token_ids)
+            if index == 0 and seen >= skip and "t0" not in mark:
+                start()
+            elif index == 0 and seen >= skip + steps and "t1" not in mark:
+                stop()
+
+    prompts = [[(7 + 13 * i + j) % vocab for j in range(64)] for i in range(batch)]
+    try:
+        async def run_all() -> None:
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        asyncio.run(run_all())
+    finally:
+        if timers:
+            timers.restore()
+    events = [(event_kind(e.name), e.time_range.start, e.time_range.end)
+              for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    return summarize(events, mark["t1"] - mark["t0"], max(1, round(mark["steps"])),
+                     mark["bytes"], timers.host() if timers else {})
