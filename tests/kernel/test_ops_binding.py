@@ -28,7 +28,7 @@ def test_the_registry_is_loaded_once():
 
 def test_every_registry_function_has_a_wrapper():
     for kernel in build.registry.KERNELS:
-        for name in kernel.functions:
+        for name in kernel.functions + kernel.gpu_functions:
             if name in ("quant_matmul_isa",):  # benchmarks reach it through get_function
                 continue
             assert callable(getattr(ops, name, None)), f"ops.{name} is missing"
