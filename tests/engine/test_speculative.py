@@ -406,7 +406,8 @@ def test_governor_keeps_the_faster_mode_per_batch_size_and_probes_again():
 def test_a_probe_whose_drafts_are_never_accepted_ends_early():
     """Drafting steps that accept nothing emit a token a sequence at a verify step's cost:
     after BARREN_STEPS of them the probe ends with drafting off at that batch size, even where
-    their timing looked no slower; other batch sizes and the next probe start afresh."""
+    their timing looked no slower; a batch size first seen right after (a batch ramping up)
+    starts with drafting off too; the next probe starts afresh."""
     governor = Governor()
     for _ in range(Governor.BARREN_STEPS):
         assert governor.allows(4) is True
@@ -415,17 +416,37 @@ def test_a_probe_whose_drafts_are_never_accepted_ends_early():
     for _ in range(Governor.PROBE_STEPS):
         governor.record(4, False, tokens=4, seconds=0.01)     # plain: slower by the clock
     assert governor.allows(4) is False and governor.would_allow(4) is False
-    assert governor.allows(2) is True                          # batch 2: its own probe
-    # steps that drafted nothing are no evidence; one accepted draft breaks the run
-    for _ in range(Governor.BARREN_STEPS):
-        governor.record(2, True, tokens=2, seconds=0.01)
-    governor.record(2, True, tokens=2, seconds=0.01, proposed=4)
-    governor.record(2, True, tokens=3, seconds=0.01, proposed=4)
-    governor.record(2, True, tokens=2, seconds=0.01, proposed=4)
-    assert governor.allows(2) is True
+    assert governor.would_allow(5) is False and governor.allows(5) is False   # inherited
+    for _ in range(Governor.PROBE_STEPS):
+        governor.record(5, False, tokens=5, seconds=0.01)
+    assert governor.allows(5) is False and "spec_auto_speedup_batch_5" not in governor.as_dict()
     # the next probe measures drafting at batch 4 again
     decisions = [governor.allows(4) for _ in range(Governor.REPROBE_STEPS)]
     assert not any(decisions[:-1]) and governor.allows(4) is True
+
+
+def test_a_barren_verdict_holds_for_a_while_and_until_a_draft_is_accepted():
+    governor = Governor()
+    for _ in range(Governor.BARREN_STEPS):
+        governor.allows(1)
+        governor.record(1, True, tokens=1, seconds=0.01, proposed=2)
+    assert governor.allows(2) is False                         # within INHERIT_STEPS
+    for _ in range(Governor.INHERIT_STEPS):
+        governor.allows(1)
+    assert governor.allows(3) is True                          # later: its own probe
+    # steps that drafted nothing are no evidence; one accepted draft breaks the run
+    for _ in range(Governor.BARREN_STEPS):
+        governor.record(3, True, tokens=3, seconds=0.01)
+    governor.record(3, True, tokens=3, seconds=0.01, proposed=4)
+    governor.record(3, True, tokens=4, seconds=0.01, proposed=4)
+    governor.record(3, True, tokens=3, seconds=0.01, proposed=4)
+    assert governor.allows(3) is True
+    # a barren probe at batch 6, then an accepted draft at batch 3: new sizes probe again
+    for _ in range(Governor.BARREN_STEPS):
+        governor.allows(6)
+        governor.record(6, True, tokens=6, seconds=0.01, proposed=6)
+    governor.record(3, True, tokens=5, seconds=0.01, proposed=4)
+    assert governor.allows(7) is True
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -133,11 +133,15 @@ class Governor:
     A drafting step that verifies drafts and accepts none emits one token a sequence, as a plain
     step does, at a verify step's cost or more: it cannot be faster. BARREN_STEPS such steps in
     a row end the drafting probe early with drafting off at that batch size (until its next
-    probe), so a block that never agrees costs 2 steps a batch size instead of PROBE_STEPS."""
+    probe), so a block that never agrees costs 2 steps instead of PROBE_STEPS. Acceptance does
+    not depend on the batch size, so for the next INHERIT_STEPS steps (while the same requests
+    likely run: a batch ramping up 1, 2, ... 8) a batch size seen for the first time skips its
+    drafting probe too; a drafting step that accepts a draft lifts that at once."""
 
     PROBE_STEPS = 8
     REPROBE_STEPS = 512
     BARREN_STEPS = 2
+    INHERIT_STEPS = 64
 
     def __init__(self) -> None:
         self._rate: dict[tuple[int, bool], float] = {}
@@ -145,9 +149,12 @@ class Governor:
         self._since_probe: dict[int, int] = {}
         self._barren: dict[int, int] = {}     # drafting steps in a row that accepted nothing
         self._losing: set[int] = set()        # batch sizes whose drafting probe ended barren
+        self._steps = 0                       # decode steps counted by allows()
+        self._barren_until = -1               # new batch sizes skip drafting up to this step
 
     def allows(self, batch: int) -> bool:
         """Whether a step of `batch` decoding sequences drafts; counts the step."""
+        self._steps += 1
         if (probing := self._probing(batch)) is not None:
             return probing
         faster = self._drafting_faster(batch)
@@ -170,7 +177,11 @@ class Governor:
         return batch not in self._losing and self._rate[batch, True] >= self._rate[batch, False]
 
     def _probing(self, batch: int) -> bool | None:
-        """The mode still short of PROBE_STEPS samples at `batch` (drafting first), or None."""
+        """The mode still short of PROBE_STEPS samples at `batch` (drafting first), or None. A
+        batch size first seen soon after a barren probe starts with drafting off."""
+        if (batch, True) not in self._samples and self._steps <= self._barren_until:
+            self._samples[batch, True] = self.PROBE_STEPS
+            self._losing.add(batch)
         for mode in (True, False):
             if self._samples.get((batch, mode), 0) < self.PROBE_STEPS:
                 return mode
@@ -190,9 +201,12 @@ class Governor:
         if not (drafted and proposed):    # no drafts verified (no n-gram match, say): no evidence
             return
         barren = self._barren[batch] = self._barren.get(batch, 0) + 1 if tokens <= batch else 0
+        if not barren:                    # a draft was accepted: new batch sizes probe again
+            self._barren_until = -1
         if barren >= self.BARREN_STEPS and n + 1 < self.PROBE_STEPS:
             self._samples[key] = self.PROBE_STEPS      # the probe has its answer: drafting off
             self._losing.add(batch)
+            self._barren_until = self._steps + self.INHERIT_STEPS
 
     def as_dict(self) -> dict:
         """Per batch size measured both ways: drafting's share of plain decoding's speed."""
