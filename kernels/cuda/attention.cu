@@ -910,13 +910,14 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
 
 /*!
  * \brief paged_attention over the FP8 pool: k_cache, v_cache uint8 [S, Hk, D] e4m3 codes,
- * k_scale, v_scale float32 [S, Hk] (store_kv_fp8); q and out bfloat16 or float16.
+ * k_scale, v_scale float32 [S, Hk] (store_kv_fp8); q and out bfloat16 or float16. staged:
+ * the tiled kernel over Fp8StagedPool (paged_attention_fp8_staged).
  */
-void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
-                         TensorView k_scale, TensorView v_scale, TensorView block_tables,
-                         TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
-                         double scale, int64_t sliding_window,
-                         tvm::ffi::Optional<TensorView> workspace) {
+void attend_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                TensorView k_scale, TensorView v_scale, TensorView block_tables,
+                TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
+                double scale, int64_t sliding_window,
+                const tvm::ffi::Optional<TensorView>& workspace, bool staged) {
   check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
                true);
   fp8::check_scales(k_scale, k_cache, "k_scale");
@@ -926,8 +927,18 @@ void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, Tenso
   p.v_cache = data_of<void>(v_cache);
   p.k_scale = data_of<float>(k_scale);
   p.v_scale = data_of<float>(v_scale);
+  p.fp8_staged = staged;
   run(p, out, q, k_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
       sliding_window, workspace);
+}
+
+void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                         TensorView k_scale, TensorView v_scale, TensorView block_tables,
+                         TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
+                         double scale, int64_t sliding_window,
+                         tvm::ffi::Optional<TensorView> workspace) {
+  attend_fp8(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+             block_size, scale, sliding_window, workspace, false);
 }
 
 /*!
@@ -940,18 +951,8 @@ void paged_attention_fp8_staged(TensorView out, TensorView q, TensorView k_cache
                                 TensorView query_start_loc, int64_t block_size, double scale,
                                 int64_t sliding_window,
                                 tvm::ffi::Optional<TensorView> workspace) {
-  check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
-               true);
-  fp8::check_scales(k_scale, k_cache, "k_scale");
-  fp8::check_scales(v_scale, v_cache, "v_scale");
-  AttnParams p{};
-  p.k_cache = data_of<void>(k_cache);
-  p.v_cache = data_of<void>(v_cache);
-  p.k_scale = data_of<float>(k_scale);
-  p.v_scale = data_of<float>(v_scale);
-  p.fp8_staged = true;
-  run(p, out, q, k_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
-      sliding_window, workspace);
+  attend_fp8(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+             block_size, scale, sliding_window, workspace, true);
 }
 
 }  // namespace
