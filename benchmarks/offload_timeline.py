@@ -140,10 +140,19 @@ class _HostTimers:
         return t
 
 
-def profile_decode(engine, batch: int, vocab: int, skip: int = 8, steps: int = 32) -> Timeline:
-    """Decode `batch` requests; profile from the first request's token `skip` (every request
-    decoding by then) to its token skip + steps and return the window's Timeline (its steps
-    counted by the engine's generated tokens)."""
+def _generated(engine) -> int:
+    """The engine's running count of generated tokens (a dict read: cheap to poll)."""
+    return engine._counters["tokens_generated"]
+
+
+def profile_decode(engine, batch: int, vocab: int, skip: int = 8, steps: int = 32,
+                   tail: int = 8) -> Timeline:
+    """Decode `batch` requests; profile from the engine's step `skip` of them (every request
+    decoding by then) to step skip + steps, by its generated tokens (a thread polls them: the
+    requests' outputs may reach the caller several tokens at a time), and return the window's
+    Timeline. The requests run `tail` steps past the window (they decode until it closes)."""
+    import threading
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -153,44 +162,57 @@ def profile_decode(engine, batch: int, vocab: int, skip: int = 8, steps: int = 3
     timers = _HostTimers(cache) if cache is not None else None
     prof = profile(activities=[ProfilerActivity.CUDA])
     mark: dict[str, float] = {}
+    base = _generated(engine)
 
-    def start() -> None:
+    def wait_for(tokens: int) -> bool:
+        """Until the engine generated `tokens` more (True), or the requests ended (False)."""
+        while _generated(engine) < base + tokens:
+            if "done" in mark:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def watch() -> None:
+        if not wait_for(batch * skip):
+            return
         torch.cuda.synchronize()
         mark["bytes"] = cache.stats.bytes_h2d if cache is not None else 0
-        mark["tokens"] = engine.stats()["tokens_generated"]
+        mark["tokens"] = _generated(engine)
         prof.start()
         if timers:
             timers.on = True
         mark["t0"] = time.perf_counter()
-
-    def stop() -> None:
-        mark["t1"] = time.perf_counter()
+        closed = wait_for(batch * (skip + steps))
+        mark["t1" if closed else "short"] = time.perf_counter()
+        mark["steps"] = (_generated(engine) - mark["tokens"]) / batch
         if timers:
             timers.on = False
         torch.cuda.synchronize()
         prof.stop()
         mark["bytes"] = (cache.stats.bytes_h2d if cache is not None else 0) - mark["bytes"]
-        # decode steps in the window: every request decodes one token a step
-        mark["steps"] = (engine.stats()["tokens_generated"] - mark["tokens"]) / batch
 
-    async def one(index: int, prompt: list[int]) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=skip + steps + 4, ignore_eos=True)
-        seen = 0
-        async for out in engine.generate(prompt, params):
-            seen += len(out.token_ids)
-            if index == 0 and seen >= skip and "t0" not in mark:
-                start()
-            elif index == 0 and seen >= skip + steps and "t1" not in mark:
-                stop()
+    async def one(prompt: list[int]) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max(1, skip + steps + tail),
+                                ignore_eos=True)
+        async for _ in engine.generate(prompt, params):
+            pass
+
+    async def run_all() -> None:
+        await asyncio.gather(*(one(p) for p in prompts))
 
     prompts = [[(7 + 13 * i + j) % vocab for j in range(64)] for i in range(batch)]
+    watcher = threading.Thread(target=watch, name="offload-timeline", daemon=True)
+    watcher.start()
     try:
-        async def run_all() -> None:
-            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         asyncio.run(run_all())
     finally:
+        mark["done"] = 1.0
+        watcher.join()
         if timers:
             timers.restore()
+    if "t1" not in mark:
+        raise RuntimeError(f"the window of {steps} steps after {skip} did not close before the "
+                           f"requests ended")
     events = [(event_kind(e.name), e.time_range.start, e.time_range.end)
               for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]

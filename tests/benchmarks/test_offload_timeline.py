@@ -3,6 +3,8 @@ summed with, and the host timers it wraps around an expert cache."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks.offload_timeline import (Timeline, _HostTimers, event_kind, interval_union,
@@ -83,3 +85,60 @@ def test_host_timers_count_only_while_on_and_restore_the_cache():
     timers.restore()
     assert "prepare_segment" not in vars(cache) and "_copy_expert" not in vars(cache)
     assert cache.calls[-1] == ("copy", 2)             # every call still ran through
+
+
+class StubProfile:
+    """torch.profiler.profile without a GPU: records when the window opens and closes."""
+
+    def __init__(self, activities=None):
+        self.calls = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+
+    def events(self):
+        return []
+
+
+def test_profile_decode_opens_its_window_mid_decode_and_counts_its_steps(monkeypatch):
+    """The window opens at the first request's token `skip` and closes `steps` tokens later,
+    every request decoding; its step count is the engine's generated tokens over the batch."""
+    import torch
+    import torch.profiler
+
+    from benchmarks import offload_timeline
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from tests.engine.fakes import CharTokenizer, FakeModel
+
+    made = []
+    monkeypatch.setattr(torch.profiler, "profile",
+                        lambda activities=None: made.append(StubProfile()) or made[-1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    engine = Engine(FakeModel(), CharTokenizer(), EngineConfig(
+        num_tokens=2048, block_size=8, max_num_seqs=4, max_prefill_tokens=512,
+        device="cpu"))
+    step = engine._step
+
+    def slow_step(*work):     # a GPU-like step time, so the window is many polls long
+        time.sleep(0.005)
+        step(*work)
+
+    engine._step = slow_step
+    engine.start()
+    try:
+        timeline = offload_timeline.profile_decode(engine, batch=3, vocab=60, skip=4, steps=12)
+        # a window longer than the requests: refused by name
+        with pytest.raises(RuntimeError, match="did not close"):
+            offload_timeline.profile_decode(engine, batch=2, vocab=60, skip=4, steps=12,
+                                            tail=-14)
+    finally:
+        engine.shutdown()
+    assert made[0].calls == ["start", "stop"]
+    # the watcher polls every 0.5 ms against 5 ms steps: the window spans the steps asked for
+    assert 11 <= timeline.steps <= 13, timeline
+    assert timeline.kernels_ms == timeline.h2d_ms == 0
+    assert timeline.wall_ms >= 4.0       # every step sleeps 5 ms (11+ of them in 13 counted)
