@@ -3,19 +3,16 @@ one GPU: GPU time per layer (CUDA graph replay between CUDA events, median) and 
 routed experts' blocks that layer reads over that time, beside the D2D copy bandwidth measured
 in the same run.
 
-    python benchmarks/moe_q8_sweep.py [--tokens 1,8,32] [--layers 8] [--reps 30] [--groups 8]
+    python benchmarks/moe_q8_sweep.py [--tokens 1,8,32] [--layers 8] [--reps 30]
 
 Shapes: Qwen3-30B-A3B's and Qwen3.6-35B-A3B's experts in their Q4_K_M types (Q4_K gate/up, Q4_K
 or Q6_K down, rows padded to 16-byte words as the loader keeps them), random zero-mean blocks.
 For each token count and each Q4_K rows-per-warp value of the halves (models/forward/
 moe_decode_quant.py GATE_UP_ROWS / DOWN_ROWS), `--layers` layers with their own experts run in
 one graph, so one layer's blocks are not in L2 for the next; the routes are random top-k ids.
-Both halves also run grouped (their `group`, each of --groups: one block row computes up to that
-many pairs of one expert, reading it once; the down's products then summed per token by a
-second launch; what FREETOKEN_MOE_GROUP sets in the model). Bytes per layer: the distinct
-experts the routes reach (what a step must read at least: the rate column), and, for the
-row-per-pair kernels, every (pair, expert) gate/up read and every (token, expert) down read
-they make (the "reads" column), at the blocks' bytes.
+Bytes per layer: the distinct experts the routes reach (what a step must read at least: the
+rate column), and every (pair, expert) gate/up read and every (token, expert) down read the
+kernels make (the "reads" column), at the blocks' bytes.
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ def _time(fn, reps: int) -> float:
     return replay_ms(graph, reps)
 
 
-def sweep(name: str, tokens: int, q2: int, layers: int, reps: int, bandwidth: float,
-          groups: list[int]) -> None:
+def sweep(name: str, tokens: int, q2: int, layers: int, reps: int, bandwidth: float) -> None:
     from freetoken.kernel import ops
 
     h, e, inter, k = SHAPES[name]
@@ -75,27 +71,23 @@ def sweep(name: str, tokens: int, q2: int, layers: int, reps: int, bandwidth: fl
     emap = torch.arange(e, device="cuda", dtype=torch.int32)
     act = torch.empty(tokens * k, inter, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(tokens, h, device="cuda", dtype=torch.bfloat16)
-    partial = torch.empty(tokens * k, h, device="cuda", dtype=torch.float32)
     distinct = len(torch.unique(ids))
-    variants = [(f"rows {rows}", rows, 1) for rows in ROWS] + \
-        [(f"group {g}", 1, g) for g in groups if g > 1]
-    for label, rows, group in variants:
+    for rows in ROWS:
         def gate_up():
             for layer in range(layers):
-                ops.moe_q8_gate_up(act, x, w13[layer], Q4_K, ids, emap, rows, True, group)
+                ops.moe_q8_gate_up(act, x, w13[layer], Q4_K, ids, emap, rows, True)
 
         def down():
             for layer in range(layers):
-                ops.moe_q8_down(out, act, w2[layer], q2, ids, wts, emap, True, rows, True,
-                                group, partial)
+                ops.moe_q8_down(out, act, w2[layer], q2, ids, wts, emap, True, rows, True)
 
         halves = [("gate/up", gate_up, w13[0][0].nbytes), ("down", down, w2[0][0].nbytes)]
         for half, fn, expert_bytes in halves:
             ms = _time(fn, reps) / layers
             rate = distinct * expert_bytes / (ms * 1e-3)
-            reads = (tokens * k if group == 1 else distinct) * expert_bytes / (ms * 1e-3)
+            reads = tokens * k * expert_bytes / (ms * 1e-3)
             print(f"{name:16} T={tokens:<3} down {'Q6_K' if q2 == Q6_K else 'Q4_K'} "
-                  f"{half:8} {label:8}: {1e3 * ms:7.1f} us/layer  {rate / 1e12:5.2f} TB/s "
+                  f"{half:8} rows {rows}: {1e3 * ms:7.1f} us/layer  {rate / 1e12:5.2f} TB/s "
                   f"({100 * rate / (bandwidth / 2):4.0f}% of copy/2; reads "
                   f"{reads / 1e12:5.2f} TB/s), {distinct} experts", flush=True)
 
@@ -106,20 +98,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--groups", default="8", help="groups of both halves, beside a row per pair")
     args = p.parse_args()
-    try:
-        groups = [int(g) for g in args.groups.split(",") if g]
-    except ValueError:
-        raise SystemExit(f"--groups: comma-separated integers in 1..8, got {args.groups!r}")
-    if any(not 1 <= g <= 8 for g in groups):
-        raise SystemExit(f"--groups: values in 1..8, got {args.groups!r}")
     bandwidth = d2d_bandwidth()
     print(f"D2D copy bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             for q2 in (Q4_K, Q6_K):
-                sweep(name, tokens, q2, args.layers, args.reps, bandwidth, groups)
+                sweep(name, tokens, q2, args.layers, args.reps, bandwidth)
                 torch.cuda.empty_cache()
 
 

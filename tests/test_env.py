@@ -21,9 +21,7 @@ def test_booleans(raw, expected):
 @pytest.mark.parametrize("name, raw", [("FREETOKEN_DISABLE_JIT", "maybe"),
                                        ("FREETOKEN_BUILD_JOBS", "two"),
                                        ("FREETOKEN_NUM_THREADS", "-1"),
-                                       ("FREETOKEN_LOG_LEVEL", "loud"),
-                                       ("FREETOKEN_MOE_GROUP", "0"),
-                                       ("FREETOKEN_MOE_GROUP", "9")])
+                                       ("FREETOKEN_LOG_LEVEL", "loud")])
 def test_bad_values_name_the_variable(name, raw):
     with pytest.raises(env.EnvError, match=name):
         env.read({name: raw})
@@ -33,4 +31,3 @@ def test_defaults_and_lists(tmp_path):
     e = env.read({"FREETOKEN_CACHE_ROOT": str(tmp_path), "FREETOKEN_CACHE_TARGETS": "cpu, sm_90a;gfx1201"})
     assert e.jit_dir == tmp_path / "jit" and not e.disable_jit
     assert e.cache_targets == ("cpu", "sm_90a", "gfx1201")
-    assert e.moe_group == 1 and env.read({"FREETOKEN_MOE_GROUP": "8"}).moe_group == 8

@@ -164,20 +164,13 @@ int64_t check_experts(const TensorView& w, int64_t qtype, int64_t rows, int64_t 
  * slot s = expert_map[topk_ids[t, k]] (zeros for a pair without a slot); x bf16 [T, H] (rows
  * 16-byte aligned), w13 uint8 [S, 2I, row_bytes] (gate rows, then up rows) of qtype, act
  * bf16 [T * K, I] contiguous. H a multiple of the block's weights, H <= the type's staging.
- * rows: Q4_K weight rows per warp (0 or 1: one; 2: two, half the blocks). group: the most
- * pairs of one expert a block row computes, streaming the expert once for all of them (1: a
- * block row per pair; up to 8, and to the tokens x the type's staging holds; Q4_K, Q6_K and
- * Q8_0 experts group, others take one pair a row).
+ * rows: Q4_K weight rows per warp (0 or 1: one; 2: two, half the blocks).
  */
 void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
-                    TensorView topk_ids, TensorView expert_map, int64_t rows, bool pdl,
-                    int64_t group) {
+                    TensorView topk_ids, TensorView expert_map, int64_t rows, bool pdl) {
   const int dev = w13.device().device_id;
   TVM_FFI_ICHECK(rows >= 0 && rows <= 2)
       << "rows (Q4_K weight rows per warp) must be 0 (one), 1 or 2, got " << rows;
-  TVM_FFI_ICHECK(group >= 1 && group <= kMaxTokens)
-      << "group (pairs of one expert a block row takes) must be in 1.." << kMaxTokens
-      << ", got " << group;
   check_dtype(x, kDLBfloat, 16, "x", "bfloat16");
   check_ndim(x, 2, "x");
   const int64_t tokens = x.size(0), h = x.size(1);
@@ -207,7 +200,6 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
   a.ldo = inter;
   a.tokens = 1;
   a.gather = kExpertGateUp;
-  a.group = grouped_pairs(static_cast<int>(qtype), h, group);
   a.slots = static_cast<int>(w13.size(0));
   a.expert_bytes = slot_bytes;
   DeviceGuard guard(dev);
@@ -221,21 +213,14 @@ void moe_q8_gate_up(TensorView act, TensorView x, TensorView w13, int64_t qtype,
  * moe_q8_gate_up (a pair without one adds nothing): act bf16 [T * K, I] contiguous, w2 uint8
  * [S, H, row_bytes] of qtype, out bf16 [T, H] (rows may be strided); accumulate adds to out
  * (the residual stream), rounding the sum to bf16 first. I a multiple of the block's weights
- * (of 256 for Q4_K); K * I within the type's staging. rows: as moe_q8_gate_up's. group > 1
- * (Q4_K, Q6_K and Q8_0 experts; others ignore it): the pairs of one expert, up to `group` a
- * block row, read its down rows once, each pair's product going to `partial` (f32 [T * K, H],
- * contiguous), which a second launch sums per token into out.
+ * (of 256 for Q4_K); K * I within the type's staging. rows: as moe_q8_gate_up's.
  */
 void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
                  TensorView topk_ids, TensorView topk_weights, TensorView expert_map,
-                 bool accumulate, int64_t rows, bool pdl, int64_t group,
-                 tvm::ffi::Optional<TensorView> partial) {
+                 bool accumulate, int64_t rows, bool pdl) {
   const int dev = w2.device().device_id;
   TVM_FFI_ICHECK(rows >= 0 && rows <= 2)
       << "rows (Q4_K weight rows per warp) must be 0 (one), 1 or 2, got " << rows;
-  TVM_FFI_ICHECK(group >= 1 && group <= kMaxTokens)
-      << "group (pairs of one expert a block row takes) must be in 1.." << kMaxTokens
-      << ", got " << group;
   check_gpu(out, "out", dev);
   check_dtype(out, kDLBfloat, 16, "out", "bfloat16");
   check_ndim(out, 2, "out");
@@ -283,31 +268,6 @@ void moe_q8_down(TensorView out, TensorView act, TensorView w2, int64_t qtype,
   a.seg = inter;
   DeviceGuard guard(dev);
   const int qt = static_cast<int>(qtype);
-  const int pairs_per_row = grouped_pairs(qt, inter, group);
-  if (pairs_per_row > 1) {
-    TVM_FFI_ICHECK(partial.has_value())
-        << "moe_q8_down with group > 1 needs partial: float32 [T * K, H] for each pair's product";
-    const TensorView& part = partial.value();
-    check_gpu(part, "partial", dev);
-    check_dtype(part, kDLFloat, 32, "partial", "float32");
-    check_contiguous(part, "partial");
-    TVM_FFI_ICHECK(part.ndim() == 2 && part.size(0) == tokens * a.top_k && part.size(1) == h)
-        << "partial must be [T * K, H] = [" << tokens * a.top_k << ", " << h << "]";
-    launch_mode<kStore, kExpertDownPairs>(pairs_args(a, data_of<float>(part), pairs_per_row),
-                                          qt, rows, pdl, dev, stream_for(w2),
-                                          static_cast<unsigned>(tokens * a.top_k));
-    const Args c = combine_args(a, data_of<float>(part));  // each token's pairs summed
-    const dim3 grid(static_cast<unsigned>(ceil_div(h, kThreads)), static_cast<unsigned>(tokens));
-    if (accumulate) {
-      launch_maybe_pdl(combine_pairs_kernel<kAddResidual>, grid, dim3(kThreads), stream_for(w2),
-                       pdl, dev, c);
-    } else {
-      launch_maybe_pdl(combine_pairs_kernel<kStore>, grid, dim3(kThreads), stream_for(w2), pdl,
-                       dev, c);
-    }
-    check_launch("moe_q8_down (grouped)");
-    return;
-  }
   const unsigned grid_y = static_cast<unsigned>(tokens);
   if (accumulate) {
     launch_mode<kAddResidual, kExpertDown>(a, qt, rows, pdl, dev, stream_for(w2), grid_y);

@@ -29,8 +29,7 @@ def _bool(name: str, raw: str | None, default: bool) -> bool:
     raise EnvError(f"{name}={raw!r} is not a boolean; use 1/true/yes or 0/false/no")
 
 
-def _int(name: str, raw: str | None, default: int, minimum: int = 0,
-         maximum: int | None = None) -> int:
+def _int(name: str, raw: str | None, default: int, minimum: int = 0) -> int:
     if raw is None or raw.strip() == "":
         return default
     try:
@@ -39,8 +38,6 @@ def _int(name: str, raw: str | None, default: int, minimum: int = 0,
         raise EnvError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
         raise EnvError(f"{name}={raw!r} must be >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise EnvError(f"{name}={raw!r} must be <= {maximum}")
     return value
 
 
@@ -86,7 +83,6 @@ class Env:
     release_url: str            # FREETOKEN_RELEASE_URL: where nightly pairs are published
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
-    moe_group: int              # FREETOKEN_MOE_GROUP: GGUF MoE decode pairs of one expert a row
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
     fp8_kv_attention: str       # FREETOKEN_FP8_KV_ATTENTION: GPU attention over FP8 KV (loads)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
@@ -117,10 +113,6 @@ VARIABLES = {
                               "(default on; off: the unfused cuBLAS chain, for comparison)",
     "FREETOKEN_MOE_DECODE": "MoE layers' 1-token GPU steps run the small-step moe_decode kernels "
                             "(default on; off: the general fused-MoE path)",
-    "FREETOKEN_MOE_GROUP": "GGUF MoE decode steps of several tokens: the most pairs routed to "
-                           "one expert that one block row of each half computes, reading the "
-                           "expert once for them (1-8; default 1: a block row per pair, each "
-                           "re-reading its expert)",
     "FREETOKEN_QUANT_GEMV": "decode GEMV over GGUF and FP8 weights: v3 (default: gguf_gemv_q8 "
                             "on int8 activations and the fused decode chain for GGUF and FP8 "
                             "models, gguf_gemv / fp8_gemv for the rest), v2 (gguf_gemv / "
@@ -175,8 +167,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
         release_url=(e.get("FREETOKEN_RELEASE_URL") or RELEASE_URL).strip().rstrip("/"),
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), True),
-        moe_group=_int("FREETOKEN_MOE_GROUP", e.get("FREETOKEN_MOE_GROUP"), 1, minimum=1,
-                       maximum=8),
         quant_gemv=quant_gemv,
         fp8_kv_attention=fp8_attention,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),

@@ -5,7 +5,6 @@
 // rows, launched through the kernel's own dispatch; checked by
 // tests/kernel/test_gguf_gemv_q8_emulated.py. dp4a runs as 4 byte products (the HIP form).
 #include <cmath>
-#include <vector>
 
 #include "emu_launch.h"  // the host stand-in (tests/kernel/emu first on the path)
 
@@ -69,20 +68,18 @@ extern "C" int ft_gguf_gemv_q8_emu(void* out, int out_f32, const void* x, const 
 // x bf16 [tokens, h]; ids int32 [tokens, top_k]; map int32 [experts]; w13 [slots, 2i, rb13];
 // w2 [slots, h, rb2]; act bf16 [tokens * top_k, i]; out bf16 [tokens, ldo]. slot13 / slot2:
 // the bytes from one slot to the next (0: one matrix, packed), as an offload pool lays them out.
-// group: the pairs of one expert a block row of either half takes (1..8; down's grouped
-// products go through a partial buffer of the harness, then the combine). Returns 0 for what
-// the real entry points refuse.
+// Returns 0 for what the real entry points refuse.
 extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w13,
                              const void* w2, const int* ids, const float* weights,
                              const int* map, int tokens, int top_k, int experts, int slots,
                              long h, long i, long ldo, int qtype13, int qtype2, int accumulate,
-                             int rows, long slot13, long slot2, int group) {
+                             int rows, long slot13, long slot2) {
   int rb13 = 0, rb2 = 0;
   if (!block_rows(qtype13, h, &rb13) || !block_rows(qtype2, i, &rb2) || tokens < 1 ||
       tokens > q8::kMaxMoETokens || top_k < 1 || top_k > q8::kMaxTopK ||
       h > q8::capacity(qtype13) || top_k * i > q8::capacity(qtype2) ||
       (qtype2 == freetoken::gguf::kQ4_K && i % q8::kBlockWeights != 0) || rows < 0 ||
-      rows > 2 || group < 1 || group > q8::kMaxTokens) {
+      rows > 2) {
     return 0;
   }
   q8::Args g{};
@@ -102,7 +99,6 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   g.experts = experts;
   g.slots = slots;
   g.expert_bytes = slot13 ? slot13 : 2 * i * rb13;
-  g.group = q8::grouped_pairs(qtype13, h, group);
   if (!run_mode<q8::kSwiGLU, q8::kExpertGateUp>(g, qtype13, rows, tokens * top_k)) return 0;
   q8::Args d = g;
   d.out = out;
@@ -117,24 +113,6 @@ extern "C" int ft_moe_q8_emu(void* out, void* act, const void* x, const void* w1
   d.topk_w = weights;
   d.expert_bytes = slot2 ? slot2 : h * rb2;
   d.seg = i;
-  const int down_group = q8::grouped_pairs(qtype2, i, group);
-  if (down_group > 1) {  // moe_q8_down's grouped path: products per pair, then the combine
-    std::vector<float> partial(static_cast<size_t>(tokens) * top_k * h, NAN);
-    if (!run_mode<q8::kStore, q8::kExpertDownPairs>(q8::pairs_args(d, partial.data(), down_group),
-                                                    qtype2, rows, tokens * top_k)) {
-      return 0;
-    }
-    const q8::Args c = q8::combine_args(d, partial.data());
-    const unsigned chunks = static_cast<unsigned>((h + q8::kThreads - 1) / q8::kThreads);
-    launch(chunks, static_cast<unsigned>(tokens), q8::kThreads, [&] {
-      if (accumulate) {
-        q8::combine_pairs_kernel<q8::kAddResidual>(c);
-      } else {
-        q8::combine_pairs_kernel<q8::kStore>(c);
-      }
-    });
-    return 1;
-  }
   return accumulate ? run_mode<q8::kAddResidual, q8::kExpertDown>(d, qtype2, rows, tokens)
                     : run_mode<q8::kStore, q8::kExpertDown>(d, qtype2, rows, tokens);
 }

@@ -244,8 +244,7 @@ def test_refuses_what_the_entry_point_refuses(emulated):
 def emulated_moe(tmp_path_factory):
     return build_emulation(tmp_path_factory, "gguf_gemv_q8_emu", ctypes.c_int,
                            [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_long] * 3
-                           + [ctypes.c_int] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int],
-                           entry="moe_q8_emu")
+                           + [ctypes.c_int] * 4 + [ctypes.c_long] * 2, entry="moe_q8_emu")
 
 
 # Six experts over five slots, expert 3 unmapped (its pairs add nothing), and routes that two
@@ -319,7 +318,7 @@ def check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual=None, emap=EXPER
 @pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
 @pytest.mark.parametrize("rows", (1, 2), ids=("r1", "r2"))
 def test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter, tokens,
-                                                accumulate, rows, group=1):
+                                                accumulate, rows):
     """act[p] = silu(g) * u of pair p's expert, then y_t = sum_k w_k * down_k(act[p]) over the
     token's routed experts (check_moe)."""
     x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
@@ -331,19 +330,10 @@ def test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter,
     ok = emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
                       ids.ctypes.data, wts.ctypes.data, EXPERT_MAP.ctypes.data, tokens, k,
                       len(EXPERT_MAP), p13.shape[0], h, inter, whole.stride(0), q13, q2,
-                      int(accumulate), rows, 0, 0, group)
+                      int(accumulate), rows, 0, 0)
     assert ok, "the configuration was refused"
     check_moe(act, out, x, b13, b2, q13, q2, ids, wts, residual if accumulate else None)
     assert torch.isfinite(whole[:, h:]).all()
-
-
-@pytest.mark.parametrize("q13,q2,h,inter", MOE_CASES,
-                         ids=[f"{TYPES[c[0]]}-{TYPES[c[1]]}-{c[2]}x{c[3]}" for c in MOE_CASES])
-def test_grouped_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter):
-    """The same with gate/up grouping each expert's pairs (expert 1 is routed by all three
-    tokens: one block row computes its three pairs)."""
-    test_moe_halves_match_the_quantized_experts(emulated_moe, q13, q2, h, inter, 3, False, 1,
-                                                group=8)
 
 
 @pytest.mark.parametrize("q13,q2,h,inter", [MOE_CASES[0], MOE_CASES[3]],
@@ -365,7 +355,7 @@ def test_moe_halves_read_slots_of_an_offload_pool(emulated_moe, q13, q2, h, inte
     ok = emulated_moe(_ptr(out), _ptr(act), _ptr(x), pool.ctypes.data, pool.ctypes.data + e13,
                       ids.ctypes.data, wts.ctypes.data, EXPERT_MAP.ctypes.data, tokens, k,
                       len(EXPERT_MAP), slots, h, inter, h, q13, q2, 0, 1, slot_bytes,
-                      slot_bytes, 8)
+                      slot_bytes)
     assert ok, "the configuration was refused"
     check_moe(act, out, x, b13, b2, q13, q2, ids, wts)
 
@@ -376,11 +366,11 @@ def test_moe_halves_refuse_what_the_entry_points_refuse(emulated_moe):
     ids = IDS[:1].copy()
     wts = np.ones((1, 3), dtype=np.float32)
 
-    def run(q13, q2, h, inter, tokens=1, k=3, rows=1, group=1):
+    def run(q13, q2, h, inter, tokens=1, k=3, rows=1):
         return emulated_moe(_ptr(buf), _ptr(buf), _ptr(buf), zeros.ctypes.data,
                             zeros.ctypes.data, ids.ctypes.data, wts.ctypes.data,
                             EXPERT_MAP.ctypes.data, tokens, k, 6, 5, h, inter, h, q13, q2, 0,
-                            rows, 0, 0, group)
+                            rows, 0, 0)
 
     assert run(Q8_0, Q8_0, 64, 32)
     assert not run(Q4_K, Q4_K, 256, 128)          # Q4_K down rows of whole 256-weight blocks
@@ -388,13 +378,10 @@ def test_moe_halves_refuse_what_the_entry_points_refuse(emulated_moe):
     assert not run(Q6_K, Q8_0, 24576 + 256, 32)   # x past the staging
     assert not run(Q8_0, Q8_0, 64, 30)            # not whole blocks
     assert not run(Q8_0, Q8_0, 64, 32, rows=3)    # rows per warp: 1 or 2
-    assert not run(Q8_0, Q8_0, 64, 32, group=0)   # pairs a gate/up row takes: 1..8
-    assert not run(Q8_0, Q8_0, 64, 32, group=9)
 
 
 # Pairs sharing experts as a batch's do: each token's top-8 of 16 experts over 12 slots (experts
-# 3 and 9 unmapped), its experts distinct, some experts chosen by far more than 8 pairs; more
-# pairs than the kernel's block has threads, so expert_group ranks them over several passes.
+# 3 and 9 unmapped), its experts distinct, some experts chosen by far more than 8 pairs.
 def _batch_routing(tokens, k=8, experts=16, seed=7):
     rng = np.random.default_rng(seed)
     weight = np.ones(experts)
@@ -407,17 +394,13 @@ def _batch_routing(tokens, k=8, experts=16, seed=7):
     return ids, emap
 
 
-# (gate/up type, down type, H, I, tokens, groups): Q4_K's kernel has 256 threads (264 pairs),
-# the staged kernels 128 (136 pairs)
-@pytest.mark.parametrize("q13,q2,h,inter,tokens,groups",
-                         [(Q4_K, Q4_K, 256, 256, 33, (1, 8)),
-                          (Q8_0, Q8_0, 256, 64, 17, (1, 3, 8))], ids=["Q4_K", "Q8_0"])
-def test_grouped_gate_up_is_the_row_per_pair_kernel_term_for_term(emulated_moe, q13, q2, h,
-                                                                   inter, tokens, groups):
-    """Grouping one expert's pairs into a block row (up to 8, or 3 to split the groups more)
-    changes which block computes a pair, not its sums: act bit-equal to a row per pair's for
-    every pair, unmapped ones zeros. The grouped down (each pair's product, then the per-token
-    combine) sums in another order: its out is checked against the experts (check_moe)."""
+# (gate/up type, down type, H, I, tokens): 264 pairs over Q4_K's kernels, 136 over the staged
+@pytest.mark.parametrize("q13,q2,h,inter,tokens",
+                         [(Q4_K, Q4_K, 256, 256, 33), (Q8_0, Q8_0, 256, 64, 17)],
+                         ids=["Q4_K", "Q8_0"])
+def test_moe_halves_over_a_batchs_routes(emulated_moe, q13, q2, h, inter, tokens):
+    """A batch's routes (experts shared by many pairs, some unmapped): a block row per pair,
+    then per token, against the experts (check_moe); unmapped pairs' act is zeros."""
     ids, emap = _batch_routing(tokens)
     k = ids.shape[1]
     slots = int(emap.max()) + 1
@@ -428,18 +411,10 @@ def test_grouped_gate_up_is_the_row_per_pair_kernel_term_for_term(emulated_moe, 
     x = torch.randn(tokens, h, generator=g).to(BF16)
     wts = np.random.default_rng(tokens).uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
     counts = np.bincount(emap[ids.reshape(-1)] + 1)
-    assert counts[0] > 0 and counts[1:].max() > max(groups)   # unmapped pairs; split groups
-    acts = {}
-    for group in groups:
-        act = torch.full((tokens * k, inter), float("nan"), dtype=BF16)
-        out = torch.full((tokens, h), float("nan"), dtype=BF16)
-        assert emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
-                            ids.ctypes.data, wts.ctypes.data, emap.ctypes.data, tokens, k,
-                            len(emap), slots, h, inter, h, q13, q2, 0, 1, 0, 0, group)
-        acts[group] = act
-        if group == 8:
-            check_moe(act, out, x, unpadded13, unpadded2, q13, q2, ids, wts, emap=emap)
-    unmapped = torch.from_numpy(emap[ids.reshape(-1)] < 0)
-    assert (acts[8][unmapped] == 0).all() and torch.isfinite(acts[1]).all()
-    for group in groups[1:]:
-        assert torch.equal(acts[group].view(torch.int16), acts[1].view(torch.int16)), group
+    assert counts[0] > 0 and counts[1:].max() > 8   # unmapped pairs; experts shared widely
+    act = torch.full((tokens * k, inter), float("nan"), dtype=BF16)
+    out = torch.full((tokens, h), float("nan"), dtype=BF16)
+    assert emulated_moe(_ptr(out), _ptr(act), _ptr(x), p13.ctypes.data, p2.ctypes.data,
+                        ids.ctypes.data, wts.ctypes.data, emap.ctypes.data, tokens, k,
+                        len(emap), slots, h, inter, h, q13, q2, 0, 1, 0, 0)
+    check_moe(act, out, x, unpadded13, unpadded2, q13, q2, ids, wts, emap=emap)

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 BF16 = torch.bfloat16
 
 
-def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1, group=1):
+def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1):
     dev = torch.device("cuda")
     tokens, k = ids.shape
     w13, w2 = torch.from_numpy(p13).to(dev), torch.from_numpy(p2).to(dev)
@@ -28,9 +28,8 @@ def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1, 
     inter = w13.shape[1] // 2
     act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
     xd = x.to(dev)
-    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, rows, pdl, group)
-    partial = torch.empty(tokens * k, out.shape[1], dtype=torch.float32, device=dev)
-    ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, accumulate, rows, pdl, group, partial)
+    ops.moe_q8_gate_up(act, xd, w13, q13, ids_d, emap, rows, pdl)
+    ops.moe_q8_down(out, act, w2, q2, ids_d, wts_d, emap, accumulate, rows, pdl)
     return act
 
 
@@ -39,9 +38,9 @@ def _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out=None, rows=1, 
 @pytest.mark.parametrize("tokens", (1, 2, 3))
 @pytest.mark.parametrize("accumulate", (False, True), ids=("store", "add"))
 @pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
-@pytest.mark.parametrize("rows,group", [(1, 1), (2, 1), (1, 8)], ids=("r1", "r2", "grouped"))
+@pytest.mark.parametrize("rows", (1, 2), ids=("r1", "r2"))
 def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accumulate, pdl,
-                                                rows, group):
+                                                rows):
     from freetoken.kernel import ops
 
     x, p13, p2, b13, b2, ids, wts = moe_case(q13, q2, h, inter, tokens)
@@ -49,7 +48,7 @@ def test_moe_halves_match_the_quantized_experts(q13, q2, h, inter, tokens, accum
     residual = whole[:, :h].clone()
     whole = whole.cuda()
     out = whole[:, :h]
-    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out, rows, group)
+    act = _run(ops, x, p13, p2, q13, q2, ids, wts, accumulate, pdl, out, rows)
     torch.cuda.synchronize()
     check_moe(act.cpu(), out.cpu(), x, b13, b2, q13, q2, ids, wts,
               residual if accumulate else None)
@@ -95,12 +94,10 @@ def test_moe_halves_replay_from_a_cuda_graph():
                                                 (8, 2048, 512, 32), (14, 2048, 512, 16)],
                          ids=["Q4_K-30B-32", "Q4_K-long-8", "Q8_0-32", "Q6_K-16"])
 @pytest.mark.parametrize("pdl", (False, True), ids=("plain", "pdl"))
-def test_grouped_halves_match_the_row_per_pair_kernels(q13, h, inter, tokens, pdl):
-    """A batch's routes (experts shared by many pairs, some unmapped): grouping each expert's
-    pairs, 8 or 3 a block row, gives every pair's act bit for bit as a row per pair does, at
-    real shapes (Qwen3-30B-A3B's H and I; H = 4096 takes Q4_K's long-row kernel), eagerly and
-    replayed from a graph on new routes. The grouped down (the pairs' products, then the
-    per-token combine) against the experts (check_moe), and replayed likewise."""
+def test_moe_halves_over_a_batchs_routes(q13, h, inter, tokens, pdl):
+    """A batch's routes (experts shared by many pairs, some unmapped) at real shapes
+    (Qwen3-30B-A3B's H and I; H = 4096 takes Q4_K's long-row kernel): both halves against the
+    experts (check_moe), and replayed from a graph on new routes as they run eagerly."""
     from freetoken.kernel import ops
 
     ids, emap = _batch_routing(tokens)
@@ -112,32 +109,27 @@ def test_grouped_halves_match_the_row_per_pair_kernels(q13, h, inter, tokens, pd
     wts = torch.from_numpy(rng.uniform(0.1, 1, (tokens, k)).astype(np.float32)).to(dev)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(inter)).to(BF16).to(dev)
     ids_d, emap_d = torch.from_numpy(ids).to(dev), torch.from_numpy(emap).to(dev)
-
-    def act_of(group):
-        act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
-        ops.moe_q8_gate_up(act, x, w13, q13, ids_d, emap_d, 1, pdl, group)
-        return act
-
-    base = act_of(1)
-    assert torch.isfinite(base).all()
-    for group in (3, 8):
-        assert torch.equal(act_of(group).view(torch.int16), base.view(torch.int16)), group
+    act = torch.full((tokens * k, inter), float("nan"), dtype=BF16, device=dev)
     out = torch.full((tokens, h), float("nan"), dtype=BF16, device=dev)
-    partial = torch.empty(tokens * k, h, dtype=torch.float32, device=dev)
-    ops.moe_q8_down(out, base, w2, q13, ids_d, wts, emap_d, False, 1, pdl, 8, partial)
+
+    def step():
+        ops.moe_q8_gate_up(act, x, w13, q13, ids_d, emap_d, 1, pdl)
+        ops.moe_q8_down(out, act, w2, q13, ids_d, wts, emap_d, False, 1, pdl)
+
+    step()
     torch.cuda.synchronize()
-    check_moe(base.cpu(), out.cpu(), x.cpu(), b13, b2, q13, q13, ids, wts.cpu().numpy(),
+    check_moe(act.cpu(), out.cpu(), x.cpu(), b13, b2, q13, q13, ids, wts.cpu().numpy(),
               emap=emap)
-    act = torch.empty_like(base)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.moe_q8_gate_up(act, x, w13, q13, ids_d, emap_d, 1, pdl, 8)
-        ops.moe_q8_down(out, act, w2, q13, ids_d, wts, emap_d, False, 1, pdl, 8, partial)
+        step()
     ids_d.copy_(ids_d.flip(0))
     graph.replay()
-    replayed = out.clone()
-    assert torch.equal(act.view(torch.int16), act_of(1).view(torch.int16))
-    ops.moe_q8_down(out, act, w2, q13, ids_d, wts, emap_d, False, 1, pdl, 8, partial)
+    torch.cuda.synchronize()
+    replayed_act, replayed = act.clone(), out.clone()
+    step()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed_act.view(torch.int16), act.view(torch.int16))
     assert torch.equal(replayed, out)
 
 
@@ -153,11 +145,6 @@ def test_moe_halves_refuse_bad_operands():
     act = torch.empty(3, inter, dtype=BF16, device=dev)
     with pytest.raises(Exception, match="act must be"):
         ops.moe_q8_gate_up(act[:2], x.to(dev), w13, q13, ids_d, emap)
-    with pytest.raises(Exception, match="group"):
-        ops.moe_q8_gate_up(act, x.to(dev), w13, q13, ids_d, emap, 1, False, 9)
-    out1 = torch.empty(1, h, dtype=BF16, device=dev)
-    with pytest.raises(Exception, match="partial"):       # grouped down without its buffer
-        ops.moe_q8_down(out1, act, w2, q13, ids_d, wts_d, emap, False, 1, False, 8)
     with pytest.raises(Exception, match="w13 must be"):
         ops.moe_q8_gate_up(act, x.to(dev), w13[:, :, :-16].contiguous(), q13, ids_d, emap)
     out = torch.empty(1, h, dtype=BF16, device=dev)

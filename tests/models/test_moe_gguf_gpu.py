@@ -192,31 +192,3 @@ def test_k_mix_moe_decode_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
         assert asyncio.run(run()) == eager
     finally:
         engine.shutdown()
-
-
-@gpu_test
-def test_k_mix_moe_decode_grouped_by_expert_matches_a_row_per_pair(monkeypatch, tmp_path):
-    """A batch-8 decode step (16 pairs over 8 experts: every expert shared) with
-    FREETOKEN_MOE_GROUP=8, each expert read once for its pairs, against the row-per-pair
-    kernels: gate/up's sums are the same; the down sums each token's pairs in another order,
-    one bf16 rounding of the MoE output per layer apart."""
-    from tests.tolerances import assert_close
-
-    path, _ = k_mix_moe_file(tmp_path)
-    prompts = [torch.randint(0, 300, (20 + s,), generator=torch.Generator().manual_seed(s))
-               .tolist() for s in range(8)]
-    nexts = [int(t) for t in torch.randint(0, 300, (8,), generator=torch.Generator()
-                                            .manual_seed(9))]
-
-    def decode_logits(group: int) -> torch.Tensor:
-        monkeypatch.setenv("FREETOKEN_MOE_GROUP", str(group))
-        loaded = load_model(str(path), device="cuda")
-        assert loaded.model.layers[0].mlp.decode.pair_group == group
-        runner = PagedRunner(loaded.model, num_blocks=64, block_size=16)
-        runner.step([(i, p) for i, p in enumerate(prompts)])
-        return runner.step([(i, [t]) for i, t in enumerate(nexts)]).float().cpu()
-
-    rows, grouped = decode_logits(1), decode_logits(8)
-    config = load_model(str(path), device="cuda").config
-    assert not torch.equal(rows, torch.zeros_like(rows))
-    assert_close(grouped, rows, torch.bfloat16, terms=config.num_layers)

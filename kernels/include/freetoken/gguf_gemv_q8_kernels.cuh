@@ -30,12 +30,7 @@
 // MoE decode (Args::gather), ids and weights staying on the device (graph-capturable):
 //  kExpertGateUp  block row (pair p = t * K + k): act[p] = silu(gate_s . x_t) * (up_s . x_t),
 //                 w13 of slot s = expert_map[topk_ids[p]] (the SwiGLU mode on that expert's
-//                 [2I, K] rows); a pair without a slot writes zeros. Grouped (Args::group > 1,
-//                 the 8-token kernels): the pairs of one slot, in pair order, form groups of up
-//                 to `group`; the block row of each group's first pair streams the expert's
-//                 rows once for all of them (expert_group) and the others' rows exit. A batch
-//                 of B tokens whose pairs share experts then reads each expert once, not once
-//                 a pair; every pair's sums are the ungrouped kernel's, term for term.
+//                 [2I, K] rows); a pair without a slot writes zeros.
 //  kExpertDown    block row (token t): y_t = sum_k w_k * (down_{s_k} . act[t * K + k]) as ONE
 //                 dot product over the K * I values of the token's activations, which lie
 //                 together in act: row h of that virtual [H, K * I] matrix is row h of each
@@ -43,12 +38,6 @@
 //                 scales of segment k's x groups (exact: an int8 group scaled by w_k has the
 //                 same quants and w_k times the scale); an unmapped pair reads slot 0 at
 //                 weight 0. Stored, or added to the residual stream (kAddResidual).
-//  kExpertDownPairs grouped as gate/up: block row (a group of one slot's pairs p) over that
-//                 expert's down rows: partial[p] = down_s . act[p] in f32 (kStore, out_f32),
-//                 each expert read once a group; moe_combine_pairs then sums each token's
-//                 pairs, times their routing weights, into out (stored or added to the
-//                 residual as kExpertDown's epilogue). Unmapped pairs write nothing (the
-//                 combine skips them).
 #pragma once
 
 #include <type_traits>
@@ -83,12 +72,7 @@ constexpr int kMaxTopK = 16;       // routed experts per token the MoE halves ta
 constexpr int kMaxMoETokens = 4096;
 
 enum Mode : int { kStore = 0, kAddResidual = 1, kSwiGLU = 2 };
-enum Gather : int { kDense = 0, kExpertGateUp = 1, kExpertDown = 2, kExpertDownPairs = 3 };
-
-// The gathers whose block rows are groups of one slot's pairs (expert_group).
-constexpr bool by_pairs(int gather) {
-  return gather == kExpertGateUp || gather == kExpertDownPairs;
-}
+enum Gather : int { kDense = 0, kExpertGateUp = 1, kExpertDown = 2 };
 
 struct Args {
   void* out;           // [T, ldo]: bf16; f32 allowed for kStore (out_f32)
@@ -106,7 +90,6 @@ struct Args {
   const float* topk_w = nullptr;    // [T, top_k] (kExpertDown)
   const int* expert_map = nullptr;  // [experts] -> slot, or < 0
   int top_k = 1, experts = 0, slots = 0;
-  int group = 1;                    // by_pairs: pairs of one slot a block row takes
   int64_t expert_bytes = 0;
   int64_t seg = 0;                  // kExpertDown: weights per expert row (I); k = top_k * seg
   // The launch: the grid's y extent (1, pairs or tokens) and the SMs its x extent is sized
@@ -141,50 +124,6 @@ __device__ __forceinline__ int expert_slot(const Args& a, int64_t p) {
   return s >= 0 && s < a.slots ? s : -1;
 }
 
-/*! \brief by_pairs grouped: the pairs block row p = blockIdx.y computes, of slot `slot`
- * (>= 0). The pairs of one slot, in pair order, form groups of `limit` (<= the kernel's
- * tokens); the row of a group's first pair computes the group. Returns its size, with the pair
- * ids in `members` (shared), or 0 where another row leads p's group. Uniform over the block.
- * One pass over the pairs, THREADS at a time: a pair's rank among its slot's is the matches
- * before it (ballots of the warps, summed in warp order). */
-template <int THREADS>
-__device__ int expert_group(const Args& a, int slot, int limit, int* members) {
-  constexpr int kWarps_ = THREADS / kWarp;
-  __shared__ int warp_counts[kWarps_];
-  __shared__ int seen, lead;
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / kWarp, lane = tid % kWarp;
-  const int pairs = static_cast<int>(gridDim.y), p = static_cast<int>(blockIdx.y);
-  if (tid == 0) {
-    seen = 0;
-    lead = -1;
-  }
-  __syncthreads();
-  for (int c0 = 0; c0 < pairs; c0 += THREADS) {
-    const int q = c0 + tid;
-    const bool match = q < pairs && expert_slot(a, q) == slot;
-    const unsigned mask = __ballot_sync(0xffffffffu, match);
-    if (lane == 0) warp_counts[warp] = __popc(mask);
-    __syncthreads();
-    int rank = seen, total = 0;
-    for (int w = 0; w < kWarps_; ++w) {
-      rank += w < warp ? warp_counts[w] : 0;
-      total += warp_counts[w];
-    }
-    rank += __popc(mask & ((1u << lane) - 1u));
-    if (q == p) lead = rank;
-    __syncthreads();
-    const int first = lead;
-    if (match && first >= 0 && rank >= first && rank < first + limit) members[rank - first] = q;
-    __syncthreads();  // every thread has read seen and warp_counts
-    if (tid == 0) seen += total;
-    __syncthreads();
-    if (first >= 0 && seen >= first + limit) break;
-  }
-  const int first = lead;
-  if (first % limit != 0) return 0;
-  return seen - first < limit ? seen - first : limit;
-}
-
 // What one block reads and writes: the dense product's operands, or a MoE half's gathered ones.
 struct View {
   const bf16* x;
@@ -198,11 +137,11 @@ struct View {
 template <int GATHER>
 __device__ __forceinline__ View block_view(const Args& a, const uint8_t** seg_w,
                                            float* seg_scale) {
-  if constexpr (by_pairs(GATHER)) {  // gate/up reads its token's x, down its pair's act
+  if constexpr (GATHER == kExpertGateUp) {
     const int64_t p = blockIdx.y;
     const int slot = expert_slot(a, p);
-    return {a.x + (GATHER == kExpertGateUp ? p / a.top_k : p) * a.ldx,
-            a.w + (slot < 0 ? 0 : slot) * a.expert_bytes, p * a.ldo, slot < 0};
+    return {a.x + (p / a.top_k) * a.ldx, a.w + (slot < 0 ? 0 : slot) * a.expert_bytes,
+            p * a.ldo, slot < 0};
   } else if constexpr (GATHER == kExpertDown) {
     const int64_t t = blockIdx.y;
     const int k = static_cast<int>(threadIdx.x);
@@ -218,32 +157,13 @@ __device__ __forceinline__ View block_view(const Args& a, const uint8_t** seg_w,
   }
 }
 
-/*! \brief The block row's group in the grouped kernels (by_pairs, NT > 1): its pairs in
- * `members` (shared) and their count in a.tokens (expert_group). nullptr where the kernel is
- * not grouped or the row's pair has no slot (view.skip); *leave where another row computes
- * this pair. */
-template <int NT, int GATHER, int THREADS>
-__device__ __forceinline__ const int* row_group_of_pairs(Args& a, const View& view,
-                                                         int* members, bool* leave) {
-  if constexpr (by_pairs(GATHER) && NT > 1) {
-    if (!view.skip) {
-      a.tokens = expert_group<THREADS>(a, expert_slot(a, blockIdx.y), a.group, members);
-      *leave = a.tokens == 0;
-      return members;
-    }
-  }
-  return nullptr;
-}
-
 // x of the block's NT tokens as int8 groups of 32 in shared memory: xq[t * K + i], and per
 // group (d, d * sum(q)) at xds[2 * (t * K / 32 + g)]; RMS-normed first when a.norm is set
 // (rounded to bf16 where the unfused rms_norm stores it). seg_scale (kExpertDown) multiplies
-// the scales of each expert segment's groups by its routing weight. members (grouped pairs):
-// token t is x row members[t] / member_div (never normed), else row t.
+// the scales of each expert segment's groups by its routing weight.
 template <int NT, int THREADS>
 __device__ void stage_x(const Args& a, const bf16* x, int8_t* xq, float* xds,
-                        const float* seg_scale = nullptr, const int* members = nullptr,
-                        int member_div = 1) {
+                        const float* seg_scale = nullptr) {
   __shared__ float inv_rms[NT];
   if (a.norm != nullptr) {
     block_inv_rms<bf16, NT, THREADS>(x, a.ldx, a.k, a.tokens, a.eps, inv_rms);
@@ -252,8 +172,7 @@ __device__ void stage_x(const Args& a, const bf16* x, int8_t* xq, float* xds,
   for (int64_t gi = threadIdx.x; gi < a.tokens * groups; gi += THREADS) {
     const int t = static_cast<int>(gi / groups);
     const int64_t g = gi % groups;
-    const int64_t row = members != nullptr ? members[t] / member_div : t;
-    const bf16* xp = x + row * a.ldx + 32 * g;
+    const bf16* xp = x + t * a.ldx + 32 * g;
     float v[32], amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -356,12 +275,10 @@ __device__ __forceinline__ void load_units(const Q4kRows<GATHER, NW>& rows, int 
   }
 }
 
-// The warp's sums of its R output rows reduced and stored through the mode's epilogue (lane 0);
-// token t's output row is out_row + t rows on, or row members[t] (grouped pairs).
+// The warp's sums of its R output rows reduced and stored through the mode's epilogue (lane 0).
 template <int R, int MODE, int NW, int NT>
 __device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int64_t n0,
-                                       int64_t out_row, int lane,
-                                       const int* members = nullptr) {
+                                       int64_t out_row, int lane) {
   static_assert(NW == (MODE == kSwiGLU ? 2 * R : R), "SwiGLU reads R gate and R up rows");
 #pragma unroll
   for (int r = 0; r < NW; ++r)
@@ -376,7 +293,7 @@ __device__ __forceinline__ void finish(const Args& a, float (&acc)[NW][NT], int6
     for (int t = 0; t < NT; ++t) {
       if (t >= a.tokens) break;
       const float v = acc[r][t];
-      const int64_t at = (members != nullptr ? members[t] * a.ldo : out_row + t * a.ldo) + n;
+      const int64_t at = out_row + t * a.ldo + n;
       if (MODE == kStore) {
         const float b = a.bias != nullptr ? to_float(a.bias[n]) : 0.f;
         if (a.out_f32) {
@@ -429,10 +346,6 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
   // stream early too; gate/up waits first.
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
-  __shared__ int members[NT];
-  bool leave = false;
-  const int* grouped = row_group_of_pairs<NT, GATHER, kThreads>(a, view, members, &leave);
-  if (leave) return;  // another block row computes this pair
   Q4kRows<GATHER, NW> rows;
   rows.base = view.w;
   rows.seg_w = seg_w;
@@ -448,15 +361,13 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
   row_group(n0);
   if (n0 < a.n && !view.skip) load_units<GATHER, NW, KU>(rows, 0, units, lane, hdr, qs);
   if constexpr (GATHER != kExpertGateUp) wait_for_inputs();
-  if (view.skip) {  // uniform over the block; kExpertDownPairs' combine skips the pair
+  if (view.skip) {  // uniform over the block
     allow_dependents();
     if constexpr (GATHER == kExpertGateUp)
       for (; n0 < a.n; n0 += step) zero_rows<R>(a, n0, view.out_row, lane);
     return;
   }
-  stage_x<NT, kThreads>(a, grouped != nullptr ? a.x : view.x, xq, xds,
-                        GATHER == kExpertDown ? seg_scale : nullptr, grouped,
-                        GATHER == kExpertGateUp ? a.top_k : 1);
+  stage_x<NT, kThreads>(a, view.x, xq, xds, GATHER == kExpertDown ? seg_scale : nullptr);
   // this lane's place in every block it reads: word j = 2c + h (see the file comment)
   const int j = lane % kUnitsPerBlock, c = j >> 1, h = j & 1;
   const int64_t groups = a.k / 32;
@@ -513,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, KU == kShortUnroll ? 2 : 1) q4k_gemv
       }
     }
     if (n0 + step >= a.n) allow_dependents();  // the warp's last row group
-    finish<R, MODE>(a, acc, n0, view.out_row, lane, grouped);
+    finish<R, MODE>(a, acc, n0, view.out_row, lane);
   }
 }
 
@@ -537,10 +448,6 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
   int64_t n0 = static_cast<int64_t>(blockIdx.x) * kStagedWarps + warp;
   if constexpr (GATHER == kExpertGateUp) wait_for_inputs();
   const View view = block_view<GATHER>(a, seg_w, seg_scale);
-  __shared__ int members[NT];
-  bool leave = false;
-  const int* grouped = row_group_of_pairs<NT, GATHER, kStagedThreads>(a, view, members, &leave);
-  if (leave) return;  // another block row computes this pair
   const uint8_t* rows[NW];
   int64_t row = 0;
   auto set_row = [&](int64_t n) {
@@ -554,15 +461,13 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
   const int bytes = static_cast<int>(a.row_bytes < Stage::kChunk ? a.row_bytes : Stage::kChunk);
   if (n0 < a.n && !view.skip) stage.load(rows, 0, bytes, lane);  // in flight while x is staged
   if constexpr (GATHER != kExpertGateUp) wait_for_inputs();
-  if (view.skip) {  // uniform over the block; kExpertDownPairs' combine skips the pair
+  if (view.skip) {  // uniform over the block
     allow_dependents();
     if constexpr (GATHER == kExpertGateUp)
       for (; n0 < a.n; n0 += step) zero_rows<1>(a, n0, view.out_row, lane);
     return;
   }
-  stage_x<NT, kStagedThreads>(a, grouped != nullptr ? a.x : view.x, xq, xds,
-                              GATHER == kExpertDown ? seg_scale : nullptr, grouped,
-                              GATHER == kExpertGateUp ? a.top_k : 1);
+  stage_x<NT, kStagedThreads>(a, view.x, xq, xds, GATHER == kExpertDown ? seg_scale : nullptr);
   const int64_t groups = a.k / 32;
   uint8_t* mine = staged[warp];
   const int segments = GATHER == kExpertDown ? a.top_k : 1;
@@ -599,7 +504,7 @@ __global__ void __launch_bounds__(kStagedThreads) staged_gemv_kernel(Args a) {
       });
     }
     if (n0 + step >= a.n) allow_dependents();  // the warp's last row
-    finish<1, MODE>(a, acc, n0, view.out_row, lane, grouped);
+    finish<1, MODE>(a, acc, n0, view.out_row, lane);
   }
 }
 
@@ -613,72 +518,16 @@ constexpr bool takes_eight(int qtype) {
   return qtype == gguf::kQ4_K || qtype == gguf::kQ6_K || qtype == gguf::kQ8_0;
 }
 
-/*! \brief The grouped down's two launches from the ungrouped down's Args (kExpertDown: x the
- * act [T * K, I], k = K * I, seg = I): each pair's product over its expert's rows into
- * `partial` (f32 [T * K, H]), a group of up to `group` pairs a block row (pairs_args), then
- * the per-token sum into the down's out (combine_args). */
-inline Args pairs_args(const Args& down, float* partial, int group) {
-  Args d = down;
-  d.out = partial;
-  d.out_f32 = true;
-  d.k = down.seg;
-  d.ldx = down.seg;
-  d.ldo = down.n;
-  d.gather = kExpertDownPairs;
-  d.group = group;
-  d.seg = 0;
-  return d;
-}
-
-inline Args combine_args(const Args& down, const float* partial) {
-  Args c = down;
-  c.x = reinterpret_cast<const bf16*>(partial);  // read back as f32 (combine_pairs_kernel)
-  return c;
-}
-
-/*! \brief After kExpertDownPairs: out[t, h] = sum over token t's mapped pairs p of
- * topk_w[p] * partial[p, h], rounded to bf16 (kAddResidual: added to out, rounded again, as
- * kExpertDown's epilogue). Block (h chunk, token t); a.out bf16 [T, ldo], a.x holds partial as
- * f32 [T * K, a.n] (cast), a.n = H. */
-template <int MODE>
-__global__ void __launch_bounds__(kThreads) combine_pairs_kernel(Args a) {
-  wait_for_inputs();
-  const int64_t t = blockIdx.y, h = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (h >= a.n) return;
-  const float* partial = reinterpret_cast<const float*>(a.x);
-  float y = 0.f;
-  for (int k = 0; k < a.top_k; ++k) {
-    const int64_t p = t * a.top_k + k;
-    if (expert_slot(a, p) >= 0) y += a.topk_w[p] * partial[p * a.n + h];
-  }
-  bf16* o = static_cast<bf16*>(a.out) + t * a.ldo + h;
-  if (MODE == kAddResidual) {
-    *o = from_float<bf16>(to_float(*o) + to_float(from_float<bf16>(y)));
-  } else {
-    *o = from_float<bf16>(y);
-  }
-}
-
-/*! \brief The pairs a grouped gate/up block row takes (Args::group) when `group` (1..8) are
- * asked for: at most what the type's staging holds of H-value tokens; 1 (ungrouped) for the
- * types without 8-token kernels. */
-inline int grouped_pairs(int qtype, int64_t h, int64_t group) {  // h: the row's x values
-  if (!takes_eight(qtype)) return 1;
-  const int64_t fits = capacity(qtype) / h;
-  return static_cast<int>(group < fits ? group : fits);
-}
-
 /*! \brief The most tokens one dense call over `qtype` rows takes. */
 inline int max_tokens(int qtype) { return takes_eight(qtype) ? kMaxTokens : kMaxTokensOther; }
 
 // Which kernel one call runs: go(kernel, blocks, threads) with the instantiation that the type,
 // the weight rows per warp (Q4_K: 1 or 2, 0 = by the tokens for the dense product and 1 for the
 // MoE halves; the staged types take one), the tokens (1, 2, 4 or 8 a kernel), the row length
-// (Q4_K rows of K <= 2048 take the short-row kernel), the mode, the gather and the grouping
-// (gate/up with a.group > 1, and kExpertDownPairs always: the 8-token kernels of Q4_K, Q6_K
-// and Q8_0) select. False for a type none reads. The launch part and the emulated tests both
-// launch through it; the grid's x extent follows kResident where a.sms is set, its y extent
-// (a.grid_y) is the caller's.
+// (Q4_K rows of K <= 2048 take the short-row kernel), the mode and the gather select. False
+// for a type none reads. The launch part and the emulated tests both launch through it; the
+// grid's x extent follows kResident where a.sms is set, its y extent (a.grid_y) is the
+// caller's.
 template <int MODE, int GATHER = kDense, class Go>
 bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
   const int tokens = a.tokens;
@@ -695,19 +544,7 @@ bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
   auto staged = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     const unsigned x = grid(kStagedWarps, kResidentStaged);
-    if constexpr (GATHER == kExpertDownPairs) {  // the types with 8-token kernels only
-      if constexpr (!takes_eight(QT)) {
-        return false;
-      } else {
-        go(staged_gemv_kernel<QT, kMaxTokens, MODE, GATHER>, x, kStagedThreads);
-      }
-    } else if constexpr (GATHER == kExpertGateUp && takes_eight(QT)) {
-      if (a.group > 1) {
-        go(staged_gemv_kernel<QT, kMaxTokens, MODE, GATHER>, x, kStagedThreads);
-      } else {
-        go(staged_gemv_kernel<QT, 1, MODE, GATHER>, x, kStagedThreads);
-      }
-    } else if constexpr (GATHER != kDense) {
+    if constexpr (GATHER != kDense) {
       go(staged_gemv_kernel<QT, 1, MODE, GATHER>, x, kStagedThreads);
     } else if (tokens == 1) {
       go(staged_gemv_kernel<QT, 1, MODE>, x, kStagedThreads);
@@ -724,21 +561,9 @@ bool dispatch(const Args& a, int qtype, int64_t rows, Go&& go) {
     }
     return true;
   };
-  if constexpr (by_pairs(GATHER)) {  // grouped: a group of one slot's pairs a block row
-    if ((a.group > 1 || GATHER == kExpertDownPairs) && qtype == gguf::kQ4_K) {
-      if (short_rows) {
-        go(q4k_gemv_kernel<1, kMaxTokens, MODE, GATHER, kShortUnroll>, blocks(kWarps), kThreads);
-      } else {
-        go(q4k_gemv_kernel<1, kMaxTokens, MODE, GATHER>, blocks(kWarps), kThreads);
-      }
-      return true;
-    }
-  }
   switch (qtype) {
     case gguf::kQ4_K:
-      if constexpr (GATHER == kExpertDownPairs) {
-        return false;  // launched above
-      } else if constexpr (GATHER != kDense) {  // one token per block row; rows: 1 (0) or 2
+      if constexpr (GATHER != kDense) {  // one token per block row; rows: 1 (0) or 2 a warp
         if (rows == 2) {
           go(q4k_gemv_kernel<2, 1, MODE, GATHER>, blocks(2 * kWarps), kThreads);
         } else if (short_rows) {

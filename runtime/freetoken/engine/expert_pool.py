@@ -149,8 +149,7 @@ class BlockPool:
         self.decode_tokens = moe_decode_quant.MAX_TOKENS
         self.gate_up_rows, self.down_rows = (moe_decode_quant.GATE_UP_ROWS,
                                              moe_decode_quant.DOWN_ROWS)
-        self.step_operands = moe_decode_quant.step_operands
-        self.pair_group = moe_decode_quant.pair_group()
+        self.step_act = moe_decode_quant.step_act
         self.pool = None
         self._identity = None
         self._views: dict[int, tuple[Any, Any]] = {}
@@ -225,13 +224,10 @@ class BlockPool:
         """moe_q8_gate_up then moe_q8_down, as moe_decode_quant.QuantMoEDecode launches them.
         gate/up is not a programmatic dependent: copies on another stream come before it."""
         q13, q2 = self.qtypes[layer]
-        tokens = x.shape[0]
-        act, group, partial = self.step_operands(workspace, tokens * topk_ids.shape[1],
-                                                 self.inter, x.shape[1], tokens, self.pair_group)
-        self.kernels.gate_up(act, x, w13, q13, topk_ids, expert_map, self.gate_up_rows, False,
-                             group)
+        act = self.step_act(workspace, x.shape[0] * topk_ids.shape[1], self.inter)
+        self.kernels.gate_up(act, x, w13, q13, topk_ids, expert_map, self.gate_up_rows, False)
         self.kernels.down(out, act, w2, q2, topk_ids, topk_weights, expert_map, accumulate,
-                          self.down_rows, True, group, partial)
+                          self.down_rows, True)
 
     def run_mapped(self, layer, out, x, topk_ids, topk_weights, expert_map, workspace,
                    accumulate=False) -> None:

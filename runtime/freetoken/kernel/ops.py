@@ -228,27 +228,22 @@ def gguf_gemv_q8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtyp
 
 def moe_q8_gate_up(act: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, qtype: int,
                    topk_ids: torch.Tensor, expert_map: torch.Tensor, rows: int = 0,
-                   pdl: bool = False, group: int = 1) -> None:
+                   pdl: bool = False) -> None:
     """GPU MoE decode, first half: act[t * K + k] (bf16 [T * K, I]) = silu(gate) * up of
     token t's k-th routed expert (slot expert_map[topk_ids[t, k]]; zeros without a slot) over
     GGUF experts w13 uint8 [S, 2I, row_bytes] of qtype, on int8 activations of x (bf16 [T, H],
-    any T). rows: Q4_K weight rows per warp (0/1 one, 2 two). group (1..8): the most pairs of
-    one expert a block row computes, reading the expert once for them (the same sums)."""
-    _fn("moe_q8_gate_up", x.device)(act, x, w13, qtype, topk_ids, expert_map, rows, pdl,
-                                    group)
+    any T). rows: Q4_K weight rows per warp (0/1 one, 2 two)."""
+    _fn("moe_q8_gate_up", x.device)(act, x, w13, qtype, topk_ids, expert_map, rows, pdl)
 
 
 def moe_q8_down(out: torch.Tensor, act: torch.Tensor, w2: torch.Tensor, qtype: int,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor,
-                accumulate: bool = False, rows: int = 0, pdl: bool = False, group: int = 1,
-                partial: torch.Tensor | None = None) -> None:
+                accumulate: bool = False, rows: int = 0, pdl: bool = False) -> None:
     """GPU MoE decode, second half: out[t] (bf16 [T, H]; += with accumulate) = sum over k of
     topk_weights[t, k] * w2[slot] @ act[t * K + k], w2 uint8 [S, H, row_bytes] of qtype (I a
-    multiple of 256 for Q4_K; K * I within the kernel's staging). group > 1 (Q4_K, Q6_K, Q8_0):
-    up to `group` pairs of one expert a block row, read once, each pair's product into partial
-    (f32 [T * K, H]), then summed per token."""
+    multiple of 256 for Q4_K; K * I within the kernel's staging)."""
     _fn("moe_q8_down", act.device)(out, act, w2, qtype, topk_ids, topk_weights, expert_map,
-                                   accumulate, rows, pdl, group, partial)
+                                   accumulate, rows, pdl)
 
 
 def gguf_dequantize(out: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:

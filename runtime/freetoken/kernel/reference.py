@@ -368,13 +368,9 @@ def _expert_slots(topk_ids, expert_map):
     return slots
 
 
-def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, rows=0, pdl=False, group=1):
+def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, rows=0, pdl=False):
     """act[p] = silu(gate) * up of pair p's expert on int8 activations of x (zeros for a pair
-    without a slot), rounded where the unfused chain stores. `group` changes which GPU block
-    computes a pair, not its value."""
-    if not 1 <= group <= 8:
-        raise ValueError(f"group (pairs of one expert a block row takes) must be in 1..8, "
-                         f"got {group}")
+    without a slot), rounded where the unfused chain stores."""
     k = topk_ids.shape[1]
     xq = quantize_activations(x)
     for p, slot in enumerate(_expert_slots(topk_ids, expert_map).tolist()):
@@ -386,13 +382,9 @@ def moe_q8_gate_up(act, x, w13, qtype, topk_ids, expert_map, rows=0, pdl=False, 
 
 
 def moe_q8_down(out, act, w2, qtype, topk_ids, topk_weights, expert_map, accumulate=False,
-                rows=0, pdl=False, group=1, partial=None):
+                rows=0, pdl=False):
     """out[t] (+)= sum_k w[t, k] * down_s(int8 activations of act[t * K + k]), the routed sum
-    rounded once to out's dtype (then the residual add, rounded again). `group` and `partial`
-    change how the GPU sums, not what."""
-    if not 1 <= group <= 8:
-        raise ValueError(f"group (pairs of one expert a block row takes) must be in 1..8, "
-                         f"got {group}")
+    rounded once to out's dtype (then the residual add, rounded again)."""
     k = topk_ids.shape[1]
     aq = quantize_activations(act)
     y = torch.zeros(out.shape, dtype=torch.float32, device=out.device)

@@ -51,29 +51,12 @@ GATE_UP_ROWS = 1
 DOWN_ROWS = 1
 
 
-def pair_group() -> int:
-    """The most pairs of one expert a block row of each half computes in a step of several
-    tokens, streaming the expert once for them (FREETOKEN_MOE_GROUP; 1: gate/up takes a block
-    row per pair, each pair re-reading its expert, and down a row per token over its K
-    experts). benchmarks/moe_q8_sweep.py --groups times both; 1 until it measures faster."""
-    from freetoken import env
-
-    return env.read().moe_group
-
-
-def step_operands(workspace, pairs: int, inter: int, hidden: int, tokens: int, group: int):
-    """(act, group, partial) of a step's two halves in the MoE workspace (uint8): act bf16
-    [pairs, I] first; then, where `group` > 1 applies (several tokens) and the workspace holds
-    them, the grouped down's f32 [pairs, H] products (else group 1 and no partial)."""
+def step_act(workspace, pairs: int, inter: int):
+    """gate/up's output, down's input: act bf16 [pairs, I] at the start of the MoE workspace
+    (uint8)."""
     import torch
 
-    act_bytes = 2 * pairs * inter
-    act = workspace[:act_bytes].view(torch.bfloat16).view(pairs, inter)
-    start = -(-act_bytes // 256) * 256
-    if group == 1 or tokens == 1 or start + 4 * pairs * hidden > workspace.numel():
-        return act, 1, None
-    partial = workspace[start:start + 4 * pairs * hidden].view(torch.float32).view(pairs, hidden)
-    return act, group, partial
+    return workspace[:2 * pairs * inter].view(torch.bfloat16).view(pairs, inter)
 
 
 def eligible(cfg: ModelConfig, mlp: MoEMLP, dtype: str, device) -> bool:
@@ -113,7 +96,6 @@ class QuantMoEDecode:
                                  and router.shape[0] % 8 == 0 and router.is_contiguous()
                                  and str(router.dtype) == "torch.bfloat16") else None
         self.group = router_group(cfg.moe.num_experts, cfg.hidden_size, sms)
-        self.pair_group = pair_group()
         self.variant = ROUTER_GEMV_VARIANT
 
     def __call__(self, out: Array, x: Array, w: WorkViews, accumulate: bool) -> None:
@@ -127,11 +109,9 @@ class QuantMoEDecode:
         if m.offload is not None:     # an in-format expert cache: the same two kernels
             m.offload(out, x, w.topk_ids, w.topk_weights, w.moe_workspace, accumulate)
         else:
-            act, group, partial = step_operands(w.moe_workspace, t * self.top_k, self.inter,
-                                                x.shape[1], t, self.pair_group)
-            self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL,
-                         group)
+            act = step_act(w.moe_workspace, t * self.top_k, self.inter)
+            self.gate_up(act, x, m.w13, self.q13, w.topk_ids, m.expert_map, GATE_UP_ROWS, PDL)
             self.down(out, act, m.w2, self.q2, w.topk_ids, w.topk_weights, m.expert_map,
-                      accumulate, DOWN_ROWS, PDL, group, partial)
+                      accumulate, DOWN_ROWS, PDL)
         if m.shared is not None:
             m.add_shared(out, x, w)
