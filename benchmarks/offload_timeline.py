@@ -7,9 +7,10 @@ timed, summed per step as
     h2d        time some host-to-device copy ran (union), and the bytes it moved / that time
     both       kernels and copies at once (kernels + h2d - their union)
     idle       neither: the GPU waited for the host (wall - union)
-    host       per step: prepare_segment (graph segments) or the eager MoE calls, split into
-               the wait for the routed ids, the LRU look-ups and copy launches, and the copy
-               launches alone
+    host       per step: the cache's MoE-layer calls (prepare_segment between graph segments,
+               run in eager steps), split into the rest (waiting for the routed ids; eagerly
+               also the layer's kernel launches), the look-ups and copy launches of the
+               routed layer and of the next layer's prefetch, and the copy launches alone
 
 so a run far from its copy ceiling says whether the copies, the kernels or the host's serial
 chain between them is what is left. Used by gpu_full_depth.py --profile.
@@ -69,7 +70,7 @@ class Timeline:
         return (f"per step: wall {self.wall_ms:.2f} ms = kernels {self.kernels_ms:.2f} + "
                 f"copies {self.h2d_ms:.2f} ({self.h2d_GBps:.1f} GB/s while copying) - both at "
                 f"once {self.both_ms:.2f} + GPU idle {self.idle_ms:.2f}; host: MoE calls "
-                f"{self.host_segment_ms:.2f} ms (waiting for ids {self.host_wait_ms:.2f}, "
+                f"{self.host_segment_ms:.2f} ms (waiting for ids etc. {self.host_wait_ms:.2f}, "
                 f"look-ups and launches {self.host_route_ms:.2f}, of which {self.copies:.0f} "
                 f"copy launches {self.host_copy_ms:.2f})")
 
@@ -103,14 +104,17 @@ def event_kind(name: str) -> str:
 
 
 class _HostTimers:
-    """Times the expert cache's host calls while `on`: prepare_segment (or run, eagerly),
-    _route and the copy launches (their count too)."""
+    """Times the expert cache's host calls while `on`: prepare_segment and run (a graph
+    replay calls only the first, an eager step only the second), _route and _prefetch, and
+    the copy launches (their count too)."""
 
     def __init__(self, cache):
         self.cache, self.on = cache, False
-        self.totals = {"segment": 0.0, "route": 0.0, "copy": 0.0, "copies": 0.0}
+        self.totals = {"segment": 0.0, "route": 0.0, "prefetch": 0.0, "copy": 0.0,
+                       "copies": 0.0}
         self._saved = {}
-        for name, key in (("prepare_segment", "segment"), ("_route", "route"),
+        for name, key in (("prepare_segment", "segment"), ("run", "segment"),
+                          ("_route", "route"), ("_prefetch", "prefetch"),
                           ("_copy_expert", "copy")):
             self._wrap(name, key)
 
@@ -136,7 +140,9 @@ class _HostTimers:
 
     def host(self) -> dict[str, float]:
         t = dict(self.totals)
-        t["wait"] = max(0.0, t["segment"] - t["route"])    # prepare_segment less _route
+        # the look-ups and launches: the routed layer's and the next layer's prefetch
+        t["route"] += t.pop("prefetch")
+        t["wait"] = max(0.0, t["segment"] - t["route"])
         return t
 
 

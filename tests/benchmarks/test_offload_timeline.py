@@ -70,6 +70,14 @@ class StandInCache:
     def _copy_expert(self, layer, expert, slot):
         self.calls.append(("copy", expert))
 
+    def run(self, layer, ids):           # an eager step's call: looks up, then prefetches
+        self._route(layer, ids)
+        self._prefetch(layer + 1, 1)
+
+    def _prefetch(self, layer, ids):
+        self.calls.append(("prefetch", layer))
+        self._copy_expert(layer, 9, 9)
+
 
 def test_host_timers_count_only_while_on_and_restore_the_cache():
     cache = StandInCache()
@@ -82,9 +90,16 @@ def test_host_timers_count_only_while_on_and_restore_the_cache():
     host = timers.host()
     assert host["copies"] == 3 and host["segment"] >= host["route"] >= host["copy"] > 0
     assert host["wait"] == pytest.approx(host["segment"] - host["route"])
+    timers.on = True
+    cache.run(2, 1)                                   # eager: run, its look-ups, a prefetch
+    timers.on = False
+    eager = timers.host()
+    assert eager["copies"] == 5 and eager["route"] > host["route"]
+    assert eager["segment"] >= eager["route"] and "prefetch" not in eager
     timers.restore()
-    assert "prepare_segment" not in vars(cache) and "_copy_expert" not in vars(cache)
-    assert cache.calls[-1] == ("copy", 2)             # every call still ran through
+    assert not set(vars(cache)) & {"prepare_segment", "run", "_route", "_prefetch",
+                                   "_copy_expert"}
+    assert cache.calls[-1] == ("copy", 9)             # every call still ran through
 
 
 class StubProfile:

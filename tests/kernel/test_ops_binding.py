@@ -52,3 +52,11 @@ def test_bind_honours_a_replaced_wrapper(monkeypatch):
 def test_bind_names_an_unknown_op():
     with pytest.raises(KeyError, match="no kernel function 'nope'"):
         ops.bind("nope", "cpu")
+
+
+def test_a_gpu_only_function_asked_on_the_cpu_is_refused_by_name():
+    from freetoken.kernel.errors import KernelUnavailable
+
+    with pytest.raises(KernelUnavailable, match="no function 'paged_attention_fp8_staged' on "
+                                                 "cpu; it exports paged_attention"):
+        loader.get_function("attention", "paged_attention_fp8_staged", "cpu")

@@ -162,6 +162,11 @@ def get_function(kernel: str, function: str, device: Any = "cpu"):
     memo = (kernel, function, *device_parts(device))
     fn = _functions.get(memo)
     if fn is None:
+        backend = device_spec(device).backend
+        exported = build.registry.KERNELS_BY_NAME[kernel].functions_for(backend)
+        if function not in exported:     # a CPU-only or GPU-only export asked elsewhere
+            raise KernelUnavailable(f"kernel '{kernel}' has no function '{function}' on "
+                                    f"{backend}; it exports {', '.join(exported)} there")
         fn = getattr(get_module(kernel, device), function)
         _functions[memo] = fn
     return fn
