@@ -77,8 +77,8 @@ class Timeline:
 
 def summarize(events: list[tuple[str, float, float]], wall_s: float, steps: int,
               h2d_bytes: float, host: dict[str, float]) -> Timeline:
-    """events: (kind, start us, end us) with kind "kernel", "h2d" or anything else (ignored
-    but for the union); host: seconds summed over the window ("segment", "wait", "route",
+    """events: (kind, start us, end us) with kind "kernel", "h2d" or anything else (D2H,
+    memsets: ignored); host: seconds summed over the window ("segment", "wait", "route",
     "copy") and "copies" (a count)."""
     kernels = [(s, e) for kind, s, e in events if kind == "kernel"]
     h2d = [(s, e) for kind, s, e in events if kind == "h2d"]
