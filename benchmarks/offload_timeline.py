@@ -10,7 +10,8 @@ timed, summed per step as
     host       per step: the cache's MoE-layer calls (prepare_segment between graph segments,
                run in eager steps), split into the rest (waiting for the routed ids; eagerly
                also the layer's kernel launches), the look-ups and copy launches of the
-               routed layer and of the next layer's prefetch, and the copy launches alone
+               routed layer and of the next layer's prefetch (the copy launches alone also
+               given), and the experts co-executed on the CPU (--moe-cpu auto)
 
 so a run far from its copy ceiling says whether the copies, the kernels or the host's serial
 chain between them is what is left. Used by gpu_full_depth.py --profile.
@@ -53,6 +54,7 @@ class Timeline:
     host_route_ms: float
     host_copy_ms: float
     copies: float
+    host_cpu_ms: float = 0.0
 
     @property
     def both_ms(self) -> float:
@@ -72,14 +74,14 @@ class Timeline:
                 f"once {self.both_ms:.2f} + GPU idle {self.idle_ms:.2f}; host: MoE calls "
                 f"{self.host_segment_ms:.2f} ms (waiting for ids etc. {self.host_wait_ms:.2f}, "
                 f"look-ups and launches {self.host_route_ms:.2f}, of which {self.copies:.0f} "
-                f"copy launches {self.host_copy_ms:.2f})")
+                f"copy launches {self.host_copy_ms:.2f}; CPU experts {self.host_cpu_ms:.2f})")
 
 
 def summarize(events: list[tuple[str, float, float]], wall_s: float, steps: int,
               h2d_bytes: float, host: dict[str, float]) -> Timeline:
     """events: (kind, start us, end us) with kind "kernel", "h2d" or anything else (D2H,
     memsets: ignored); host: seconds summed over the window ("segment", "wait", "route",
-    "copy") and "copies" (a count)."""
+    "copy", "cpu": co-executed experts) and "copies" (a count)."""
     kernels = [(s, e) for kind, s, e in events if kind == "kernel"]
     h2d = [(s, e) for kind, s, e in events if kind == "h2d"]
     both = [(s, e) for kind, s, e in events if kind in ("kernel", "h2d")]
@@ -92,7 +94,8 @@ def summarize(events: list[tuple[str, float, float]], wall_s: float, steps: int,
                     host_wait_ms=1e3 * host.get("wait", 0.0) * per,
                     host_route_ms=1e3 * host.get("route", 0.0) * per,
                     host_copy_ms=1e3 * host.get("copy", 0.0) * per,
-                    copies=host.get("copies", 0.0) * per)
+                    copies=host.get("copies", 0.0) * per,
+                    host_cpu_ms=1e3 * host.get("cpu", 0.0) * per)
 
 
 def event_kind(name: str) -> str:
@@ -105,22 +108,25 @@ def event_kind(name: str) -> str:
 
 class _HostTimers:
     """Times the expert cache's host calls while `on`: prepare_segment and run (a graph
-    replay calls only the first, an eager step only the second), _route and _prefetch, and
-    the copy launches (their count too)."""
+    replay calls only the first, an eager step only the second), _route and _prefetch, the
+    copy launches (their count too) and the pool's co-executed experts on the CPU."""
 
     def __init__(self, cache):
         self.cache, self.on = cache, False
         self.totals = {"segment": 0.0, "route": 0.0, "prefetch": 0.0, "copy": 0.0,
-                       "copies": 0.0}
-        self._saved = {}
+                       "copies": 0.0, "cpu": 0.0}
+        self._saved = []
         for name, key in (("prepare_segment", "segment"), ("run", "segment"),
                           ("_route", "route"), ("_prefetch", "prefetch"),
                           ("_copy_expert", "copy")):
-            self._wrap(name, key)
+            self._wrap(cache, name, key)
+        pool = getattr(cache, "pool", None)
+        if pool is not None and hasattr(pool, "cpu_experts"):
+            self._wrap(pool, "cpu_experts", "cpu")
 
-    def _wrap(self, name: str, key: str) -> None:
-        inner = getattr(self.cache, name)
-        self._saved[name] = inner
+    def _wrap(self, owner, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+        self._saved.append((owner, name))
 
         def timed(*args, **kwargs):
             if not self.on:
@@ -132,17 +138,17 @@ class _HostTimers:
                 self.totals[key] += time.perf_counter() - start
                 if key == "copy":
                     self.totals["copies"] += 1
-        setattr(self.cache, name, timed)
+        setattr(owner, name, timed)
 
     def restore(self) -> None:
-        for name in self._saved:
-            delattr(self.cache, name)      # the instance attribute: the class's method again
+        for owner, name in self._saved:
+            delattr(owner, name)           # the instance attribute: the class's method again
 
     def host(self) -> dict[str, float]:
         t = dict(self.totals)
         # the look-ups and launches: the routed layer's and the next layer's prefetch
         t["route"] += t.pop("prefetch")
-        t["wait"] = max(0.0, t["segment"] - t["route"])
+        t["wait"] = max(0.0, t["segment"] - t["route"] - t["cpu"])
         return t
 
 

@@ -45,13 +45,12 @@ class Kernel:
     cuda: tuple[str, ...] = ()  # ROCm builds the same sources through the hip/ shim headers
     rocm: bool = False
     cpu_functions: tuple[str, ...] = ()  # exported by the CPU build only
-    gpu_functions: tuple[str, ...] = ()  # exported by the CUDA and ROCm builds only
     variants: tuple[Variant, ...] = (Variant(),)
     doc: str = ""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def functions_for(self, backend: str) -> tuple[str, ...]:
-        return self.functions + (self.cpu_functions if backend == "cpu" else self.gpu_functions)
+        return self.functions + (self.cpu_functions if backend == "cpu" else ())
 
     def sources_for(self, backend: str) -> tuple[str, ...]:
         if backend == "cpu":
@@ -119,13 +118,11 @@ KERNELS: tuple[Kernel, ...] = (
         name="attention",
         functions=("paged_attention", "paged_attention_fp8"),
         cpu_functions=("set_num_threads",),
-        gpu_functions=("paged_attention_fp8_staged",),
         cpu=("cpu/attention.cc",),
         cuda=("cuda/attention.cu",),
         rocm=True,  # HIP: the CUDA-core kernel serves every batch (no tensor-core path)
         doc="causal attention over the paged KV pool (prefill chunks and decode), of the "
-            "model's dtype or FP8 (paged_attention_fp8; _staged: its tiles' codes staged in "
-            "shared memory)",
+            "model's dtype or FP8 (paged_attention_fp8)",
     ),
     Kernel(
         name="quant_gemm",

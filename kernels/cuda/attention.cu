@@ -13,10 +13,6 @@
 // kernel merges the splits from the caller's workspace.
 // paged_attention_fp8 runs the same kernels over the FP8 pool (store_kv_fp8: e4m3 codes and a
 // float scale per (slot, KV head)); a pool policy (PlainPool, Fp8Pool) is all that differs.
-// paged_attention_fp8_staged is paged_attention_fp8 whose tiled kernel copies a tile's codes
-// into shared memory with cp.async before converting them (Fp8StagedPool): every key's codes
-// in flight at once and no registers held for them, where Fp8Pool loads a few chunks per
-// thread into registers at a time; the tile's values are the same, so are the results.
 //
 // NOTE: one source file per registry kernel (a header would re-key every kernel's cache
 // entry), hence the length.
@@ -61,7 +57,6 @@ struct AttnParams {
   int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride;
   int num_seqs, q_heads, kv_heads, group, head_chunk, chunks, block_size, window, splits;
   float scale_log2;
-  bool fp8_staged;  // host only: the tiled kernel over Fp8StagedPool
 };
 
 // Keys per split of a `range`-key context: at least kMinSplitKeys, so a short context fills its
@@ -98,7 +93,6 @@ struct PlainPool {
   }
   static __device__ __forceinline__ float row_scale(const float*, int64_t) { return 1.f; }
   static constexpr bool kPredecode = false;  // converted where used: no float copy of the rows
-  static constexpr bool kStaged = false;
 };
 
 // e4m3 codes, one byte each, and a float scale per row (store_kv_fp8).
@@ -120,13 +114,6 @@ struct Fp8Pool {
     return scales[row] * 256.f;
   }
   static constexpr bool kPredecode = true;  // four codes decode together: once per chunk
-  static constexpr bool kStaged = false;
-};
-
-// The FP8 pool read by the tiled kernel through a shared-memory staging area of codes
-// (stage_codes, convert_codes); the decode kernel reads it as Fp8Pool.
-struct Fp8StagedPool : Fp8Pool {
-  static constexpr bool kStaged = true;
 };
 
 // Element e of a lane's share of a row: from the decoded floats (kPredecode) or converted from
@@ -424,52 +411,6 @@ __device__ __forceinline__ void load_kv_tile(Fp8Pool, T* dst, const void* cache,
   }
 }
 
-// Fp8StagedPool: this tile's K or V codes (keys whose slot is -1 zero-filled) copied with
-// cp.async into `dst`, a row of D bytes per key.
-template <int D>
-__device__ __forceinline__ void stage_codes(uint8_t* dst, const void* cache, const int64_t* slots,
-                                            int kv_heads, int kvh) {
-  using S = TileShape<D>;
-  constexpr int kChunks = D / 16;  // 16 codes per copy
-  const uint8_t* base = static_cast<const uint8_t*>(cache);
-  for (int i = threadIdx.x; i < S::kKeys * kChunks; i += kThreads) {
-    int n = i / kChunks, c = i - n * kChunks;
-    int64_t slot = slots[n];
-    const uint8_t* src = slot >= 0 ? base + (slot * kv_heads + kvh) * D + c * 16 : base;
-    cp_async16(dst + n * D + c * 16, src, slot >= 0);
-  }
-}
-
-// Fp8StagedPool: the staged codes converted to T into the tile layout, as load_kv_tile(Fp8Pool)
-// converts the codes it loads (a key with no slot: zero codes times 0).
-template <typename T, int D>
-__device__ __forceinline__ void convert_codes(T* dst, const uint8_t* codes, const float* scales,
-                                              const int64_t* slots, int kv_heads, int kvh) {
-  using S = TileShape<D>;
-  constexpr int kChunks = D / Fp8Pool::kVec;
-  for (int i = threadIdx.x; i < S::kKeys * kChunks; i += kThreads) {
-    int n = i / kChunks, c = i - n * kChunks;
-    int64_t slot = slots[n];
-    float scale = slot >= 0 ? Fp8Pool::row_scale(scales, slot * kv_heads + kvh) : 0.f;
-    Fp8Pool::Chunk chunk = load_vec<uint32_t, 2>(
-        reinterpret_cast<const uint32_t*>(codes + n * D + c * Fp8Pool::kVec));
-    float f[Fp8Pool::kVec];
-    Fp8Pool::decode(chunk, f);
-    Vec<uint32_t, 4> packed;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) packed.v[e] = pack2<T>(f[2 * e] * scale, f[2 * e + 1] * scale);
-    store_vec<uint32_t, 4>(reinterpret_cast<uint32_t*>(dst + n * S::kPitch + c * 8), packed);
-  }
-}
-
-// Dynamic shared memory of the tiled kernel over `Pool`: Q, K and V tiles of T, and for
-// Fp8StagedPool the K and V codes of a tile.
-template <int D, typename Pool>
-constexpr int tile_smem_bytes() {
-  using S = TileShape<D>;
-  return S::kSmemBytes + (Pool::kStaged ? 2 * S::kKeys * D : 0);
-}
-
 // Per-warp state of 16 query rows: this lane holds rows r0 = 16 * warp + lane / 4 and r0 + 8.
 template <int D>
 struct RowState {
@@ -633,32 +574,17 @@ __global__ void __launch_bounds__(kThreads) tiled_kernel(AttnParams p) {
       s_slot[threadIdx.x] = key < ke ? slot_of(bt, key, p.block_size) : -1;
     }
     __syncthreads();
-    if constexpr (Pool::kStaged) {
-      uint8_t* codes = reinterpret_cast<uint8_t*>(sV + BN * LD);  // K's codes, then V's
-      stage_codes<D>(codes, p.k_cache, s_slot, p.kv_heads, kvh);
-      stage_codes<D>(codes + BN * D, p.v_cache, s_slot, p.kv_heads, kvh);
-      cp_async_commit();
-      cp_async_wait<0>();  // Q (the first tile), K's and V's codes landed
-      __syncthreads();
-      convert_codes<T, D>(sK, codes, p.k_scale, s_slot, p.kv_heads, kvh);
-      convert_codes<T, D>(sV, codes + BN * D, p.v_scale, s_slot, p.kv_heads, kvh);
-      __syncthreads();
-      float s[BN / 8][4] = {};
-      if (active) tile_scores<T, D, BN>(p, sQ, sK, n0, ke, pos0, pos1, s, st);
-      if (active) tile_values<T, D, BN>(sV, s, st);
-    } else {
-      load_kv_tile<T, D>(Pool{}, sK, p.k_cache, p.k_scale, s_slot, p.kv_heads, kvh);
-      cp_async_commit();  // (an empty group for the synchronous FP8 loads)
-      load_kv_tile<T, D>(Pool{}, sV, p.v_cache, p.v_scale, s_slot, p.kv_heads, kvh);
-      cp_async_commit();
-      cp_async_wait<1>();  // Q and K landed; V may still be in flight
-      __syncthreads();
-      float s[BN / 8][4] = {};
-      if (active) tile_scores<T, D, BN>(p, sQ, sK, n0, ke, pos0, pos1, s, st);
-      cp_async_wait<0>();
-      __syncthreads();
-      if (active) tile_values<T, D, BN>(sV, s, st);
-    }
+    load_kv_tile<T, D>(Pool{}, sK, p.k_cache, p.k_scale, s_slot, p.kv_heads, kvh);
+    cp_async_commit();  // (an empty group for the synchronous FP8 loads)
+    load_kv_tile<T, D>(Pool{}, sV, p.v_cache, p.v_scale, s_slot, p.kv_heads, kvh);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q and K landed; V may still be in flight
+    __syncthreads();
+    float s[BN / 8][4] = {};
+    if (active) tile_scores<T, D, BN>(p, sQ, sK, n0, ke, pos0, pos1, s, st);
+    cp_async_wait<0>();
+    __syncthreads();
+    if (active) tile_values<T, D, BN>(sV, s, st);
   }
   cp_async_wait<0>();  // nothing stays in flight past the end (an empty key range)
   if (active) store_rows<T, D>(p, st, qs + tok0, ntok, gcap, h0, gc);
@@ -691,7 +617,7 @@ void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
     TVM_FFI_ICHECK(false) << "internal: float32 has no tensor-core path";
   } else {
-    constexpr int smem = tile_smem_bytes<D, Pool>();
+    using S = TileShape<D>;
     int tpt = kTileRows / p.head_chunk;
     dim3 grid(num_tokens / tpt + p.num_seqs, p.kv_heads * p.chunks, p.splits);
     // Above 48 KiB of dynamic shared memory needs an opt-in, once per device (the first call
@@ -701,10 +627,11 @@ void launch_tiled(const AttnParams& p, int num_tokens, cudaStream_t stream) {
     FT_CUDA_CHECK(cudaGetDevice(&device));
     if (device < 0 || device >= 64 || !opted_in[device]) {
       FT_CUDA_CHECK(cudaFuncSetAttribute(tiled_kernel<T, D, Pool>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         S::kSmemBytes));
       if (device >= 0 && device < 64) opted_in[device] = true;
     }
-    tiled_kernel<T, D, Pool><<<grid, kThreads, smem, stream>>>(p);
+    tiled_kernel<T, D, Pool><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
     check_launch("paged_attention (tiled)");
     launch_merge<T, D>(p, num_tokens, stream);
   }
@@ -731,22 +658,6 @@ void launch(const AttnParams& p, int head_dim, int num_tokens, bool tiled, cudaS
 
 // Decode splits: enough blocks for ~2 waves, at least kMinSplitKeys keys each, within the
 // workspace the caller passed (none: no split).
-// paged_attention_fp8_staged: the tiled kernel over Fp8StagedPool; the decode kernel (float32,
-// unaligned q) reads the pool as Fp8Pool, having no tiles to stage.
-template <typename T>
-void launch_fp8_staged(const AttnParams& p, int head_dim, int num_tokens, bool tiled,
-                       cudaStream_t stream) {
-  if (!tiled) {
-    launch<T, Fp8Pool>(p, head_dim, num_tokens, false, stream);
-    return;
-  }
-  switch (head_dim) {
-    case 64: launch_tiled<T, 64, Fp8StagedPool>(p, num_tokens, stream); break;
-    case 128: launch_tiled<T, 128, Fp8StagedPool>(p, num_tokens, stream); break;
-    default: launch_tiled<T, 256, Fp8StagedPool>(p, num_tokens, stream); break;
-  }
-}
-
 int choose_splits(const AttnParams& p, int num_tokens, int64_t max_context, int head_dim,
                   int64_t workspace_floats, int device) {
   int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.kv_heads * p.chunks;
@@ -879,8 +790,6 @@ void run(AttnParams p, TensorView out, TensorView q, TensorView k_cache,
   FT_CUDA_DISPATCH_FLOAT(ft, T, {
     if constexpr (std::is_same_v<T, float>) {  // check_inputs refuses float32 over FP8
       launch<T, PlainPool<T>>(p, d, num_tokens, tiled, stream);
-    } else if (fp8 && p.fp8_staged) {
-      launch_fp8_staged<T>(p, d, num_tokens, tiled, stream);
     } else if (fp8) {
       launch<T, Fp8Pool>(p, d, num_tokens, tiled, stream);
     } else {
@@ -910,14 +819,13 @@ void paged_attention(TensorView out, TensorView q, TensorView k_cache, TensorVie
 
 /*!
  * \brief paged_attention over the FP8 pool: k_cache, v_cache uint8 [S, Hk, D] e4m3 codes,
- * k_scale, v_scale float32 [S, Hk] (store_kv_fp8); q and out bfloat16 or float16. staged:
- * the tiled kernel over Fp8StagedPool (paged_attention_fp8_staged).
+ * k_scale, v_scale float32 [S, Hk] (store_kv_fp8); q and out bfloat16 or float16.
  */
-void attend_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
-                TensorView k_scale, TensorView v_scale, TensorView block_tables,
-                TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
-                double scale, int64_t sliding_window,
-                const tvm::ffi::Optional<TensorView>& workspace, bool staged) {
+void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
+                         TensorView k_scale, TensorView v_scale, TensorView block_tables,
+                         TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
+                         double scale, int64_t sliding_window,
+                         tvm::ffi::Optional<TensorView> workspace) {
   check_inputs(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
                true);
   fp8::check_scales(k_scale, k_cache, "k_scale");
@@ -927,32 +835,8 @@ void attend_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_c
   p.v_cache = data_of<void>(v_cache);
   p.k_scale = data_of<float>(k_scale);
   p.v_scale = data_of<float>(v_scale);
-  p.fp8_staged = staged;
   run(p, out, q, k_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
       sliding_window, workspace);
-}
-
-void paged_attention_fp8(TensorView out, TensorView q, TensorView k_cache, TensorView v_cache,
-                         TensorView k_scale, TensorView v_scale, TensorView block_tables,
-                         TensorView seq_lens, TensorView query_start_loc, int64_t block_size,
-                         double scale, int64_t sliding_window,
-                         tvm::ffi::Optional<TensorView> workspace) {
-  attend_fp8(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-             block_size, scale, sliding_window, workspace, false);
-}
-
-/*!
- * \brief paged_attention_fp8 whose tiled kernel stages each tile's codes in shared memory
- * (Fp8StagedPool); the same arguments, workspace required (None allowed), the same results.
- */
-void paged_attention_fp8_staged(TensorView out, TensorView q, TensorView k_cache,
-                                TensorView v_cache, TensorView k_scale, TensorView v_scale,
-                                TensorView block_tables, TensorView seq_lens,
-                                TensorView query_start_loc, int64_t block_size, double scale,
-                                int64_t sliding_window,
-                                tvm::ffi::Optional<TensorView> workspace) {
-  attend_fp8(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
-             block_size, scale, sliding_window, workspace, true);
 }
 
 }  // namespace
@@ -973,7 +857,6 @@ extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_paged_attention(void* self, const TV
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention_fp8_with_workspace, freetoken::paged_attention_fp8);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(paged_attention_fp8_staged, freetoken::paged_attention_fp8_staged);
 
 // `paged_attention_fp8` likewise: 12 arguments run without a workspace.
 extern "C" TVM_FFI_DLL_EXPORT int __tvm_ffi_paged_attention_fp8(void* self,

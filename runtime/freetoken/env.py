@@ -84,9 +84,9 @@ class Env:
     fused_decode: bool          # FREETOKEN_FUSED_DECODE: fused GPU decode (T <= 4; MoE T <= 8)
     moe_decode: bool            # FREETOKEN_MOE_DECODE: small-step MoE decode kernels (default on)
     quant_gemv: str             # FREETOKEN_QUANT_GEMV: decode GEMV over GGUF/FP8 weights (v1-v3)
-    fp8_kv_attention: str       # FREETOKEN_FP8_KV_ATTENTION: GPU attention over FP8 KV (loads)
     tp_timeout_s: int           # FREETOKEN_TP_TIMEOUT: tensor-parallel collective/hang timeout
     cpu_pack: bool              # FREETOKEN_CPU_PACK: GGUF rows packed 16 wide for AVX-512 VNNI
+    driver_copies: bool         # FREETOKEN_DRIVER_COPIES: offloaded experts copied via the driver
     fault_marker: str | None    # FREETOKEN_FAULT_MARKER: tests: fail requests whose prompt has it
 
 
@@ -118,13 +118,12 @@ VARIABLES = {
                             "models, gguf_gemv / fp8_gemv for the rest), v2 (gguf_gemv / "
                             "fp8_gemv, 16-byte streaming, bf16 activations) or v1 (gguf_matmul "
                             "/ scaled_gemv), for comparison",
-    "FREETOKEN_FP8_KV_ATTENTION": "GPU attention over an FP8 KV cache (--kv-dtype fp8): loads "
-                                  "(default: each thread loads a few chunks of codes into "
-                                  "registers and converts them) or staged (a tile's codes are "
-                                  "copied into shared memory with cp.async, then converted); "
-                                  "the same results, for comparison",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
+    "FREETOKEN_DRIVER_COPIES": "offloaded experts: a miss's host-to-device copies are launched "
+                               "through the CUDA driver (cuMemcpyHtoDAsync, a few us each; "
+                               "default on) or, with 0, through torch's copy_ (~40 us each), "
+                               "for comparison",
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
                           "are repacked at load, 16 rows wide, on AVX-512 VNNI CPUs (default on; "
                           "off: the GGUF layout, for comparison)",
@@ -133,7 +132,6 @@ VARIABLES = {
 }
 
 QUANT_GEMV_VARIANTS = ("v1", "v2", "v3")
-FP8_KV_ATTENTION_VARIANTS = ("loads", "staged")
 
 
 def read(environ: dict[str, str] | None = None) -> Env:
@@ -145,9 +143,6 @@ def read(environ: dict[str, str] | None = None) -> Env:
     quant_gemv = e.get("FREETOKEN_QUANT_GEMV", "v3").strip().lower() or "v3"
     if quant_gemv not in QUANT_GEMV_VARIANTS:
         raise EnvError(f"FREETOKEN_QUANT_GEMV={quant_gemv!r}; use v1, v2 or v3")
-    fp8_attention = e.get("FREETOKEN_FP8_KV_ATTENTION", "loads").strip().lower() or "loads"
-    if fp8_attention not in FP8_KV_ATTENTION_VARIANTS:
-        raise EnvError(f"FREETOKEN_FP8_KV_ATTENTION={fp8_attention!r}; use loads or staged")
     return Env(
         cache_root=cache_root,
         kernel_cache_dir=_path(e.get("FREETOKEN_KERNEL_CACHE_DIR"), None),
@@ -168,9 +163,9 @@ def read(environ: dict[str, str] | None = None) -> Env:
         fused_decode=_bool("FREETOKEN_FUSED_DECODE", e.get("FREETOKEN_FUSED_DECODE"), True),
         moe_decode=_bool("FREETOKEN_MOE_DECODE", e.get("FREETOKEN_MOE_DECODE"), True),
         quant_gemv=quant_gemv,
-        fp8_kv_attention=fp8_attention,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),
+        driver_copies=_bool("FREETOKEN_DRIVER_COPIES", e.get("FREETOKEN_DRIVER_COPIES"), True),
         fault_marker=e.get("FREETOKEN_FAULT_MARKER") or None,
     )
 

@@ -54,13 +54,23 @@ def test_no_copies_read_as_zero_bandwidth():
     assert t.h2d_GBps == 0 and t.idle_ms == 0 and t.both_ms == 0
 
 
+class StandInPool:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def cpu_experts(self, layer):
+        self.calls.append(("cpu", layer))
+
+
 class StandInCache:
     def __init__(self):
         self.calls = []
+        self.pool = StandInPool(self.calls)
 
     def prepare_segment(self, layer, ids):
         self.calls.append(("prepare", layer))
         self._route(layer, ids)
+        self.pool.cpu_experts(layer)
 
     def _route(self, layer, ids):
         self.calls.append(("route", layer))
@@ -89,7 +99,8 @@ def test_host_timers_count_only_while_on_and_restore_the_cache():
     timers.on = False
     host = timers.host()
     assert host["copies"] == 3 and host["segment"] >= host["route"] >= host["copy"] > 0
-    assert host["wait"] == pytest.approx(host["segment"] - host["route"])
+    assert host["cpu"] > 0
+    assert host["wait"] == pytest.approx(host["segment"] - host["route"] - host["cpu"])
     timers.on = True
     cache.run(2, 1)                                   # eager: run, its look-ups, a prefetch
     timers.on = False
@@ -99,6 +110,7 @@ def test_host_timers_count_only_while_on_and_restore_the_cache():
     timers.restore()
     assert not set(vars(cache)) & {"prepare_segment", "run", "_route", "_prefetch",
                                    "_copy_expert"}
+    assert "cpu_experts" not in vars(cache.pool)
     assert cache.calls[-1] == ("copy", 9)             # every call still ran through
 
 

@@ -12,6 +12,7 @@ from freetoken.engine.expert_pool import FloatPool
 from freetoken.engine.expert_slots import SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
 from freetoken.kernel import reference
+from tests.engine.driver_spans import assert_spans_copy_as_torch
 
 E, H, I, K, LAYERS = 8, 32, 16, 2, 3
 
@@ -328,3 +329,9 @@ def test_graph_segments_prefetch_from_the_ids_they_read(experts, right):
     s = cache.stats
     assert s.tokens == 4 * 2 and s.prefetched > 0
     assert (s.prefetch_hits == s.prefetched) if right else (s.prefetch_hits < s.prefetched)
+
+
+def test_driver_copy_spans_move_the_bytes_torch_copies_move(experts):
+    w13, w2 = experts
+    assert_spans_copy_as_torch(lambda: FloatPool(w13, w2, slot_kernel), 5,
+                               [(0, 3, 0), (2, 7, 4), (1, 0, 5 + E), (2, 1, 0)])

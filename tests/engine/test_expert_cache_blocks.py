@@ -235,3 +235,12 @@ def test_co_execution_computes_some_misses_on_the_cpu_over_the_blocks(experts):
             assert ((out.double() - want).abs() <= 0.05 * scale + 1e-6).all(), (seed, layer)
     assert cache.stats.cpu_experts > 0 and cache.stats.misses > cache.stats.cpu_experts
     cache.check_integrity()
+
+
+def test_driver_copy_spans_move_the_bytes_torch_copies_move(experts):
+    """Both block mixes: a Q6_K layer's wider down rows end where the slot's bytes do."""
+    from tests.engine.driver_spans import assert_spans_copy_as_torch
+
+    w13, w2 = experts
+    moves = [(layer, (3 * layer + 1) % E, layer) for layer in range(LAYERS)] + [(0, E - 1, 2)]
+    assert_spans_copy_as_torch(lambda: BlockPool(w13, w2, QTYPES, H, I, KERNELS), 4, moves)

@@ -479,3 +479,12 @@ def test_the_pool_takes_one_format_and_no_cpu_kernel_for_nvfp4(experts, nvfp4_ex
     assert not ScaledPool.takes(nvfp4_experts[0], experts[1])         # FP8 down, NVFP4 gate/up
     with pytest.raises(ValueError, match="FP8 experts only"):
         ScaledPool(*nvfp4_experts, K, KERNELS, ops.bind("moe_experts_scaled", "cpu"))
+
+
+def test_driver_copy_spans_move_the_bytes_torch_copies_move(experts, nvfp4_experts):
+    """Every part the host holds (values, scale grids, row scales where there are any)."""
+    from tests.engine.driver_spans import assert_spans_copy_as_torch
+
+    for w13, w2 in (experts, nvfp4_experts):
+        assert_spans_copy_as_torch(lambda: ScaledPool(w13, w2, K, KERNELS), 3,
+                                   [(0, 1, 0), (LAYERS - 1, E - 1, 2), (0, 2, 3 + E)])

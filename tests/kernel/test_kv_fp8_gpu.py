@@ -241,46 +241,6 @@ def test_paged_attention_fp8_workspace_or_not(d):
     _close_attention(outs[1], outs[0].cpu(), pools)
 
 
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("seqs,window,block_size", [
-    (DECODE["batch4"], 0, 16), ([(20000, 1)], 0, 16), (PREFILL, 0, 16),
-    ([(37, 37), (300, 300)], 0, 7), ([(500, 37), (64, 1), (700, 300)], 48, 16)],
-    ids=["decode", "decode-20k", "prefill", "blocks-of-7", "window"])
-def test_staged_fp8_attention_gives_the_same_outputs(dtype, d, seqs, window, block_size):
-    """paged_attention_fp8_staged converts the same codes with the same scales into the same
-    tiles: its outputs are paged_attention_fp8's, bit for bit (and so the reference's)."""
-    q, pools, tables, seq_lens, qsl = _fp8_batch(seqs, 8, 2, d, dtype, block_size, 4)
-    (kc, ks), (vc, vs) = pools
-    args = (kc, vc, ks, vs, tables, seq_lens, qsl, block_size, d ** -0.5, window)
-    ws = torch.empty(WORKSPACE_FLOATS, device=_dev())
-    loads, staged = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
-    ops.paged_attention_fp8(loads, q, *args, workspace=ws)
-    ops.paged_attention_fp8_staged(staged, q, *args, workspace=ws)
-    assert torch.equal(staged, loads), (staged.float() - loads.float()).abs().max()
-    _close_attention(staged, _reference_attention(q, pools, tables, seq_lens, qsl, block_size,
-                                                  window), pools)
-
-
-@pytest.mark.parametrize("device,value,name", [
-    ("cuda", "staged", "paged_attention_fp8_staged"), ("cuda", "", "paged_attention_fp8"),
-    ("cuda", "loads", "paged_attention_fp8"), ("cpu", "staged", "paged_attention_fp8")])
-def test_the_fp8_attention_kernel_follows_the_environment(monkeypatch, device, value, name):
-    """On the CPU (no staging there) and without the variable, paged_attention_fp8."""
-    from freetoken.arrays import Device
-    from freetoken.models.forward import decoder
-
-    calls = []
-    monkeypatch.setattr(ops, "bind", lambda kernel, _: (lambda *a: calls.append(kernel)))
-    monkeypatch.setenv("FREETOKEN_FP8_KV_ATTENTION", value)
-    kernels = type("Kernels", (), {"store_kv": None, "paged_attention": None})()
-    decoder.fp8_kv_ops(kernels, Device(device))
-    pool = decoder.Fp8Pool(torch.empty(1), torch.empty(1))
-    kernels.paged_attention(None, None, pool, pool)
-    assert calls == [name]
-
-
 # ---------------------------------------------------------------- rope_store_kv_fp8
 
 @gpu

@@ -28,7 +28,7 @@ def test_the_registry_is_loaded_once():
 
 def test_every_registry_function_has_a_wrapper():
     for kernel in build.registry.KERNELS:
-        for name in kernel.functions + kernel.gpu_functions:
+        for name in kernel.functions:
             if name in ("quant_matmul_isa",):  # benchmarks reach it through get_function
                 continue
             assert callable(getattr(ops, name, None)), f"ops.{name} is missing"
@@ -54,9 +54,10 @@ def test_bind_names_an_unknown_op():
         ops.bind("nope", "cpu")
 
 
-def test_a_gpu_only_function_asked_on_the_cpu_is_refused_by_name():
+def test_a_function_the_kernel_does_not_export_is_refused_by_name():
     from freetoken.kernel.errors import KernelUnavailable
 
-    with pytest.raises(KernelUnavailable, match="no function 'paged_attention_fp8_staged' on "
-                                                 "cpu; it exports paged_attention"):
-        loader.get_function("attention", "paged_attention_fp8_staged", "cpu")
+    with pytest.raises(KernelUnavailable, match="no function 'quant_matmul' on cpu; it "
+                                                 "exports paged_attention, paged_attention_fp8, "
+                                                 "set_num_threads"):
+        loader.get_function("attention", "quant_matmul", "cpu")

@@ -97,7 +97,7 @@ def test_exports_and_hip_runtime_imports(built, kernel):
         pytest.skip("llvm-nm-19 is not installed")
     symbols = subprocess.run([nm, "-D", str(so)], check=True, capture_output=True,
                              text=True).stdout
-    functions = build.registry.KERNELS_BY_NAME[kernel].functions_for("rocm")
+    functions = build.registry.KERNELS_BY_NAME[kernel].functions
     for fn in functions:
         assert f" T __tvm_ffi_{fn}" in symbols
     # Launches go through the HIP runtime (resolved on a ROCm machine), never the device libs.

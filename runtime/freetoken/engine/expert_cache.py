@@ -39,6 +39,7 @@ import contextlib
 from collections import Counter
 from typing import Any, Callable
 
+from freetoken.engine.driver_copies import DriverCopies
 from freetoken.engine.expert_slots import OffloadStats, SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy
 
@@ -90,7 +91,10 @@ class ExpertCache:
             self._ready = [torch.cuda.Event() for _ in range(2)]
             self._done = [torch.cuda.Event() for _ in range(2)]
             self._copied = torch.cuda.Event()
+            # a miss's spans launched through the driver: a few us each, not torch's ~40
+            self._driver = DriverCopies.for_stream(torch, self.copy_stream)
         else:
+            self._driver = None
             self.copy_stream = None
             self._ready = [_NoEvent(), _NoEvent()]
             self._done = [_NoEvent(), _NoEvent()]
@@ -203,7 +207,14 @@ class ExpertCache:
             self.torch.cuda.current_stream(self.device).wait_event(event)
 
     def _copy_expert(self, layer: int, expert: int, slot: int) -> None:
-        self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
+        """One missed or prefetched expert into `slot`, on the copy stream (the caller's
+        context)."""
+        spans = self._driver and self.pool.copy_spans(layer)
+        if not spans:
+            self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
+            return
+        self._driver.copy(spans[0], expert, slot)
+        self.stats.bytes_h2d += spans[1]
 
     def _stage_layer(self, layer: int, buf: int) -> None:
         """Copy every expert of `layer` into staging buffer `buf` once its last reader is done."""
@@ -326,7 +337,11 @@ class ExpertCache:
                 mirror[e] = emap[e] = slot
                 changed = True
         if changed:                                   # else: all hits in their mapped slots
-            self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+            if self._driver is not None:
+                self._driver.upload(self.maps_dev[layer], self.maps_host[layer],
+                                    self.torch.cuda.current_stream(self.device))
+            else:
+                self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
         return cpu
 
     def _copy_misses(self, layer: int, copy: list[int], hits: dict[int, int]) -> dict[int, int]:

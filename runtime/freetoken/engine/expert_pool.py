@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from freetoken.engine.driver_copies import span, spans_or_none
+
 
 class FloatPool:
     """Float experts: per MoE layer, host w13 [E, 2I, H] and w2 [E, H, I] (pinned on a GPU).
@@ -48,6 +50,7 @@ class FloatPool:
         self.pinned_bytes = self.num_layers * self.num_experts * self.slot_bytes
         self.w13 = self.w2 = None
         self._staging_maps: list = []
+        self._spans: dict[int, tuple] = {}
 
     def alloc(self, torch, device, num_slots: int) -> None:
         """Fixed pool tensors of num_slots LRU slots and the staging buffers; the LRU slots
@@ -60,7 +63,7 @@ class FloatPool:
             keep = min(num_slots, self.w13.shape[0] - 2 * e)
             w13[:keep].copy_(self.w13[:keep])
             w2[:keep].copy_(self.w2[:keep])
-        self.w13, self.w2 = w13, w2
+        self.w13, self.w2, self._spans = w13, w2, {}
         self._staging_maps = [torch.arange(num_slots + b * e, num_slots + (b + 1) * e,
                                            dtype=torch.int32, device=device) for b in range(2)]
 
@@ -68,6 +71,15 @@ class FloatPool:
         self.w13[slot].copy_(self.host_w13[layer][expert], non_blocking=True)
         self.w2[slot].copy_(self.host_w2[layer][expert], non_blocking=True)
         return self.slot_bytes
+
+    def copy_spans(self, layer: int) -> tuple[list, int] | None:
+        """What copy_expert copies, as driver_copies spans, and its bytes (None: copy through
+        torch)."""
+        if layer not in self._spans:
+            self._spans[layer] = spans_or_none([span(self.w13, self.host_w13[layer]),
+                                                span(self.w2, self.host_w2[layer])],
+                                               self.slot_bytes)
+        return self._spans[layer]
 
     def stage(self, layer: int, buf: int, base: int) -> int:
         """Every expert of `layer` into staging buffer `buf` (slots base .. base + E)."""
@@ -153,6 +165,7 @@ class BlockPool:
         self.pool = None
         self._identity = None
         self._views: dict[int, tuple[Any, Any]] = {}
+        self._spans: dict[int, tuple] = {}
 
     def alloc(self, torch, device, num_slots: int) -> None:
         total = num_slots + 2 * self.num_experts
@@ -160,7 +173,7 @@ class BlockPool:
         if self.pool is not None:
             keep = min(num_slots, self.pool.shape[0] - 2 * self.num_experts)
             pool[:keep].copy_(self.pool[:keep])
-        self.pool, self._views = pool, {}
+        self.pool, self._views, self._spans = pool, {}, {}
         if self._identity is None:
             self._identity = torch.arange(self.num_experts, dtype=torch.int32, device=device)
 
@@ -189,6 +202,19 @@ class BlockPool:
         self.pool[slot, :a].copy_(self.host_w13[layer][expert].view(-1), non_blocking=True)
         self.pool[slot, a:a + b].copy_(self.host_w2[layer][expert].view(-1), non_blocking=True)
         return a + b
+
+    def copy_spans(self, layer: int) -> tuple[list, int] | None:
+        """What copy_expert copies, as driver_copies spans (gate/up rows, then down rows, in
+        one slot), and its bytes (None: copy through torch)."""
+        if layer not in self._spans:
+            a, b = self.bytes13[layer], self.bytes2[layer]
+            h13, h2 = self.host_w13[layer], self.host_w2[layer]
+            base, step = self.pool.data_ptr(), self.slot_bytes
+            whole = self.pool.is_contiguous() and h13.is_contiguous() and h2.is_contiguous()
+            self._spans[layer] = ([(base, step, h13.data_ptr(), a, a),
+                                   (base + a, step, h2.data_ptr(), b, b)], a + b) \
+                if whole else None
+        return self._spans[layer]
 
     def stage(self, layer: int, buf: int, base: int) -> int:
         w13, w2 = self._packed_views(layer, base)
@@ -306,6 +332,7 @@ class ScaledPool:
         self._mapped = None
         self._staged: list = []
         self._cpu_runs: dict[int, Callable] = {}
+        self._spans: dict[int, tuple] = {}
 
     @staticmethod
     def takes(host_w13: list, host_w2: list) -> bool:
@@ -349,7 +376,7 @@ class ScaledPool:
                 keep = min(num_slots, self.parts[i].shape[0] - 2 * e)
                 part[:keep].copy_(self.parts[i][:keep])
             parts.append(part)
-        self.parts = parts
+        self.parts, self._spans = parts, {}
         if self._identity is None:
             self._identity = torch.arange(e, dtype=torch.int32, device=device)
         self._mapped = self._experts(0, total)
@@ -383,6 +410,15 @@ class ScaledPool:
 
     def copy_expert(self, layer: int, expert: int, slot: int) -> int:
         return self._copy(layer, expert, slot)
+
+    def copy_spans(self, layer: int) -> tuple[list, int] | None:
+        """What copy_expert copies, as driver_copies spans (one per part the host holds),
+        and its bytes (None: copy through torch)."""
+        if layer not in self._spans:
+            parts = [span(part, host) for part, host in zip(self.parts, self._host[layer])
+                     if host is not None]
+            self._spans[layer] = spans_or_none(parts, sum(p[4] for p in parts if p))
+        return self._spans[layer]
 
     def stage(self, layer: int, buf: int, base: int) -> int:
         """Every expert of `layer` into staging buffer `buf` (slots base .. base + E)."""

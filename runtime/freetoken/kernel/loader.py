@@ -164,7 +164,7 @@ def get_function(kernel: str, function: str, device: Any = "cpu"):
     if fn is None:
         backend = device_spec(device).backend
         exported = build.registry.KERNELS_BY_NAME[kernel].functions_for(backend)
-        if function not in exported:     # a CPU-only or GPU-only export asked elsewhere
+        if function not in exported:     # a CPU-only export asked elsewhere, or a typo
             raise KernelUnavailable(f"kernel '{kernel}' has no function '{function}' on "
                                     f"{backend}; it exports {', '.join(exported)} there")
         fn = getattr(get_module(kernel, device), function)

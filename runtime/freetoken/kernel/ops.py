@@ -24,7 +24,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8
 # Exported function -> the kernel that exports it (the first one, for a shared helper).
 KERNEL_OF: dict[str, str] = {}
 for _kernel in registry.KERNELS:
-    for _name in _kernel.functions + _kernel.cpu_functions + _kernel.gpu_functions:
+    for _name in _kernel.functions + _kernel.cpu_functions:
         KERNEL_OF.setdefault(_name, _kernel.name)
 del _kernel, _name
 
@@ -149,20 +149,6 @@ def paged_attention_fp8(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tenso
     else:
         fn(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
            block_size, scale, sliding_window, workspace)
-
-
-def paged_attention_fp8_staged(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                               v_cache: torch.Tensor, k_scale: torch.Tensor,
-                               v_scale: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                               block_size: int, scale: float, sliding_window: int = 0,
-                               workspace: torch.Tensor | None = None) -> None:
-    """paged_attention_fp8 whose tensor-core kernel copies each tile's codes into shared memory
-    with cp.async before converting them (GPU only; FREETOKEN_FP8_KV_ATTENTION=staged). The
-    tiles' values, hence the results, are paged_attention_fp8's."""
-    _fn("paged_attention_fp8_staged", q.device)(out, q, k_cache, v_cache, k_scale, v_scale,
-                                                block_tables, seq_lens, query_start_loc,
-                                                block_size, scale, sliding_window, workspace)
 
 
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:

@@ -62,13 +62,8 @@ class Kernels:
 
 def fp8_kv_ops(kernels: Kernels, device) -> None:
     """store_kv and paged_attention that take an FP8 pool (models/batch.py Fp8Pool) as well:
-    its codes and scales go to the _fp8 kernels, bound on first use (on a GPU, the attention
-    FREETOKEN_FP8_KV_ATTENTION names: paged_attention_fp8, or its _staged form)."""
-    from freetoken import env
-
+    its codes and scales go to the _fp8 kernels, bound on first use."""
     store, attend, fp8 = kernels.store_kv, kernels.paged_attention, {}
-    staged = not device.is_cpu and env.read().fp8_kv_attention == "staged"
-    attention = "paged_attention_fp8_staged" if staged else "paged_attention_fp8"
 
     def bound(name: str):
         if name not in fp8:
@@ -84,8 +79,8 @@ def fp8_kv_ops(kernels: Kernels, device) -> None:
     def paged_attention(out, q, k_cache, v_cache, *rest):
         if not isinstance(k_cache, Fp8Pool):
             return attend(out, q, k_cache, v_cache, *rest)
-        return bound(attention)(out, q, k_cache.codes, v_cache.codes, k_cache.scales,
-                                v_cache.scales, *rest)
+        return bound("paged_attention_fp8")(out, q, k_cache.codes, v_cache.codes,
+                                            k_cache.scales, v_cache.scales, *rest)
 
     kernels.store_kv, kernels.paged_attention = store_kv, paged_attention
 
