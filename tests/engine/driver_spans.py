@@ -37,3 +37,24 @@ def assert_spans_copy_as_torch(make_pool, slots: int, moves) -> None:
     for a, b in zip(tensors(by_spans), tensors(by_torch)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert any(t.view(torch.uint8).any() for t in tensors(by_spans))
+
+
+class MemmoveDriver:
+    """driver_copies.DriverCopies on the CPU: the same spans and uploads, applied by memmove;
+    `fail` makes every call refused, as a driver error would."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.copies, self.uploads = fail, 0, 0
+
+    def copy(self, spans, expert: int, slot: int) -> None:
+        from freetoken.engine.driver_copies import DriverCopyError
+
+        if self.fail:
+            raise DriverCopyError("cuMemcpyHtoDAsync failed with CUresult 201")
+        for dst, dst_step, src, src_step, size in spans:
+            ctypes.memmove(dst + slot * dst_step, src + expert * src_step, size)
+        self.copies += 1
+
+    def upload(self, dst, src, device) -> None:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        self.uploads += 1

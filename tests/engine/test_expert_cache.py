@@ -12,7 +12,7 @@ from freetoken.engine.expert_pool import FloatPool
 from freetoken.engine.expert_slots import SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy, Throughput, cpu_experts
 from freetoken.kernel import reference
-from tests.engine.driver_spans import assert_spans_copy_as_torch
+from tests.engine.driver_spans import MemmoveDriver, assert_spans_copy_as_torch
 
 E, H, I, K, LAYERS = 8, 32, 16, 2, 3
 
@@ -335,3 +335,27 @@ def test_driver_copy_spans_move_the_bytes_torch_copies_move(experts):
     w13, w2 = experts
     assert_spans_copy_as_torch(lambda: FloatPool(w13, w2, slot_kernel), 5,
                                [(0, 3, 0), (2, 7, 4), (1, 0, 5 + E), (2, 1, 0)])
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["eager", "graph-segments"])
+def test_steps_through_driver_copies_match_the_resident_experts(experts, segments):
+    """The cache's driver path (spans per miss and prefetch, map uploads) on the CPU."""
+    w13, w2 = experts
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 5)
+    cache._driver = driver = MemmoveDriver()
+    if segments:
+        cache.prefill = False
+        run_segments(cache, w13, w2, steps=4, tokens=3, real=3)
+    else:
+        run_steps(cache, w13, w2, steps=4, tokens=3)
+    assert driver.copies == cache.stats.misses > 0 and driver.uploads > 0
+
+
+def test_a_refused_driver_copy_falls_back_to_torch_copies(experts, caplog):
+    w13, w2 = experts
+    cache = ExpertCache(FloatPool(w13, w2, slot_kernel), "cpu", 5)
+    cache._driver = MemmoveDriver(fail=True)
+    with caplog.at_level("WARNING"):
+        run_steps(cache, w13, w2, steps=2, tokens=3)
+    assert cache._driver is None and cache.stats.misses > 0
+    assert "go back to torch's copy_" in caplog.text and "CUresult 201" in caplog.text

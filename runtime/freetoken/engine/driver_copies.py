@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 Span = tuple[int, int, int, int, int]
 
 
+class DriverCopyError(RuntimeError):
+    """The driver refused a copy (its CUresult named): the cache goes back to torch's copies."""
+
+
 class DriverCopies:
     """Launches host-to-device spans on one stream (a torch.cuda.Stream)."""
 
@@ -57,17 +61,20 @@ class DriverCopies:
             code = self._launch(dst + slot * dst_step, src + expert * src_step, nbytes,
                                 self._stream)
             if code:
-                raise RuntimeError(f"cuMemcpyHtoDAsync of an expert ({nbytes} bytes into slot "
-                                   f"{slot}) failed with CUresult {code}")
+                raise DriverCopyError(f"cuMemcpyHtoDAsync of an expert ({nbytes} bytes into "
+                                      f"slot {slot}) failed with CUresult {code}")
 
-    def upload(self, dst, src, stream: Any) -> None:
-        """dst (device) = src (pinned host, as many bytes), on `stream` (a torch stream): an
+    def upload(self, dst, src, device: Any) -> None:
+        """dst (device) = src (pinned host, as many bytes), on `device`'s current stream: an
         expert map, ordered before the kernel that reads it."""
+        import torch
+
         nbytes = src.numel() * src.element_size()
-        code = self._launch(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
+        code = self._launch(dst.data_ptr(), src.data_ptr(), nbytes,
+                            torch.cuda.current_stream(device).cuda_stream)
         if code:
-            raise RuntimeError(f"cuMemcpyHtoDAsync of an expert map ({nbytes} bytes) failed "
-                               f"with CUresult {code}")
+            raise DriverCopyError(f"cuMemcpyHtoDAsync of an expert map ({nbytes} bytes) "
+                                  f"failed with CUresult {code}")
 
 
 def span(dst, src) -> Span | None:

@@ -36,12 +36,15 @@ Indices: `layer` counts MoE layers only (0 .. moe_layers - 1), not decoder layer
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 from typing import Any, Callable
 
-from freetoken.engine.driver_copies import DriverCopies
+from freetoken.engine.driver_copies import DriverCopies, DriverCopyError
 from freetoken.engine.expert_slots import OffloadStats, SlotLRU
 from freetoken.engine.offload_policy import CoExecPolicy
+
+log = logging.getLogger(__name__)
 
 
 class _NoEvent:
@@ -210,11 +213,19 @@ class ExpertCache:
         """One missed or prefetched expert into `slot`, on the copy stream (the caller's
         context)."""
         spans = self._driver and self.pool.copy_spans(layer)
-        if not spans:
-            self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
-            return
-        self._driver.copy(spans[0], expert, slot)
-        self.stats.bytes_h2d += spans[1]
+        if spans:
+            try:
+                self._driver.copy(spans[0], expert, slot)
+                self.stats.bytes_h2d += spans[1]
+                return
+            except DriverCopyError as exc:
+                self._drop_driver(exc)
+        self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
+
+    def _drop_driver(self, exc: DriverCopyError) -> None:
+        """A refused driver copy (nothing was queued by it): torch copies from now on."""
+        log.warning("expert copies go back to torch's copy_: %s", exc)
+        self._driver = None
 
     def _stage_layer(self, layer: int, buf: int) -> None:
         """Copy every expert of `layer` into staging buffer `buf` once its last reader is done."""
@@ -337,12 +348,18 @@ class ExpertCache:
                 mirror[e] = emap[e] = slot
                 changed = True
         if changed:                                   # else: all hits in their mapped slots
-            if self._driver is not None:
-                self._driver.upload(self.maps_dev[layer], self.maps_host[layer],
-                                    self.torch.cuda.current_stream(self.device))
-            else:
-                self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
+            self._upload_map(layer)
         return cpu
+
+    def _upload_map(self, layer: int) -> None:
+        """maps_dev[layer] = maps_host[layer], on the compute stream (before the kernel)."""
+        if self._driver is not None:
+            try:
+                self._driver.upload(self.maps_dev[layer], self.maps_host[layer], self.device)
+                return
+            except DriverCopyError as exc:
+                self._drop_driver(exc)
+        self.maps_dev[layer].copy_(self.maps_host[layer], non_blocking=True)
 
     def _copy_misses(self, layer: int, copy: list[int], hits: dict[int, int]) -> dict[int, int]:
         """Copy `copy` into LRU slots (evicting none of the layer's hits) or, when they do not
