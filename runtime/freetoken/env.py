@@ -120,10 +120,10 @@ VARIABLES = {
                             "/ scaled_gemv), for comparison",
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
-    "FREETOKEN_DRIVER_COPIES": "offloaded experts: a miss's host-to-device copies are launched "
-                               "through the CUDA driver (cuMemcpyHtoDAsync, a few us each; "
-                               "default on) or, with 0, through torch's copy_ (~40 us each), "
-                               "for comparison",
+    "FREETOKEN_DRIVER_COPIES": "offloaded experts: 1 launches a miss's host-to-device copies "
+                               "and the expert maps through the CUDA driver (cuMemcpyHtoDAsync, "
+                               "a few us each) instead of torch's copy_ (~40 us each; the "
+                               "default until a GPU run has measured the driver's)",
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
                           "are repacked at load, 16 rows wide, on AVX-512 VNNI CPUs (default on; "
                           "off: the GGUF layout, for comparison)",
@@ -165,7 +165,7 @@ def read(environ: dict[str, str] | None = None) -> Env:
         quant_gemv=quant_gemv,
         tp_timeout_s=_int("FREETOKEN_TP_TIMEOUT", e.get("FREETOKEN_TP_TIMEOUT"), 60, minimum=1),
         cpu_pack=_bool("FREETOKEN_CPU_PACK", e.get("FREETOKEN_CPU_PACK"), True),
-        driver_copies=_bool("FREETOKEN_DRIVER_COPIES", e.get("FREETOKEN_DRIVER_COPIES"), True),
+        driver_copies=_bool("FREETOKEN_DRIVER_COPIES", e.get("FREETOKEN_DRIVER_COPIES"), False),
         fault_marker=e.get("FREETOKEN_FAULT_MARKER") or None,
     )
 

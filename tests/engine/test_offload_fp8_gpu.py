@@ -112,3 +112,14 @@ def test_decode_graphs_stop_at_the_widest_mapped_step(fp8_dir):
     graphs = capture_decode_graphs(loaded.model, runner.kv, 12, 8, cache)
     assert graphs is not None, "capturing the decode graphs failed (see the log)"
     assert graphs.sizes[-1] == GEMV_MAX_TOKENS
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
+def test_driver_copies_give_the_resident_logits_bit_for_bit(fp8_dir, resident, graphs,
+                                                             monkeypatch):
+    """FREETOKEN_DRIVER_COPIES=1: the misses' spans and the maps go through cuMemcpyHtoDAsync."""
+    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
+    loaded, cache = offloaded_model(fp8_dir, 0.5, prefetch=True)
+    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
+    assert_resident_logits(loaded.model, cache, resident, graphs)
+    assert cache._driver is not None        # no copy was refused

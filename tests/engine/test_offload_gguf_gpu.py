@@ -76,3 +76,14 @@ def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, reside
     if not prefetch:
         assert s["expert_prefetched"] == 0
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
+def test_driver_copies_give_the_resident_logits_bit_for_bit(gguf_path, resident, graphs,
+                                                             monkeypatch):
+    """FREETOKEN_DRIVER_COPIES=1: the misses' spans and the maps go through cuMemcpyHtoDAsync."""
+    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
+    loaded, cache = offloaded_model(gguf_path, 0.5, prefetch=True)
+    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
+    assert_resident_logits(loaded.model, cache, resident, graphs)
+    assert cache._driver is not None        # no copy was refused

@@ -340,3 +340,14 @@ def test_a_resize_beyond_free_memory_is_refused_and_the_old_pools_serve(model_di
         assert generate(engine, PROMPTS[1]) == engine_reference[False][1]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
+def test_driver_copies_give_the_resident_logits_bit_for_bit(model_dir, resident, graphs,
+                                                             monkeypatch):
+    """FREETOKEN_DRIVER_COPIES=1: the misses' spans and the maps go through cuMemcpyHtoDAsync."""
+    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
+    loaded, cache = offloaded_model(model_dir, 0.5, prefetch=True)
+    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
+    assert_resident_logits(loaded.model, cache, resident, graphs)
+    assert cache._driver is not None        # no copy was refused

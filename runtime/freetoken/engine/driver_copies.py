@@ -9,7 +9,8 @@ the bytes, the stream and the ordering are those of the torch copy it replaces. 
 experts outlive every copy (the cache holds them), so no allocator bookkeeping is needed.
 
 libcuda.so.1 is the driver's own library, present wherever a CUDA GPU runs; where it cannot be
-loaded (ROCm, no GPU) the pools copy through torch as before.
+loaded (ROCm, no GPU) the pools copy through torch as before. Opt-in (FREETOKEN_DRIVER_COPIES=1)
+until a GPU run has checked and measured it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class DriverCopies:
 
     @classmethod
     def for_stream(cls, torch, stream: Any) -> DriverCopies | None:
-        """Driver copies on `stream`, or None where the driver library is not CUDA's (or
-        FREETOKEN_DRIVER_COPIES=0 asks for torch's copies)."""
+        """Driver copies on `stream`, or None unless FREETOKEN_DRIVER_COPIES=1 asks for them
+        and the driver library is CUDA's."""
         from freetoken import env
 
         if (torch.version.cuda is None or getattr(torch.version, "hip", None)
