@@ -205,6 +205,13 @@ class ExpertCache:
         return self.torch.cuda.stream(self.copy_stream) if self.is_cuda \
             else contextlib.nullcontext()
 
+    def _miss_ctx(self):
+        """Where misses and prefetches are copied: on the copy stream. Driver copies name it
+        themselves, so no stream switch (two torch calls a layer) is made for them; a copy
+        that falls back to torch mid-layer then runs on the compute stream, still before the
+        kernel."""
+        return contextlib.nullcontext() if self._driver is not None else self._copy_ctx()
+
     def _compute_wait(self, event) -> None:
         if self.is_cuda:
             self.torch.cuda.current_stream(self.device).wait_event(event)
@@ -365,7 +372,7 @@ class ExpertCache:
         """Copy `copy` into LRU slots (evicting none of the layer's hits) or, when they do not
         fit, into staging buffer 0; the compute stream waits for them. Returns expert -> slot."""
         keep, slots = {(layer, e) for e in hits}, {}
-        with self._copy_ctx():
+        with self._miss_ctx():
             if self.lru.can_place(len(copy), keep):
                 for (_, e), slot, _ in self.lru.place([(layer, e) for e in copy], keep):
                     self._copy_expert(layer, e, slot)
@@ -395,7 +402,7 @@ class ExpertCache:
         keep.update((layer, e) for e in cached)
         if not self.lru.can_place(len(new), keep):
             return
-        with self._copy_ctx():
+        with self._miss_ctx():
             for (_, e), slot, _ in self.lru.place([(layer, e) for e in new], keep):
                 self._copy_expert(layer, e, slot)
             self._prefetched.record(self.copy_stream)
