@@ -1,12 +1,14 @@
 """Host-to-device copies of offloaded experts, launched through the CUDA driver.
 
 A decode step of an offloaded model copies each missed expert as a few spans of pinned host
-bytes (gate/up, down, their scales), and each MoE layer's expert -> slot map. Through torch's ``copy_`` every span costs ~40 us of host
-time (views, the pinned-memory check, the host allocator's event bookkeeping); a decode step at
-batch 1 launched 100 of them (4.5 of its 12.9 ms, `benchmarks/offload_timeline.py`). Here a
+bytes (gate/up, down, their scales) and uploads each MoE layer's expert -> slot map. Through
+torch's ``copy_`` every span cost ~45 us of host time on an H100 host (views, the pinned-memory
+check, the host allocator's event bookkeeping): a batch-1 step of the 40-layer Qwen3.6-35B-A3B
+at 16 GiB launched 100 of them, 4.5 of its 12.9 ms (`benchmarks/offload_timeline.py`). Here a
 span is one ``cuMemcpyHtoDAsync`` call on the cache's copy stream (a few us through ctypes):
 the bytes, the stream and the ordering are those of the torch copy it replaces. The host
-experts outlive every copy (the cache holds them), so no allocator bookkeeping is needed.
+experts and maps outlive every copy (the cache holds them), so no allocator bookkeeping is
+needed.
 
 libcuda.so.1 is the driver's own library, present wherever a CUDA GPU runs; where it cannot be
 loaded (ROCm, no GPU) the pools copy through torch as before. Opt-in (FREETOKEN_DRIVER_COPIES=1)

@@ -217,8 +217,7 @@ class ExpertCache:
             self.torch.cuda.current_stream(self.device).wait_event(event)
 
     def _copy_expert(self, layer: int, expert: int, slot: int) -> None:
-        """One missed or prefetched expert into `slot`, on the copy stream (the caller's
-        context)."""
+        """One missed or prefetched expert into `slot`, on the copy stream."""
         spans = self._driver and self.pool.copy_spans(layer)
         if spans:
             try:
@@ -230,7 +229,8 @@ class ExpertCache:
         self.stats.bytes_h2d += self.pool.copy_expert(layer, expert, slot)
 
     def _drop_driver(self, exc: DriverCopyError) -> None:
-        """A refused driver copy (nothing was queued by it): torch copies from now on."""
+        """A copy the driver refused: torch copies from now on (the refused expert again,
+        whole: a span of it the driver did queue gets the same bytes twice)."""
         log.warning("expert copies go back to torch's copy_: %s", exc)
         self._driver = None
 
