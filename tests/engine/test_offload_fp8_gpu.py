@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import (PROMPTS, SHAPE, assert_resident_logits,
-                                          offloaded_model, run_fixed)
+from tests.engine.test_offload_gpu import (PROMPTS, SHAPE,
+                                          assert_driver_copies_give_the_resident_logits,
+                                          assert_resident_logits, offloaded_model, run_fixed)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -117,9 +118,4 @@ def test_decode_graphs_stop_at_the_widest_mapped_step(fp8_dir):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 def test_driver_copies_give_the_resident_logits_bit_for_bit(fp8_dir, resident, graphs,
                                                              monkeypatch):
-    """FREETOKEN_DRIVER_COPIES=1: the misses' spans and the maps go through cuMemcpyHtoDAsync."""
-    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
-    loaded, cache = offloaded_model(fp8_dir, 0.5, prefetch=True)
-    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
-    assert_resident_logits(loaded.model, cache, resident, graphs)
-    assert cache._driver is not None        # no copy was refused
+    assert_driver_copies_give_the_resident_logits(fp8_dir, resident, graphs, monkeypatch)

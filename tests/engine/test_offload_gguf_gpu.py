@@ -18,8 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.engine.test_offload_gpu import (PROMPTS, assert_resident_logits, offloaded_model,
-                                          run_fixed)
+from tests.engine.test_offload_gpu import (PROMPTS,
+                                          assert_driver_copies_give_the_resident_logits,
+                                          assert_resident_logits, offloaded_model, run_fixed)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -81,9 +82,4 @@ def test_offloaded_blocks_give_the_resident_logits_bit_for_bit(gguf_path, reside
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 def test_driver_copies_give_the_resident_logits_bit_for_bit(gguf_path, resident, graphs,
                                                              monkeypatch):
-    """FREETOKEN_DRIVER_COPIES=1: the misses' spans and the maps go through cuMemcpyHtoDAsync."""
-    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
-    loaded, cache = offloaded_model(gguf_path, 0.5, prefetch=True)
-    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
-    assert_resident_logits(loaded.model, cache, resident, graphs)
-    assert cache._driver is not None        # no copy was refused
+    assert_driver_copies_give_the_resident_logits(gguf_path, resident, graphs, monkeypatch)

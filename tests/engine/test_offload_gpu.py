@@ -342,12 +342,18 @@ def test_a_resize_beyond_free_memory_is_refused_and_the_old_pools_serve(model_di
         engine.shutdown()
 
 
+def assert_driver_copies_give_the_resident_logits(source, resident, graphs: bool,
+                                                  monkeypatch) -> None:
+    """FREETOKEN_DRIVER_COPIES=1: the misses' and prefetches' spans and the maps go through
+    cuMemcpyHtoDAsync, and the logits stay the resident ones bit for bit; no copy is refused."""
+    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
+    loaded, cache = offloaded_model(source, 0.5, prefetch=True)
+    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
+    assert_resident_logits(loaded.model, cache, resident, graphs)
+    assert cache._driver is not None
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-segments"])
 def test_driver_copies_give_the_resident_logits_bit_for_bit(model_dir, resident, graphs,
                                                              monkeypatch):
-    """FREETOKEN_DRIVER_COPIES=1: the misses' spans and the maps go through cuMemcpyHtoDAsync."""
-    monkeypatch.setenv("FREETOKEN_DRIVER_COPIES", "1")
-    loaded, cache = offloaded_model(model_dir, 0.5, prefetch=True)
-    assert cache._driver is not None and cache.pool.copy_spans(0) is not None
-    assert_resident_logits(loaded.model, cache, resident, graphs)
-    assert cache._driver is not None        # no copy was refused
+    assert_driver_copies_give_the_resident_logits(model_dir, resident, graphs, monkeypatch)
