@@ -37,7 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -392,6 +394,10 @@ def main() -> None:
     p.add_argument("--n-cpu-moe", default="0", help="llama-bench -ncmoe values, comma-separated")
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--results", type=Path, default=None, help="JSON file, read and updated")
+    p.add_argument("--driver-copies", default="",
+                   help="offloaded experts: off (torch's copy_), on (FREETOKEN_DRIVER_COPIES=1: "
+                        "the CUDA driver's cuMemcpyHtoDAsync) or off,on for both; default: "
+                        "as the environment says")
     p.add_argument("--drop-file", action="store_true",
                    help="delete the checkpoint at the end (keep it for a later call otherwise)")
     args = p.parse_args()
@@ -404,6 +410,10 @@ def main() -> None:
     if not prefetch_modes or set(prefetch_modes) - {"on", "off"}:
         raise SystemExit(f"--moe-prefetch: on, off or both, comma-separated; got "
                          f"{args.moe_prefetch!r}")
+    driver_modes = [m for m in args.driver_copies.split(",") if m] or [None]
+    if set(driver_modes) - {"on", "off", None}:
+        raise SystemExit(f"--driver-copies: on, off or both, comma-separated; got "
+                         f"{args.driver_copies!r}")
     from benchmarks.gpu_decode import d2d_bandwidth
     from benchmarks.step_bytes import KV_ITEM, gguf_weight_bytes, safetensors_weight_bytes
 
@@ -432,11 +442,16 @@ def main() -> None:
                  ceiling_tok_s=bandwidth / (weights["weights"] + kv))
     if "freetoken" in engines:
         for limit in args.gpu_memory_limit.split(","):
-            for prefetch in prefetch_modes:
-                key = f"freetoken@{limit}" + ("+prefetch" if prefetch == "on" else "")
+            for prefetch, driver in itertools.product(prefetch_modes, driver_modes):
+                key = (f"freetoken@{limit}" + ("+prefetch" if prefetch == "on" else "")
+                       + {"on": "+driver", "off": "+torch-copies", None: ""}[driver])
+                if driver is not None:       # read when the engine's expert cache is made
+                    os.environ["FREETOKEN_DRIVER_COPIES"] = "1" if driver == "on" else "0"
                 entry[key] = freetoken(path, argparse.Namespace(
                     **{**vars(args), "gpu_memory_limit": limit, "moe_prefetch": prefetch}))
                 entry[key]["budget"] += ", prefetch" if prefetch == "on" else ""
+                entry[key]["budget"] += {"on": ", driver copies", "off": ", torch copies",
+                                         None: ""}[driver]
     if "llama.cpp" in engines:
         entry["llama.cpp"] = llamacpp(path, [int(n) for n in args.n_cpu_moe.split(",")])
     report(entry)
