@@ -441,6 +441,7 @@ def main() -> None:
                  weight_bytes_by_type=weights["by_type"],
                  ceiling_tok_s=bandwidth / (weights["weights"] + kv))
     if "freetoken" in engines:
+        environ_copies = os.environ.get("FREETOKEN_DRIVER_COPIES")
         for limit in args.gpu_memory_limit.split(","):
             for prefetch, driver in itertools.product(prefetch_modes, driver_modes):
                 key = (f"freetoken@{limit}" + ("+prefetch" if prefetch == "on" else "")
@@ -452,6 +453,10 @@ def main() -> None:
                 entry[key]["budget"] += ", prefetch" if prefetch == "on" else ""
                 entry[key]["budget"] += {"on": ", driver copies", "off": ", torch copies",
                                          None: ""}[driver]
+        if environ_copies is None:
+            os.environ.pop("FREETOKEN_DRIVER_COPIES", None)
+        else:
+            os.environ["FREETOKEN_DRIVER_COPIES"] = environ_copies
     if "llama.cpp" in engines:
         entry["llama.cpp"] = llamacpp(path, [int(n) for n in args.n_cpu_moe.split(",")])
     report(entry)

@@ -121,9 +121,9 @@ VARIABLES = {
     "FREETOKEN_TP_TIMEOUT": "tensor parallelism: seconds a collective (or a silent rank) may "
                             "take before the server stops, naming the rank (default 60)",
     "FREETOKEN_DRIVER_COPIES": "offloaded experts: 1 launches a miss's host-to-device copies "
-                               "and the expert maps through the CUDA driver (cuMemcpyHtoDAsync, "
-                               "a few us each) instead of torch's copy_ (~40 us each; the "
-                               "default until a GPU run has measured the driver's)",
+                               "and the expert maps through the CUDA driver (cuMemcpyHtoDAsync) "
+                               "instead of torch's copy_ (~45 us a copy measured on an H100 "
+                               "host; the default until a GPU run has measured the driver's)",
     "FREETOKEN_CPU_PACK": "CPU: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K projections and experts "
                           "are repacked at load, 16 rows wide, on AVX-512 VNNI CPUs (default on; "
                           "off: the GGUF layout, for comparison)",

@@ -30,7 +30,7 @@ def assert_spans_copy_as_torch(make_pool, slots: int, moves) -> None:
     for pool in (by_spans, by_torch):
         pool.alloc(torch, "cpu", slots)
         for t in tensors(pool):
-            t.view(torch.uint8).zero_() if t.dtype != torch.float32 else t.zero_()
+            t.view(torch.uint8).zero_()
     for layer, expert, slot in moves:
         assert apply_spans(by_spans, layer, expert, slot) == \
             by_torch.copy_expert(layer, expert, slot)

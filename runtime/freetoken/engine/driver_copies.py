@@ -5,8 +5,9 @@ bytes (gate/up, down, their scales) and uploads each MoE layer's expert -> slot 
 torch's ``copy_`` every span cost ~45 us of host time on an H100 host (views, the pinned-memory
 check, the host allocator's event bookkeeping): a batch-1 step of the 40-layer Qwen3.6-35B-A3B
 at 16 GiB launched 100 of them, 4.5 of its 12.9 ms (`benchmarks/offload_timeline.py`). Here a
-span is one ``cuMemcpyHtoDAsync`` call on the cache's copy stream (a few us through ctypes):
-the bytes, the stream and the ordering are those of the torch copy it replaces. The host
+span is one ``cuMemcpyHtoDAsync`` call on the cache's copy stream (a ctypes call: expected to
+take a few us; not yet measured on a GPU): the bytes, the stream and the ordering are those of
+the torch copy it replaces. The host
 experts and maps outlive every copy (the cache holds them), so no allocator bookkeeping is
 needed.
 
@@ -34,13 +35,14 @@ class DriverCopyError(RuntimeError):
 class DriverCopies:
     """Launches host-to-device spans on one stream (a torch.cuda.Stream)."""
 
-    def __init__(self, stream: Any):
+    def __init__(self, torch, stream: Any):
         lib = ctypes.CDLL("libcuda.so.1")
         launch = lib.cuMemcpyHtoDAsync_v2
         launch.argtypes = (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
         launch.restype = ctypes.c_int
         self._launch = launch
         self._stream = ctypes.c_void_p(stream.cuda_stream)
+        self._current_stream = torch.cuda.current_stream
 
     @classmethod
     def for_stream(cls, torch, stream: Any) -> DriverCopies | None:
@@ -52,7 +54,7 @@ class DriverCopies:
                 or not env.read().driver_copies):
             return None
         try:
-            return cls(stream)
+            return cls(torch, stream)
         except (OSError, AttributeError) as exc:
             log.info("expert copies go through torch: the CUDA driver library did not load "
                      "(%s)", exc)
@@ -70,11 +72,9 @@ class DriverCopies:
     def upload(self, dst, src, device: Any) -> None:
         """dst (device) = src (pinned host, as many bytes), on `device`'s current stream: an
         expert map, ordered before the kernel that reads it."""
-        import torch
-
         nbytes = src.numel() * src.element_size()
         code = self._launch(dst.data_ptr(), src.data_ptr(), nbytes,
-                            torch.cuda.current_stream(device).cuda_stream)
+                            self._current_stream(device).cuda_stream)
         if code:
             raise DriverCopyError(f"cuMemcpyHtoDAsync of an expert map ({nbytes} bytes) "
                                   f"failed with CUresult {code}")

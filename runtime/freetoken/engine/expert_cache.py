@@ -94,7 +94,7 @@ class ExpertCache:
             self._ready = [torch.cuda.Event() for _ in range(2)]
             self._done = [torch.cuda.Event() for _ in range(2)]
             self._copied = torch.cuda.Event()
-            # FREETOKEN_DRIVER_COPIES=1: a miss's spans through the driver, a few us each
+            # FREETOKEN_DRIVER_COPIES=1: a miss's spans and the maps through the driver
             self._driver = DriverCopies.for_stream(torch, self.copy_stream)
         else:
             self._driver = None
